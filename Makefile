@@ -1,0 +1,36 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# Both create .venv when missing. Torch: reuse the interpreter's torch when it
+# already imports (GPU machines ship one and may have no registry), otherwise
+# install torch==2.13.0 pinned -- an unpinned torch pulls GBs of CUDA wheels.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test lint format clean
+
+$(VENV)/.ready: pyproject.toml Makefile
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "reusing the interpreter's torch"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV); \
+		$(PY) -m pip install -q --upgrade pip; \
+		$(PY) -m pip install -q "torch==2.13.0"; \
+	fi
+	$(PY) -m pip install -q -e ".[test]" || $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	@touch $@
+
+demo: $(VENV)/.ready
+	$(PY) -m hetstore demo
+
+test: $(VENV)/.ready
+	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff format --check src tests benchmarks examples
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.ready
+	$(PY) -m ruff check --fix src tests benchmarks examples
+	$(PY) -m ruff format src tests benchmarks examples
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,26 @@
+"""hetstore: train PyTorch models whose states do not fit the accelerator.
+
+Parameters, gradients, optimizer states and activations live in the tier where they
+cost least (device, pinned host memory, disk) and reach the device just before use.
+"""
+
+from hetstore.config import OffloadConfig
+from hetstore.errors import (
+    ConfigError,
+    DiskIOError,
+    HetstoreError,
+    OutOfDeviceMemory,
+    OutOfTierMemory,
+)
+from hetstore.stats import memory_stats
+
+__all__ = [
+    "OffloadConfig",
+    "ConfigError",
+    "OutOfDeviceMemory",
+    "OutOfTierMemory",
+    "DiskIOError",
+    "HetstoreError",
+    "memory_stats",
+]
+__version__ = "0.1.0"

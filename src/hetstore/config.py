@@ -1,0 +1,478 @@
+"""``OffloadConfig``: every knob of hetstore, validated once, before any work is done.
+
+Its keys are MindSpore's heterogeneous-storage vocabulary (``offload_param``,
+``offload_cpu_size``, ``host_mem_block_size``, ``hbm_ratio`` ...) plus ours for the parts
+MindSpore does not split out (``offload_optimizer``, ``offload_activations`` ...).
+Sizes are stored as ``int`` bytes; "GB" means GiB (see ``hetstore._sizes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetstore._sizes import format_size, parse_size
+from hetstore.errors import ConfigError
+
+__all__ = ["OffloadConfig", "TIERS", "COMPUTE_DTYPES"]
+
+TIERS = ("none", "cpu", "disk")
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_ALIASES = {
+    "float32": "fp32",
+    "float": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+}
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadConfig:
+    """Where training state lives and how much of each tier hetstore may use.
+
+    Example::
+
+        OffloadConfig(offload_param="cpu", offload_optimizer="cpu",
+                      max_device_memory="8GB", offload_path="./offload")
+
+    Unknown keys, wrong types, out-of-range ratios, unknown tiers and unparsable or
+    negative sizes raise :class:`hetstore.ConfigError` naming the key and what is allowed.
+    """
+
+    # --- placement (manual; with auto_offload they are initial placements / hints) ---
+    offload_param: str = field(
+        default="none",
+        metadata=_doc(
+            "Where parameters live between uses: 'none' (stay on device), 'cpu' (host "
+            "memory, fetched before each use), 'disk' (files under offload_path). MindSpore key."
+        ),
+    )
+    offload_optimizer: str = field(
+        default="none",
+        metadata=_doc(
+            "Where fp32 master weights and optimizer states live and the step runs: "
+            "'none' (device), 'cpu' (host, fused CPU kernel), 'disk' (streamed through host)."
+        ),
+    )
+    offload_grad: str | None = field(
+        default=None,
+        metadata=_doc(
+            "Where gradients go after backward. None: follow offload_optimizer (gradients "
+            "are consumed where the optimizer steps), else 'none' | 'cpu' | 'disk'."
+        ),
+    )
+    offload_activations: str = field(
+        default="none",
+        metadata=_doc(
+            "Where tensors saved for backward go between forward and backward: "
+            "'none' | 'cpu' | 'disk'."
+        ),
+    )
+    auto_offload: bool = field(
+        default=False,
+        metadata=_doc(
+            "Let the planner choose every unit's placement from a profiling step and the "
+            "tier capacities. The offload_* keys then only give initial placements. MindSpore key."
+        ),
+    )
+    # --- capacities ---
+    max_device_memory: int | None = field(
+        default=None,
+        metadata=_doc(
+            "Device budget in bytes (or '30GB'). None: the whole device (CUDA) or no "
+            "hetstore limit (CPU). On CUDA also enforced with set_per_process_memory_fraction. "
+            "MindSpore context key."
+        ),
+    )
+    offload_cpu_size: int | None = field(
+        default=None,
+        metadata=_doc("Host memory hetstore may use. None: the machine's RAM. MindSpore key."),
+    )
+    offload_disk_size: int | None = field(
+        default=None,
+        metadata=_doc(
+            "Disk space hetstore may use under offload_path. None: the free space at start. "
+            "MindSpore key."
+        ),
+    )
+    offload_path: str = field(
+        default="./offload",
+        metadata=_doc(
+            "Directory for disk-tier files; a private 0700 sub-directory is made per process "
+            "and rank and removed at exit. MindSpore key."
+        ),
+    )
+    hbm_ratio: float = field(
+        default=1.0,
+        metadata=_doc(
+            "Share of max_device_memory the automatic planner may fill, in (0, 1]. MindSpore key."
+        ),
+    )
+    cpu_ratio: float = field(
+        default=1.0,
+        metadata=_doc(
+            "Share of offload_cpu_size the automatic planner may fill, in (0, 1]. MindSpore key."
+        ),
+    )
+    gpu_margin_mem_ratio: float = field(
+        default=0.0,
+        metadata=_doc(
+            "Share of the device margin (budget minus peak non-model data) the planner may "
+            "fill with optimizer states, in [0, 1] (ColossalAI/PatrickStar)."
+        ),
+    )
+    # --- host memory ---
+    host_mem_block_size: int = field(
+        default=2**30,
+        metadata=_doc(
+            "Size of one block of the host memory pool; blocks are allocated lazily up to "
+            "offload_cpu_size and sub-allocated into page-aligned slices. MindSpore key."
+        ),
+    )
+    enable_pinned_mem: bool = field(
+        default=True,
+        metadata=_doc(
+            "Page-lock host blocks (cudaHostRegister) for fast async copies; falls back to "
+            "pageable memory with one warning when pinning fails or there is no accelerator. "
+            "MindSpore key."
+        ),
+    )
+    # --- disk IO ---
+    enable_aio: bool = field(
+        default=True,
+        metadata=_doc(
+            "Asynchronous disk IO (a worker pool of O_DIRECT preadv/pwritev at aio_queue_depth). "
+            "False: plain synchronous IO. MindSpore key."
+        ),
+    )
+    aio_block_size: int = field(
+        default=8 * 2**20,
+        metadata=_doc("Bytes per disk IO request; a transfer is split into requests of this size."),
+    )
+    aio_queue_depth: int = field(
+        default=32, metadata=_doc("Disk IO requests kept in flight at once, >= 1.")
+    )
+    aio_threads: int = field(
+        default=0,
+        metadata=_doc("Disk IO worker threads; 0 picks a default from the queue depth and CPUs."),
+    )
+    # --- compute ---
+    compute_dtype: str = field(
+        default="fp32",
+        metadata=_doc(
+            "dtype of parameters during forward/backward: 'fp32' | 'bf16' | 'fp16'. The "
+            "optimizer always keeps fp32 master weights; fp16 adds dynamic loss scaling."
+        ),
+    )
+    device: str = field(
+        default="auto",
+        metadata=_doc("Compute device: 'auto' (cuda when available, else cpu), 'cpu', 'cuda[:N]'."),
+    )
+    prefetch_depth: int = field(
+        default=1,
+        metadata=_doc("How many units ahead of the running one are fetched, >= 0."),
+    )
+
+    def __post_init__(self) -> None:
+        for key in ("offload_param", "offload_optimizer", "offload_activations"):
+            _set(self, key, _tier(key, getattr(self, key)))
+        if self.offload_grad is not None:
+            _set(self, "offload_grad", _tier("offload_grad", self.offload_grad))
+        for key in ("auto_offload", "enable_pinned_mem", "enable_aio"):
+            _check_bool(key, getattr(self, key))
+        for key in ("max_device_memory", "offload_cpu_size", "offload_disk_size"):
+            value = getattr(self, key)
+            if value is not None:
+                _set(self, key, _size(key, value))
+        for key in ("host_mem_block_size", "aio_block_size"):
+            size = _size(key, getattr(self, key))
+            if size < 4096 or size % 4096:
+                raise ConfigError(
+                    f"{key}={getattr(self, key)!r}: must be a positive multiple of 4096 bytes "
+                    f"(disk IO is page-aligned), e.g. '1GB' or '8MB'"
+                )
+            _set(self, key, size)
+        for key, low_open in (("hbm_ratio", True), ("cpu_ratio", True)):
+            _set(self, key, _ratio(key, getattr(self, key), low_open=low_open))
+        _set(
+            self,
+            "gpu_margin_mem_ratio",
+            _ratio("gpu_margin_mem_ratio", self.gpu_margin_mem_ratio, low_open=False),
+        )
+        _check_int("aio_queue_depth", self.aio_queue_depth, minimum=1)
+        _check_int("aio_threads", self.aio_threads, minimum=0)
+        _check_int("prefetch_depth", self.prefetch_depth, minimum=0)
+        if not isinstance(self.offload_path, str | os.PathLike) or not str(self.offload_path):
+            raise ConfigError(
+                f"offload_path={self.offload_path!r}: must be a non-empty directory path"
+            )
+        _set(self, "offload_path", str(self.offload_path))
+        _set(self, "compute_dtype", _compute_dtype(self.compute_dtype))
+        _set(self, "device", _device(self.device))
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def grad_tier(self) -> str:
+        """Where gradients go: ``offload_grad`` if set, else ``offload_optimizer``."""
+        return self.offload_grad if self.offload_grad is not None else self.offload_optimizer
+
+    @property
+    def torch_compute_dtype(self) -> torch.dtype:
+        return COMPUTE_DTYPES[self.compute_dtype]
+
+    def resolved_device(self) -> torch.device:
+        """The compute device: 'auto' becomes cuda when available, else cpu."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                f"device={self.device!r}: CUDA is not available here; use device='cpu' or 'auto'"
+            )
+        return dev
+
+    def replace(self, **changes: Any) -> OffloadConfig:
+        """A copy with ``changes`` applied (validated like the constructor)."""
+        return OffloadConfig(**{**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def describe(self) -> str:
+        """One line per key that differs from the default, sizes human-readable."""
+        lines = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            if f.name in _SIZE_KEYS and value is not None:
+                value = f"{format_size(value)} ({value} bytes)"
+            lines.append(f"{f.name} = {value}")
+        return "\n".join(lines) or "(all defaults)"
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> OffloadConfig:
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{source}: expected a mapping of keys to values, got {values!r}")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_mindspore(
+        cls, offload_config: Mapping[str, Any] | None = None, **context: Any
+    ) -> OffloadConfig:
+        """Build from MindSpore's ``set_offload_context(offload_config=...)`` dict, verbatim.
+
+        ``context`` takes the ``mindspore.set_context`` keys that matter here:
+        ``max_device_memory``, and ``memory_offload`` ('ON' | 'OFF'; 'OFF' places
+        everything on the device), and ``mode`` (accepted and ignored: hetstore runs
+        eagerly). Any other OffloadConfig key may be given too, as an override.
+
+        Mapping: MindSpore's "parameter" data covers weights *and* optimizer states (the
+        guide: 模型的权重及优化器的状态量), so ``offload_param`` sets both
+        ``offload_param`` and ``offload_optimizer`` unless the latter is given.
+        """
+        offload_config = dict(offload_config or {})
+        for key in offload_config:
+            if key not in _MINDSPORE_KEYS:
+                raise ConfigError(
+                    f"offload_config key {key!r} is not a MindSpore offload key; allowed: "
+                    f"{', '.join(sorted(_MINDSPORE_KEYS))}{_did_you_mean(key, _MINDSPORE_KEYS)}"
+                )
+        context = dict(context)
+        context.pop("mode", None)
+        memory_offload = context.pop("memory_offload", "ON")
+        if memory_offload not in ("ON", "OFF"):
+            raise ConfigError(
+                f"memory_offload={memory_offload!r}: allowed values are 'ON' and 'OFF'"
+            )
+        values = {**offload_config, **context}
+        if "offload_param" in offload_config and "offload_optimizer" not in values:
+            values["offload_optimizer"] = offload_config["offload_param"]
+        if memory_offload == "OFF":
+            values.update(offload_param="none", offload_optimizer="none", auto_offload=False)
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> OffloadConfig:
+        """Read a JSON, YAML or TOML file of OffloadConfig keys.
+
+        A file whose top level has an ``offload_config`` mapping is read as MindSpore's
+        form: that mapping plus the other top-level keys as context (``from_mindspore``).
+        """
+        path = Path(path)
+        suffix = path.suffix.lower()
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
+        try:
+            if suffix == ".json":
+                data = json.loads(text)
+            elif suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text)
+            elif suffix == ".toml":
+                try:
+                    import tomllib
+                except ModuleNotFoundError:  # Python 3.10
+                    import tomli as tomllib
+                data = tomllib.loads(text)
+            else:
+                raise ConfigError(
+                    f"config file {str(path)!r}: unknown extension {suffix!r}; "
+                    f"use .json, .yaml, .yml or .toml"
+                )
+        except ConfigError:
+            raise
+        except Exception as exc:  # each parser has its own error type
+            raise ConfigError(
+                f"config file {str(path)!r} is not valid {suffix[1:]}: {exc}"
+            ) from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r}: expected a mapping at the top level")
+        if "offload_config" in data:
+            context = {k: v for k, v in data.items() if k != "offload_config"}
+            return cls.from_mindspore(data["offload_config"], **context)
+        return cls.from_dict(data, source=str(path))
+
+
+# --------------------------------------------------------------------------- validation
+
+_SIZE_KEYS = frozenset(
+    {
+        "max_device_memory",
+        "offload_cpu_size",
+        "offload_disk_size",
+        "host_mem_block_size",
+        "aio_block_size",
+    }
+)
+_MINDSPORE_KEYS = frozenset(
+    {
+        "offload_param",
+        "auto_offload",
+        "offload_cpu_size",
+        "offload_disk_size",
+        "offload_path",
+        "host_mem_block_size",
+        "enable_aio",
+        "enable_pinned_mem",
+        "hbm_ratio",
+        "cpu_ratio",
+    }
+)
+
+
+def _set(config: OffloadConfig, key: str, value: Any) -> None:
+    object.__setattr__(config, key, value)
+
+
+def _did_you_mean(key: str, allowed: frozenset[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _tier(key: str, value: Any) -> str:
+    if isinstance(value, str) and value.lower() in TIERS:
+        return value.lower()
+    raise ConfigError(f"{key}={value!r}: allowed values are {', '.join(map(repr, TIERS))}")
+
+
+def _check_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: must be True or False")
+
+
+def _check_int(key: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key}={value!r}: must be an integer >= {minimum}")
+
+
+def _size(key: str, value: Any) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key}={value!r}: {exc}") from None
+
+
+def _ratio(key: str, value: Any, *, low_open: bool) -> float:
+    interval = "(0, 1]" if low_open else "[0, 1]"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{key}={value!r}: must be a number in {interval}")
+    if not (0.0 <= value <= 1.0) or (low_open and value == 0.0):
+        raise ConfigError(f"{key}={value!r}: must be in {interval}")
+    return float(value)
+
+
+def _compute_dtype(value: Any) -> str:
+    if isinstance(value, torch.dtype):
+        for name, dtype in COMPUTE_DTYPES.items():
+            if dtype == value:
+                return name
+    if isinstance(value, str):
+        name = _DTYPE_ALIASES.get(value.lower(), value.lower())
+        if name in COMPUTE_DTYPES:
+            return name
+    raise ConfigError(
+        f"compute_dtype={value!r}: allowed values are 'fp32', 'bf16', 'fp16' "
+        f"(or the torch dtypes float32, bfloat16, float16)"
+    )
+
+
+def _device(value: Any) -> str:
+    if isinstance(value, torch.device):
+        value = str(value)
+    if isinstance(value, str):
+        if value == "auto":
+            return value
+        try:
+            dev = torch.device(value)
+        except (RuntimeError, ValueError):
+            dev = None
+        if dev is not None and dev.type in ("cpu", "cuda"):
+            return str(dev)
+    raise ConfigError(f"device={value!r}: allowed values are 'auto', 'cpu', 'cuda', 'cuda:N'")
+
+
+def _reject_unknown_keys(init):
+    """Wrap the generated __init__ so unknown keywords raise ConfigError, not TypeError."""
+    allowed = frozenset(OffloadConfig.keys())
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise ConfigError(
+                "OffloadConfig takes keyword arguments only, e.g. OffloadConfig(offload_param='cpu')"
+            )
+        for key in kwargs:
+            if key not in allowed:
+                raise ConfigError(
+                    f"unknown OffloadConfig key {key!r}{_did_you_mean(key, allowed)}; "
+                    f"allowed keys: {', '.join(sorted(allowed))}"
+                )
+        init(self, **kwargs)
+
+    return __init__
+
+
+OffloadConfig.__init__ = _reject_unknown_keys(OffloadConfig.__init__)

@@ -1,0 +1,48 @@
+"""The exceptions hetstore raises. Each message names the value at fault and the fix."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["HetstoreError", "ConfigError", "OutOfTierMemory", "OutOfDeviceMemory", "DiskIOError"]
+
+
+class HetstoreError(Exception):
+    """Base class of every error hetstore raises on purpose."""
+
+
+class ConfigError(HetstoreError, ValueError):
+    """A configuration key or value is not allowed. Raised before any work is done."""
+
+
+class OutOfTierMemory(HetstoreError, torch.OutOfMemoryError):
+    """A request would pass a tier's capacity. ``tier`` names it ("device", "host", "disk")."""
+
+    def __init__(self, message: str, *, tier: str, requested: int, capacity: int | None):
+        super().__init__(message)
+        self.tier = tier
+        self.requested = requested
+        self.capacity = capacity
+
+
+class OutOfDeviceMemory(OutOfTierMemory):
+    """The device budget (``max_device_memory``) would be passed.
+
+    A ``torch.OutOfMemoryError``, so code that already handles CUDA OOM handles this too.
+    """
+
+
+class DiskIOError(HetstoreError, OSError):
+    """A disk-tier read or write failed (disk full, IO error, short read).
+
+    Carries ``path``, ``offset`` and ``errno``; the message says what to change.
+    """
+
+    def __init__(self, message: str, *, path: str, offset: int, errno: int | None = None):
+        OSError.__init__(self, message)
+        self.path = path
+        self.offset = offset
+        self.errno = errno
+
+    def __str__(self) -> str:  # OSError's __str__ would print the args tuple
+        return self.args[0]

@@ -1,0 +1,116 @@
+"""Storage tiers: device, host and disk, each with capacity and accounting.
+
+``Tiers`` owns one of each for a run. The disk tier is created on first use, so a run
+that never touches the disk makes no directory and checks no free space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hetstore.config import OffloadConfig
+from hetstore.tiers.accounting import MemoryAccount, TierUsage, format_usage
+from hetstore.tiers.device import DeviceTier
+from hetstore.tiers.host import HostBuffer, HostTier, PinnedMemoryWarning
+
+__all__ = [
+    "Tiers",
+    "DeviceTier",
+    "HostTier",
+    "HostBuffer",
+    "MemoryAccount",
+    "TierUsage",
+    "PinnedMemoryWarning",
+]
+
+TIER_NAMES = ("device", "host", "disk")
+
+
+class Tiers:
+    """The device, host and disk tiers of one run (one process, one rank)."""
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        *,
+        device: torch.device | None = None,
+        rank: int = 0,
+        advice: Callable[[str, int], list[str]] | None = None,
+    ):
+        self.config = config
+        self.rank = rank
+        self.device = device if device is not None else config.resolved_device()
+        # Why a callback: a tier's overflow report lists the *other* tiers and advice that
+        # only the runtime knows (which placement change would free enough).
+        self._advice = advice
+        self.device_tier = DeviceTier(
+            self.device, config.max_device_memory, context=self._report_context
+        )
+        host_capacity = config.offload_cpu_size
+        if host_capacity is None:
+            host_capacity = _physical_memory()
+        self.host = HostTier(
+            capacity=host_capacity,
+            block_size=config.host_mem_block_size,
+            pin=config.enable_pinned_mem,
+            device=self.device,
+            context=self._report_context,
+        )
+        self._disk = None
+
+    @property
+    def disk(self):
+        """The disk tier, created (directory made, free space checked) on first use."""
+        if self._disk is None:
+            from hetstore.tiers.disk import DiskTier
+
+            cfg = self.config
+            self._disk = DiskTier(
+                root=cfg.offload_path,
+                capacity=cfg.offload_disk_size,
+                rank=self.rank,
+                block_size=cfg.aio_block_size,
+                queue_depth=cfg.aio_queue_depth,
+                threads=cfg.aio_threads,
+                enable_aio=cfg.enable_aio,
+            )
+        return self._disk
+
+    def usage(self, name: str) -> TierUsage:
+        if name == "device":
+            return self.device_tier.account.usage()
+        if name == "host":
+            return self.host.account.usage()
+        if name == "disk":
+            if self._disk is None:
+                return TierUsage("disk", 0, 0, self.config.offload_disk_size)
+            stats = self._disk.stats()
+            return TierUsage("disk", stats["current"], stats["peak"], stats["capacity"])
+        raise KeyError(f"unknown tier {name!r}; tiers are {', '.join(TIER_NAMES)}")
+
+    def memory_stats(self) -> dict[str, dict[str, int | None]]:
+        """``{"device"|"host"|"disk": {"current", "peak", "capacity"}}`` in bytes."""
+        return {name: self.usage(name).as_dict() for name in TIER_NAMES}
+
+    def reset_peaks(self) -> None:
+        self.device_tier.account.reset_peak()
+        self.host.account.reset_peak()
+
+    def close(self) -> None:
+        self.host.close()
+        if self._disk is not None:
+            self._disk.close()
+
+    def _report_context(self, failing: str, nbytes: int) -> list[str]:
+        lines = [format_usage(self.usage(name)) for name in TIER_NAMES if name != failing]
+        if self._advice is not None:
+            lines.extend(self._advice(failing, nbytes))
+        return lines
+
+
+def _physical_memory() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,67 @@
+"""The device tier: the accelerator's memory, or the CPU itself when there is none.
+
+On CPU the budget (``max_device_memory``) is enforced by this accounting alone: every
+device allocation hetstore makes (parameters, gradients, optimizer states on device) and
+every byte saved for backward that its hooks see is reserved here first. On CUDA the
+same accounting runs and ``torch.cuda.set_per_process_memory_fraction`` makes the
+allocator itself refuse to pass the budget, catching memory hetstore does not see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hetstore.tiers.accounting import MemoryAccount
+
+__all__ = ["DeviceTier"]
+
+
+class DeviceTier:
+    """Allocates compute-device tensors against the device budget."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        capacity: int | None,
+        *,
+        context: Callable[[str, int], list[str]] | None = None,
+    ):
+        self.device = device
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            if capacity is not None:
+                if capacity > total:
+                    capacity = total
+                # Why: memory hetstore does not allocate itself (the user's activations,
+                # cuBLAS workspaces) must fail inside the same budget.
+                torch.cuda.set_per_process_memory_fraction(capacity / total, device)
+            else:
+                capacity = total
+        self.account = MemoryAccount("device", capacity, context=context)
+
+    @property
+    def capacity(self) -> int | None:
+        return self.account.capacity
+
+    def empty(self, numel: int, dtype: torch.dtype, label: str) -> torch.Tensor:
+        """An uninitialised 1-D device tensor, reserved against the budget first."""
+        nbytes = numel * dtype.itemsize
+        self.account.reserve(nbytes, label)
+        try:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        except torch.OutOfMemoryError:
+            self.account.release(nbytes, label)
+            raise
+
+    def free(self, tensor: torch.Tensor, label: str) -> None:
+        """Release ``tensor``'s bytes from the budget and free its storage now."""
+        self.account.release(tensor.numel() * tensor.element_size(), label)
+        tensor.untyped_storage().resize_(0)
+
+    def reserve(self, nbytes: int, label: str) -> None:
+        self.account.reserve(nbytes, label)
+
+    def release(self, nbytes: int, label: str) -> None:
+        self.account.release(nbytes, label)

@@ -1,0 +1,211 @@
+"""The host tier: a pool of page-aligned blocks sub-allocated into slices.
+
+Blocks of ``host_mem_block_size`` are mapped lazily, never past ``offload_cpu_size``
+(the last block shrinks to fit), and carved into page-aligned slices with a first-fit
+free list that coalesces neighbours on free. Page alignment makes every slice a valid
+O_DIRECT buffer for the disk tier. A request larger than a block gets a block of its own.
+
+Pinning: with ``enable_pinned_mem`` and a CUDA device, each block is registered with
+``cudaHostRegister`` as a whole, so reserved == what the user asked for (PyTorch's
+pinned caching allocator rounds to powers of two: 20 GiB asked can pin 32 GiB). Without
+an accelerator, or when registration fails (memlock limit), blocks stay pageable and one
+warning says so.
+"""
+
+from __future__ import annotations
+
+import bisect
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hetstore._sizes import format_size
+from hetstore.tiers._hostmem import PAGE_SIZE, MappedBlock, round_up
+from hetstore.tiers.accounting import MemoryAccount
+
+__all__ = ["HostTier", "HostBuffer", "PinnedMemoryWarning"]
+
+
+class PinnedMemoryWarning(UserWarning):
+    """Host memory could not be pinned; copies to the device will be slower."""
+
+
+@dataclass(eq=False)
+class _Block:
+    mapping: MappedBlock
+    # Free ranges as parallel sorted lists of offsets and sizes.
+    free_offsets: list[int] = field(default_factory=list)
+    free_sizes: list[int] = field(default_factory=list)
+    used: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.mapping.nbytes
+
+    def take(self, size: int) -> int | None:
+        """First-fit: carve ``size`` bytes from the lowest free range that holds them."""
+        for i, free in enumerate(self.free_sizes):
+            if free >= size:
+                offset = self.free_offsets[i]
+                if free == size:
+                    del self.free_offsets[i], self.free_sizes[i]
+                else:
+                    self.free_offsets[i] += size
+                    self.free_sizes[i] -= size
+                self.used += size
+                return offset
+        return None
+
+    def give_back(self, offset: int, size: int) -> None:
+        """Return a range, merging it with the free neighbours on either side."""
+        i = bisect.bisect_left(self.free_offsets, offset)
+        if i > 0 and self.free_offsets[i - 1] + self.free_sizes[i - 1] == offset:
+            i -= 1
+            self.free_sizes[i] += size
+        else:
+            self.free_offsets.insert(i, offset)
+            self.free_sizes.insert(i, size)
+        nxt = i + 1
+        if (
+            nxt < len(self.free_offsets)
+            and self.free_offsets[i] + self.free_sizes[i] == (self.free_offsets[nxt])
+        ):
+            self.free_sizes[i] += self.free_sizes[nxt]
+            del self.free_offsets[nxt], self.free_sizes[nxt]
+        self.used -= size
+
+
+@dataclass(eq=False)
+class HostBuffer:
+    """A slice of the host pool. ``tensor`` is valid until ``HostTier.free(buffer)``."""
+
+    tensor: torch.Tensor
+    nbytes: int  # bytes asked for (the slice is rounded up to a page)
+    label: str
+    _block: _Block
+    _offset: int
+    _size: int
+
+
+class HostTier:
+    """Host memory pool with capacity, accounting and optional pinning."""
+
+    def __init__(
+        self,
+        *,
+        capacity: int | None,
+        block_size: int,
+        pin: bool,
+        device: torch.device,
+        context: Callable[[str, int], list[str]] | None = None,
+    ):
+        self.block_size = round_up(block_size, PAGE_SIZE)
+        self.account = MemoryAccount("host", capacity, context=context)
+        self._blocks: list[_Block] = []
+        self._reserved = 0
+        self._pin = pin and device.type == "cuda"
+        if pin and device.type != "cuda":
+            warnings.warn(
+                "enable_pinned_mem=True but the compute device is "
+                f"{device.type!r}: host blocks stay pageable (pinning only speeds up "
+                "host<->accelerator copies)",
+                PinnedMemoryWarning,
+                stacklevel=3,
+            )
+        self.pinned = self._pin
+
+    @property
+    def capacity(self) -> int | None:
+        return self.account.capacity
+
+    @property
+    def reserved(self) -> int:
+        """Bytes mapped from the OS (blocks), as opposed to ``account.current`` (slices in use)."""
+        return self._reserved
+
+    def stats(self) -> dict[str, int | None]:
+        usage = self.account.usage()
+        return {**usage.as_dict(), "reserved": self._reserved, "blocks": len(self._blocks)}
+
+    def allocate(self, nbytes: int, label: str, dtype: torch.dtype = torch.uint8) -> HostBuffer:
+        """A page-aligned slice of at least ``nbytes``, viewed as ``nbytes // itemsize`` dtype."""
+        if nbytes % dtype.itemsize:
+            raise ValueError(f"{nbytes} bytes is not a whole number of {dtype} elements")
+        size = round_up(max(nbytes, 1), PAGE_SIZE)
+        self.account.reserve(size, label)
+        try:
+            block, offset = self._find_or_grow(size, label)
+        except BaseException:
+            self.account.release(size, label)
+            raise
+        view = block.mapping.tensor[offset : offset + nbytes].view(dtype)
+        return HostBuffer(view, nbytes, label, block, offset, size)
+
+    def free(self, buffer: HostBuffer) -> None:
+        if buffer._block is None:
+            raise ValueError(f"host buffer {buffer.label!r} was already freed")
+        block = buffer._block
+        block.give_back(buffer._offset, buffer._size)
+        self.account.release(buffer._size, buffer.label)
+        buffer._block = None
+        buffer.tensor = None
+        if block.used == 0:
+            self._retire_spare_blocks(keep=block)
+
+    def close(self) -> None:
+        for block in self._blocks:
+            block.mapping.release()
+        self._blocks.clear()
+        self._reserved = 0
+
+    # ------------------------------------------------------------------ internals
+    def _find_or_grow(self, size: int, label: str) -> tuple[_Block, int]:
+        for block in self._blocks:
+            offset = block.take(size)
+            if offset is not None:
+                return block, offset
+        block = self._grow(size, label)
+        offset = block.take(size)
+        assert offset is not None
+        return block, offset
+
+    def _grow(self, size: int, label: str) -> _Block:
+        want = max(size, self.block_size)
+        if self.capacity is not None:
+            room = self.capacity - self._reserved
+            if room < size:
+                err = self.account.overflow_error(size, label)
+                err.args = (
+                    err.args[0] + f"\n  host pool: {format_size(self._reserved)} reserved in "
+                    f"{len(self._blocks)} blocks, {format_size(self.account.current)} used "
+                    "(the rest is fragmentation or a partly filled last block)",
+                )
+                raise err
+            want = min(want, room - room % PAGE_SIZE)
+        mapping = MappedBlock(want)
+        if self._pin:
+            try:
+                mapping.register_cuda()
+            except RuntimeError as exc:
+                warnings.warn(
+                    f"could not pin a {format_size(want)} host block ({exc}); continuing with "
+                    "pageable memory. Raise the memlock limit (ulimit -l) or set "
+                    "enable_pinned_mem=False to silence this.",
+                    PinnedMemoryWarning,
+                    stacklevel=4,
+                )
+                self._pin = False
+                self.pinned = False
+        block = _Block(mapping, [0], [mapping.nbytes])
+        self._blocks.append(block)
+        self._reserved += mapping.nbytes
+        return block
+
+    def _retire_spare_blocks(self, keep: _Block) -> None:
+        """Unmap fully free blocks except one, so a free/allocate cycle does not remap."""
+        for block in [b for b in self._blocks if b.used == 0 and b is not keep]:
+            self._blocks.remove(block)
+            self._reserved -= block.nbytes
+            block.mapping.release()
