@@ -4,6 +4,7 @@ Parameters, gradients, optimizer states and activations live in the tier where t
 cost least (device, pinned host memory, disk) and reach the device just before use.
 """
 
+from hetstore.api import offload
 from hetstore.config import OffloadConfig
 from hetstore.errors import (
     ConfigError,
@@ -15,6 +16,7 @@ from hetstore.errors import (
 from hetstore.stats import memory_stats
 
 __all__ = [
+    "offload",
     "OffloadConfig",
     "ConfigError",
     "OutOfDeviceMemory",

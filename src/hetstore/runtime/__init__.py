@@ -1,0 +1,1 @@
+"""The runtime: units of parameters, their movement between tiers, and the hooks."""

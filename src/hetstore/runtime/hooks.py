@@ -1,0 +1,173 @@
+"""The hooks that move a unit's parameters around forward and backward.
+
+Forward: a pre-forward hook fetches the unit (and prefetches the next ones in the
+recorded order); a post-forward hook releases it and hangs a hook on its outputs that
+fetches it again just before its backward. Backward: each parameter's
+post-accumulate-grad hook moves the gradient into the unit's fp32 buffer and, once the
+unit has all its gradients, releases the unit. A callback queued on the autograd engine
+releases whatever is left when backward ends (units whose parameters got no gradient).
+
+Activation checkpointing (``use_reentrant=False``) re-runs forward inside backward:
+pre-forward hooks run again (and fetch), post-forward hooks may not, so nothing is
+released by a forward hook while a backward is running.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from hetstore.runtime.unit import Unit
+
+__all__ = ["OffloadRuntime"]
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class OffloadRuntime:
+    """Owns every hook hetstore installs on one model; ``remove()`` takes them all off."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units: list[Unit],
+        unit_modules: dict[int, nn.Module],
+        root: Unit | None,
+        *,
+        prefetch_depth: int,
+    ):
+        self.model = model
+        self.units = units
+        self.root = root
+        self.block_units = [u for u in units if u is not root]
+        self.prefetch_depth = prefetch_depth
+        device = units[0].device if units else torch.device("cpu")
+        # Why a side stream: host-to-device copies of the next unit overlap this unit's
+        # compute. Lives as long as the runtime.
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.order: list[Unit] = []  # execution order recorded on the first forward
+        self._order_done = False
+        self._callback_task: int | None = None
+        self._handles: list = []
+        self._untracked_params: list[nn.Parameter] = []
+
+        self._handles.append(model.register_forward_pre_hook(self._model_pre_forward))
+        self._handles.append(model.register_forward_hook(self._model_post_forward))
+        for unit in self.block_units:
+            module = unit_modules[unit.index]
+            self._handles.append(
+                module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
+            )
+            self._handles.append(
+                module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
+            )
+        for unit in units:
+            for entry in unit.trainable_entries:
+                self._handles.append(
+                    entry.param.register_post_accumulate_grad_hook(
+                        lambda p, u=unit, e=entry: self._grad_ready(u, e)
+                    )
+                )
+
+    def drop_grads_of(self, params: list[nn.Parameter]) -> None:
+        """Parameters that require grad but no optimizer steps: drop their gradients."""
+        for param in params:
+            self._handles.append(param.register_post_accumulate_grad_hook(self._drop_grad))
+
+    @staticmethod
+    def _drop_grad(param: nn.Parameter) -> None:
+        param.grad = None
+
+    # ------------------------------------------------------------------ forward
+    def _model_pre_forward(self, module, args) -> None:
+        if self.root is not None:
+            self._fetch(self.root)
+            self.root.wait_ready()
+
+    def _model_post_forward(self, module, args, output) -> None:
+        if not self._order_done and not _in_backward():
+            self._order_done = bool(self.order) or not self.block_units
+        needs_grad = any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0]
+        )
+        if self.root is not None and not needs_grad and not _in_backward():
+            self.root.release()
+
+    def _pre_forward(self, unit: Unit) -> None:
+        if not self._order_done and not _in_backward() and unit not in self.order:
+            self.order.append(unit)
+        self._fetch(unit)
+        if not _in_backward():
+            self._prefetch_after(unit, step=1)
+        unit.wait_ready()
+
+    def _post_forward(self, unit: Unit, output) -> None:
+        if _in_backward():
+            return  # checkpoint recompute: the backward that follows needs the parameters
+        if torch.is_grad_enabled():
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda grad, u=unit: self._pre_backward(u))
+        unit.release()
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, unit: Unit) -> None:
+        self._ensure_end_of_backward_callback()
+        self._fetch(unit)
+        self._prefetch_after(unit, step=-1)
+        unit.wait_ready()
+
+    def _grad_ready(self, unit: Unit, entry) -> None:
+        self._ensure_end_of_backward_callback()
+        param = entry.param
+        if param.grad is None:
+            return
+        device_tier = unit.tiers.device_tier
+        grad_bytes = param.grad.numel() * param.grad.element_size()
+        label = f"grad in flight {unit.name}"
+        # autograd allocated this gradient on the device: count it while it exists
+        device_tier.reserve(grad_bytes, label)
+        try:
+            unit.accumulate_grad(entry, param.grad)
+        finally:
+            param.grad = None
+            device_tier.release(grad_bytes, label)
+        unit.pending_grads -= 1
+        if unit.pending_grads == 0 and unit is not self.root:
+            unit.release()
+
+    def _ensure_end_of_backward_callback(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task == self._callback_task:
+            return
+        self._callback_task = task
+        for unit in self.units:
+            unit.pending_grads = len(unit.trainable_entries)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_task = None
+        for unit in self.units:
+            unit.release()
+
+    # ------------------------------------------------------------------ prefetch
+    def _fetch(self, unit: Unit) -> None:
+        unit.fetch(self.copy_stream)
+
+    def _prefetch_after(self, unit: Unit, step: int) -> None:
+        if not self.prefetch_depth or unit not in self.order:
+            return
+        position = self.order.index(unit)
+        for k in range(1, self.prefetch_depth + 1):
+            other = position + step * k
+            if 0 <= other < len(self.order):
+                self._fetch(self.order[other])
+
+    # ------------------------------------------------------------------ lifetime
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

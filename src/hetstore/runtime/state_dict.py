@@ -1,0 +1,73 @@
+"""``model.state_dict()`` / ``load_state_dict()`` on an offloaded model.
+
+A released parameter has no storage, so neither reading nor copying into it is safe.
+Around both calls every managed parameter is pointed at its slice of the fp32 master
+(the source of truth): ``state_dict`` then returns the original keys and shapes at full
+precision, and ``load_state_dict`` writes straight into the master; afterwards the
+parameters go back to their device views and the compute-dtype copies are refreshed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hetstore.runtime.unit import Unit
+
+__all__ = ["install_state_dict_hooks"]
+
+
+class _MasterViews:
+    def __init__(self, units: list[Unit]):
+        self.units = units
+        self.depth = 0
+
+    def enter(self) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        for unit in self.units:
+            for e in unit.entries:
+                e.param.data = unit.master[e.offset : e.offset + e.numel].view(e.shape)
+
+    def exit(self, refresh: bool) -> None:
+        self.depth -= 1
+        if self.depth > 0:
+            return
+        for unit in self.units:
+            storage = unit.device_flat.untyped_storage()
+            live = storage.nbytes() > 0
+            if not live:  # views can only be taken of a tensor with its storage present
+                storage.resize_(unit.device_bytes)
+            for e in unit.entries:
+                e.param.data = unit.device_flat[e.offset : e.offset + e.numel].view(e.shape)
+            if not live:
+                storage.resize_(0)
+            if refresh:
+                unit.refresh_from_master()
+
+
+def install_state_dict_hooks(model: nn.Module, units: list[Unit]) -> list:
+    views = _MasterViews(units)
+
+    def before_save(module, prefix, keep_vars):
+        views.enter()
+
+    def after_save(module, state_dict, prefix, local_metadata):
+        views.exit(refresh=False)
+
+    def before_load(
+        module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+    ):
+        views.enter()
+
+    def after_load(module, incompatible_keys):
+        with torch.no_grad():
+            views.exit(refresh=True)
+
+    return [
+        model.register_state_dict_pre_hook(before_save),
+        model.register_state_dict_post_hook(after_save),
+        model.register_load_state_dict_pre_hook(before_load),
+        model.register_load_state_dict_post_hook(after_load),
+    ]
