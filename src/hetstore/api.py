@@ -133,7 +133,7 @@ def _group_index(model: nn.Module, optimizer: Optimizer | None) -> dict[int, int
                 )
             if param.requires_grad:
                 index[id(param)] = g
-    if optimizer.state:
+    if any(float(st.get("step", 0)) > 0 for st in optimizer.state.values()):
         warnings.warn(
             "the optimizer already has state (it has stepped); hetstore starts from fresh "
             "state. Load saved state with optimizer.load_state_dict() after offload().",

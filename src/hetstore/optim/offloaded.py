@@ -117,13 +117,14 @@ class OffloadedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ gradients
     def _all_grad_views(self) -> list[torch.Tensor]:
+        """Gradient views of the parameters that have one, in param_groups order (torch's
+        order, so norms are summed in the same order as ``clip_grad_norm_``'s)."""
         views = []
-        for unit in self.units:
-            views.extend(
-                v
-                for v, e in zip(unit.grad_views, unit.trainable_entries, strict=True)
-                if e.has_grad
-            )
+        for group in self.param_groups:
+            for param in group["params"]:
+                unit, entry = self._entry_of[id(param)]
+                if entry.has_grad:
+                    views.append(unit.grad[entry.offset : entry.offset + entry.numel])
         return views
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

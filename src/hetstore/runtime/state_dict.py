@@ -65,9 +65,15 @@ def install_state_dict_hooks(model: nn.Module, units: list[Unit]) -> list:
         with torch.no_grad():
             views.exit(refresh=True)
 
-    return [
-        model.register_state_dict_pre_hook(before_save),
-        model.register_state_dict_post_hook(after_save),
-        model.register_load_state_dict_pre_hook(before_load),
-        model.register_load_state_dict_post_hook(after_load),
-    ]
+    # On every module, not just the root: a user may call ``model.blocks[0].state_dict()``,
+    # and its parameters have no storage outside their unit's use. The depth counter in
+    # _MasterViews makes the nested calls of a whole-model state_dict() cheap and safe.
+    handles = []
+    for module in model.modules():
+        handles += [
+            module.register_state_dict_pre_hook(before_save),
+            module.register_state_dict_post_hook(after_save),
+            module.register_load_state_dict_pre_hook(before_load),
+            module.register_load_state_dict_post_hook(after_load),
+        ]
+    return handles

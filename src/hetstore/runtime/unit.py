@@ -141,11 +141,6 @@ class Unit:
         for e in self.entries:
             view = self.device_flat[e.offset : e.offset + e.numel].view(e.shape)
             e.param.data = view
-        self.grad_views = (
-            [self.grad[e.offset : e.offset + e.numel] for e in self.entries if e.group is not None]
-            if self.grad is not None
-            else []
-        )
         if not self.materialized:
             self.device_flat.untyped_storage().resize_(0)
 
