@@ -21,7 +21,7 @@ $(VENV)/.ready: pyproject.toml Makefile
 	@touch $@
 
 demo: $(VENV)/.ready
-	$(PY) -m hetstore demo
+	$(PY) -m hetstore demo --compare
 
 test: $(VENV)/.ready
 	$(PY) -m ruff check src tests benchmarks examples

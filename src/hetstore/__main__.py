@@ -14,12 +14,32 @@ def main(argv: list[str] | None = None) -> int:
         description="Train PyTorch models larger than device memory.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="train the demo model under a device budget its states exceed")
+    demo = sub.add_parser(
+        "demo", help="train the demo GPT under a device budget its training states exceed"
+    )
+    demo.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    demo.add_argument("--width", type=int, default=256, help="model width (default 256)")
+    demo.add_argument("--depth", type=int, default=6, help="number of blocks (default 6)")
+    demo.add_argument(
+        "--compare", action="store_true", help="also train plain PyTorch and compare losses"
+    )
+    demo.add_argument(
+        "--no-offload",
+        action="store_true",
+        help="keep everything on the device: shows the out-of-memory report",
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from hetstore.demo import run_demo
+        from hetstore.demo import DemoSettings, run_demo
 
-        return run_demo()
+        settings = DemoSettings(
+            steps=args.steps,
+            width=args.width,
+            depth=args.depth,
+            compare=args.compare,
+            no_offload=args.no_offload,
+        )
+        return run_demo(settings)
     return 2
 
 
