@@ -234,3 +234,17 @@ def test_public_names():
         if name == "offload" and not hasattr(hetstore, "offload"):
             continue  # arrives with the runtime
         assert hasattr(hetstore, name)
+
+
+def test_docs_config_reference_is_in_sync():
+    from pathlib import Path
+
+    from hetstore.config import config_reference_markdown
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+    assert path.read_text() == config_reference_markdown(), (
+        'docs/config.md is stale: regenerate with python -c "from hetstore.config import '
+        "config_reference_markdown as m; open('docs/config.md','w').write(m())\""
+    )
+    for key in OffloadConfig.keys():
+        assert f"`{key}`" in path.read_text()

@@ -476,3 +476,45 @@ def _reject_unknown_keys(init):
 
 
 OffloadConfig.__init__ = _reject_unknown_keys(OffloadConfig.__init__)
+
+
+_MINDSPORE_NOTE = {
+    "max_device_memory": "`mindspore.set_context(max_device_memory=...)`",
+    "offload_param": "same key; also sets `offload_optimizer` in `from_mindspore`",
+}
+
+
+def config_reference_markdown() -> str:
+    """The table in docs/config.md, generated from the fields so the two never drift."""
+    lines = [
+        "# OffloadConfig reference",
+        "",
+        "Generated from `hetstore.config.config_reference_markdown()`; a test keeps this file",
+        "in sync with the code.",
+        "",
+        'Sizes take an int (bytes) or a string with a unit: `"512GB"`, `"1.5GiB"`, `"100MB"`.',
+        "**\"GB\" means GiB (2^30 bytes)**, as in MindSpore, whose `max_device_memory='30GB'`",
+        "is binary (its OOM report prints 32GB as `32768M`); so a MindSpore config asks for",
+        "the same budget here. Sizes are stored as `int` bytes.",
+        "",
+        "| key | default | MindSpore | meaning |",
+        "|---|---|---|---|",
+    ]
+    for f in dataclasses.fields(OffloadConfig):
+        default = f.default
+        if f.name in _SIZE_KEYS and isinstance(default, int):
+            default = f"{default} ({format_size(default)})"
+        ms = _MINDSPORE_NOTE.get(f.name, "same key" if f.name in _MINDSPORE_KEYS else "—")
+        doc = f.metadata["doc"].replace("|", "\\|")  # a pipe would end the table cell
+        lines.append(f"| `{f.name}` | `{default!r}` | {ms} | {doc} |")
+    lines += [
+        "",
+        "`OffloadConfig.from_mindspore(offload_config_dict, **context)` takes MindSpore's",
+        "`set_offload_context(offload_config=...)` dict verbatim; `context` takes",
+        "`max_device_memory`, `memory_offload` ('ON'/'OFF') and `mode` (ignored). MindSpore's",
+        '"parameters" include optimizer states, so its `offload_param` sets both',
+        "`offload_param` and `offload_optimizer` unless the latter is given.",
+        "`OffloadConfig.from_file(path)` reads `.json`, `.yaml`/`.yml` or `.toml`.",
+        "",
+    ]
+    return "\n".join(lines)
