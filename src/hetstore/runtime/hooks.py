@@ -88,8 +88,8 @@ class OffloadRuntime:
             self.root.wait_ready()
 
     def _model_post_forward(self, module, args, output) -> None:
-        if not self._order_done and not _in_backward():
-            self._order_done = bool(self.order) or not self.block_units
+        if not _in_backward():
+            self._order_done = True  # the first full forward fixed the order
         needs_grad = any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0]
         )
