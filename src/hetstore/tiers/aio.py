@@ -52,7 +52,10 @@ ALIGNMENT = 4096  # O_DIRECT alignment of address, offset and length (logical bl
 MiB = 2**20
 
 # Measured with benchmarks/disk_io.py on the 2-vCPU virtio/ext4 project machine (see
-# docs/BENCHMARKS.md): throughput rose up to 8 threads for reads and was flat above it.
+# docs/BENCHMARKS.md): throughput reaches the disk's ceiling once about 16 MiB are in
+# flight (threads x block_size) and stays flat up to 16 threads; 1 MiB x 2 threads lost
+# ~40%. 8 threads x 8 MiB keeps the ceiling for transfers of a few blocks and for many
+# small transfers at once, at no measurable cost (the threads sleep in preadv/pwritev).
 DEFAULT_THREADS = 8
 
 
@@ -548,9 +551,15 @@ class AsyncIOEngine:
             for req in reqs:
                 _run(req, self._bounces)
             reqs = []
-        if reqs and not self._pool.submit(reqs):
-            for req in reqs:
-                t.request_done(_cancelled(req, "the AsyncIOEngine was closed"))
+        if reqs:
+            why = "the AsyncIOEngine was closed"
+            try:
+                queued = self._pool.submit(reqs)
+            except RuntimeError as exc:  # "can't start new thread": fail this transfer only
+                queued, why = False, f"no worker thread could start ({exc}); try enable_aio=False"
+            if not queued:
+                for req in reqs:
+                    t.request_done(_cancelled(req, why))
         t.request_done()
         return IOHandle(t)
 

@@ -226,8 +226,11 @@ def reclaim_leftovers(root: str | os.PathLike) -> tuple[int, int]:
                 owner.update(json.load(f))
         except (OSError, ValueError):
             pass  # crashed before writing it, or being created right now: judge by the name
-        if _owner_alive(owner, me):
-            continue
+        try:
+            if _owner_alive(owner, me):
+                continue
+        except (KeyError, TypeError, ValueError):
+            continue  # an owner file we cannot read: not ours to judge
         size = _du(entry.path)
         shutil.rmtree(entry.path, ignore_errors=True)
         if not os.path.exists(entry.path):
