@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import subprocess
 import warnings
 
@@ -14,25 +13,10 @@ import torch
 from hetstore.errors import DiskIOError
 from hetstore.tiers._hostmem import aligned_empty
 from hetstore.tiers.aio import AsyncIOEngine, DiskFile
+from tests.disk_helpers import mount_tmpfs, random_bytes
 
 MiB = 2**20
 TIMEOUT = 30  # seconds: an error must reach the waiter, never hang it
-
-
-def random_bytes(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(
-        0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
-    )
-
-
-def mount_tmpfs(mnt, size: str) -> str | None:
-    """Mount a tmpfs of ``size`` at ``mnt`` (needs root); return why not, or None."""
-    if shutil.which("mount") is None:
-        return "no mount command"
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
-    )
-    return None if res.returncode == 0 else res.stderr.decode().strip() or "mount failed"
 
 
 def buffer_at(n: int, shift: int = 0) -> torch.Tensor:

@@ -6,7 +6,6 @@ import gc
 import json
 import logging
 import os
-import shutil
 import socket
 import stat
 import subprocess
@@ -20,25 +19,10 @@ from hetstore.errors import DiskIOError, OutOfTierMemory
 from hetstore.tiers._hostmem import aligned_empty
 from hetstore.tiers.aio import AsyncIOEngine
 from hetstore.tiers.disk import DiskTier, _proc_start_ticks
+from tests.disk_helpers import mount_tmpfs, random_bytes
 
 MiB = 2**20
 TIMEOUT = 30
-
-
-def random_bytes(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(
-        0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
-    )
-
-
-def mount_tmpfs(mnt, size: str) -> str | None:
-    """Mount a tmpfs of ``size`` at ``mnt`` (needs root); return why not, or None."""
-    if shutil.which("mount") is None:
-        return "no mount command"
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
-    )
-    return None if res.returncode == 0 else res.stderr.decode().strip() or "mount failed"
 
 
 def region_files(tier: DiskTier) -> list[str]:
