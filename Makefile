@@ -24,13 +24,13 @@ demo: $(VENV)/.ready
 	$(PY) -m hetstore demo --compare
 
 test: $(VENV)/.ready
-	$(PY) -m ruff check src tests benchmarks examples
-	$(PY) -m ruff format --check src tests benchmarks examples
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.ready
-	$(PY) -m ruff check --fix src tests benchmarks examples
-	$(PY) -m ruff format src tests benchmarks examples
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 clean:
 	rm -rf $(VENV)
