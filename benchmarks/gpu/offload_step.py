@@ -23,7 +23,7 @@ import hetstore
 from hetstore.demo.gpt import GPT
 
 
-def step(model, optimizer, x, y) -> float:
+def step(model, optimizer, x, y) -> tuple[float, float]:
     torch.cuda.synchronize()
     start = time.perf_counter()
     loss = model(x, y)
