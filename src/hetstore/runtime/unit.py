@@ -80,6 +80,8 @@ class Unit:
             self.entries.append(ParamEntry(param, name_, offset, param.numel(), param.shape, group))
             offset += param.numel()
         self.numel = offset
+        # fixed from here on; read on every step and backward, so computed once
+        self.trainable_entries = [e for e in self.entries if e.group is not None]
         self.segments: list[Segment] = []
         for entry in self.entries:
             if entry.group is None:
@@ -147,10 +149,6 @@ class Unit:
     @property
     def device_bytes(self) -> int:
         return self.numel * self.compute_dtype.itemsize
-
-    @property
-    def trainable_entries(self) -> list[ParamEntry]:
-        return [e for e in self.entries if e.group is not None]
 
     # ------------------------------------------------------------------ movement
     def fetch(self, stream: torch.cuda.Stream | None = None) -> None:
