@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 
+import pytest
 import torch
 
 
@@ -22,3 +24,18 @@ def mount_tmpfs(mnt, size: str) -> str | None:
         ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
     )
     return None if res.returncode == 0 else res.stderr.decode().strip() or "mount failed"
+
+
+@contextlib.contextmanager
+def small_tmpfs(parent, size: str):
+    """A tmpfs of ``size`` mounted under ``parent``, unmounted after; skips the test where
+    mounting is refused (it needs root)."""
+    mnt = parent / "small"
+    mnt.mkdir()
+    why_not = mount_tmpfs(mnt, size)
+    if why_not:
+        pytest.skip(f"cannot mount a tmpfs here: {why_not}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

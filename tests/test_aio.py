@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import warnings
 
 import pytest
@@ -13,7 +12,8 @@ import torch
 from hetstore.errors import DiskIOError
 from hetstore.tiers._hostmem import aligned_empty
 from hetstore.tiers.aio import AsyncIOEngine, DiskFile
-from tests.disk_helpers import mount_tmpfs, random_bytes
+from tests import disk_helpers
+from tests.disk_helpers import random_bytes
 
 MiB = 2**20
 TIMEOUT = 30  # seconds: an error must reach the waiter, never hang it
@@ -155,13 +155,8 @@ def test_disk_full_reaches_the_waiter_naming_the_file():
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 1 MiB tmpfs (tmpfs takes O_DIRECT on Linux >= 6.6); skipped where mount is refused."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    why_not = mount_tmpfs(mnt, "1M")
-    if why_not:
-        pytest.skip(f"cannot mount a tmpfs here: {why_not}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with disk_helpers.small_tmpfs(tmp_path, "1M") as mnt:
+        yield mnt
 
 
 def test_enospc_on_a_full_file_system_then_engine_still_works(engine, small_tmpfs, tmp_path):

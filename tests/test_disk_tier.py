@@ -19,7 +19,7 @@ from hetstore.errors import DiskIOError, OutOfTierMemory
 from hetstore.tiers._hostmem import aligned_empty
 from hetstore.tiers.aio import AsyncIOEngine
 from hetstore.tiers.disk import DiskTier, _proc_start_ticks
-from tests.disk_helpers import mount_tmpfs, random_bytes
+from tests.disk_helpers import random_bytes, small_tmpfs
 
 MiB = 2**20
 TIMEOUT = 30
@@ -282,12 +282,7 @@ def test_leftover_without_owner_file_judged_by_its_name(tmp_path):
 
 
 def test_full_file_system_at_allocate_is_a_capacity_error(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    why_not = mount_tmpfs(mnt, "2M")
-    if why_not:
-        pytest.skip(f"cannot mount a tmpfs here: {why_not}")
-    try:
+    with small_tmpfs(tmp_path, "2M") as mnt:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # older kernels: tmpfs without O_DIRECT
             with DiskTier(root=mnt, capacity=MiB + 512 * 1024) as t:
@@ -297,5 +292,3 @@ def test_full_file_system_at_allocate_is_a_capacity_error(tmp_path):
                     t.allocate(MiB, "big")
                 assert "file system under offload_path is full" in str(info.value)
                 assert region_files(t) == []  # the failed file is not left behind
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)

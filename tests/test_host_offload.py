@@ -74,26 +74,28 @@ def pair(factory, seed=0):
     return ref, copy.deepcopy(ref)
 
 
+def train_both(factory, data, cfg=None, make_opt=adamw, **run_kwargs):
+    """Train a plain model and its offloaded copy (same seed) on ``data``; return both
+    models and each ``run`` result (losses, clip norms)."""
+    ref, mine = pair(factory)
+    ref_opt = make_opt(ref.parameters())
+    mine, opt = hetstore.offload(mine, make_opt(mine.parameters()), cfg or config())
+    ref_out = run(ref, ref_opt, data, **run_kwargs)
+    out = run(mine, opt, data, **run_kwargs)
+    return ref, mine, ref_out, out
+
+
 @pytest.mark.parametrize("param, optim", PLACEMENTS)
 def test_gpt_fp32_parity(param, optim):
-    ref, mine = pair(GPT)
-    ref_opt = adamw(ref.parameters())
-    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), config(param, optim))
-    data = batches(6)
-    ref_losses, _ = run(ref, ref_opt, data)
-    losses, _ = run(mine, opt, data)
+    ref, mine, (ref_losses, _), (losses, _) = train_both(GPT, batches(6), config(param, optim))
     torch.testing.assert_close(losses, ref_losses, **TIGHT)
     assert_same_weights(ref, mine)
 
 
 @pytest.mark.parametrize("param, optim", PLACEMENTS)
 def test_cnn_batchnorm_parity(param, optim):
-    ref, mine = pair(ResNet)
-    ref_opt = adamw(ref.parameters())
-    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), config(param, optim))
     data = image_batches(5)
-    ref_losses, _ = run(ref, ref_opt, data)
-    losses, _ = run(mine, opt, data)
+    ref, mine, (ref_losses, _), (losses, _) = train_both(ResNet, data, config(param, optim))
     torch.testing.assert_close(losses, ref_losses, **TIGHT)
     assert_same_weights(ref, mine)  # includes BatchNorm running stats
     # eval mode uses the running statistics: same outputs
@@ -104,34 +106,22 @@ def test_cnn_batchnorm_parity(param, optim):
 
 
 def test_against_default_torch_adamw_losses():
-    ref, mine = pair(GPT)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)  # default for-loop kernel
-    mine, opt = hetstore.offload(mine, torch.optim.AdamW(mine.parameters(), lr=1e-3), config())
-    data = batches(5)
-    ref_losses, _ = run(ref, ref_opt, data)
-    losses, _ = run(mine, opt, data)
+    def default_adamw(params):
+        return torch.optim.AdamW(params, lr=1e-3)  # default for-loop kernel
+
+    _, _, (ref_losses, _), (losses, _) = train_both(GPT, batches(5), make_opt=default_adamw)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=0)
 
 
 def test_gradient_accumulation_four_micro_batches():
-    ref, mine = pair(GPT)
-    ref_opt = adamw(ref.parameters())
-    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), config())
-    data = batches(8)
-    ref_losses, _ = run(ref, ref_opt, data, accumulate=4)
-    losses, _ = run(mine, opt, data, accumulate=4)
+    ref, mine, (ref_losses, _), (losses, _) = train_both(GPT, batches(8), accumulate=4)
     torch.testing.assert_close(losses, ref_losses, **TIGHT)
     # gradients summed over 4 backward() calls in fp32: same rounding order as torch's .grad
     assert_same_weights(ref, mine)
 
 
 def test_clip_grad_norm_matches_torch():
-    ref, mine = pair(GPT)
-    ref_opt = adamw(ref.parameters())
-    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), config())
-    data = batches(5)
-    _, ref_norms = run(ref, ref_opt, data, clip=0.5)
-    _, norms = run(mine, opt, data, clip=0.5)
+    ref, mine, (_, ref_norms), (_, norms) = train_both(GPT, batches(5), clip=0.5)
     assert all(n > 0.5 for n in ref_norms), "the clip must be active for this test to mean anything"
     torch.testing.assert_close(norms, ref_norms, **TIGHT)
     assert_same_weights(ref, mine)
@@ -180,12 +170,9 @@ def test_frozen_parameters_stay_frozen():
 
 @pytest.mark.parametrize("param, optim", [("cpu", "cpu"), ("none", "none")])
 def test_activation_checkpointing(param, optim):
-    ref, mine = pair(lambda: GPT(checkpointing=True))
-    ref_opt = adamw(ref.parameters())
-    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), config(param, optim))
-    data = batches(4)
-    ref_losses, _ = run(ref, ref_opt, data)
-    losses, _ = run(mine, opt, data)
+    ref, mine, (ref_losses, _), (losses, _) = train_both(
+        lambda: GPT(checkpointing=True), batches(4), config(param, optim)
+    )
     torch.testing.assert_close(losses, ref_losses, **TIGHT)
     assert_same_weights(ref, mine)
 
@@ -208,15 +195,11 @@ class TwiceBlock(nn.Module):
 
 
 def test_module_called_twice_in_one_forward():
-    ref, mine = pair(TwiceBlock)
-    ref_opt = adamw(ref.parameters())
-    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), config())
     g = torch.Generator().manual_seed(1)
     data = [
         (torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(4)
     ]
-    ref_losses, _ = run(ref, ref_opt, data)
-    losses, _ = run(mine, opt, data)
+    ref, mine, (ref_losses, _), (losses, _) = train_both(TwiceBlock, data)
     torch.testing.assert_close(losses, ref_losses, **TIGHT)
     assert_same_weights(ref, mine)
 
@@ -307,12 +290,7 @@ def test_fp16_dynamic_loss_scaling_skips_overflow():
     ids=["sgd-momentum", "rmsprop", "adagrad"],
 )
 def test_other_optimizers(make):
-    ref, mine = pair(GPT)
-    ref_opt = make(ref.parameters())
-    mine, opt = hetstore.offload(mine, make(mine.parameters()), config())
-    data = batches(4)
-    ref_losses, _ = run(ref, ref_opt, data)
-    losses, _ = run(mine, opt, data)
+    ref, mine, (ref_losses, _), (losses, _) = train_both(GPT, batches(4), make_opt=make)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert_same_weights(ref, mine, rtol=1e-5, atol=1e-6)
 

@@ -101,7 +101,7 @@ def offload(
             stacklevel=2,
         )
         runtime.drop_grads_of(unoptimized)
-    runtime.state_dict_handles = install_state_dict_hooks(model, unit_list)
+    runtime.adopt(install_state_dict_hooks(model, unit_list))
     model._hetstore_tiers = tiers
     model._hetstore_runtime = runtime
 

@@ -110,7 +110,7 @@ class OffloadedOptimizer(Optimizer):
             keys = _ADAM_STATES + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
             state = {"step": torch.zeros((), dtype=torch.float32, device=master.device)}
             for key in keys:
-                tensor = unit._alloc(unit.placement.optimizer, master.numel(), torch.float32, key)
+                tensor = unit.allocate(unit.placement.optimizer, master.numel(), torch.float32, key)
                 tensor.zero_()
                 state[key] = tensor
             step.optimizer.state[master] = state

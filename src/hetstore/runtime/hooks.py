@@ -72,6 +72,10 @@ class OffloadRuntime:
                     )
                 )
 
+    def adopt(self, handles: list) -> None:
+        """Take ownership of hooks installed elsewhere, so ``remove()`` takes them off too."""
+        self._handles.extend(handles)
+
     def drop_grads_of(self, params: list[nn.Parameter]) -> None:
         """Parameters that require grad but no optimizer steps: drop their gradients."""
         for param in params:

@@ -103,7 +103,9 @@ class Unit:
     def _label(self, what: str) -> str:
         return f"{what} {self.name}"
 
-    def _alloc(self, tier: str, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+    def allocate(self, tier: str, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        """A flat tensor on ``tier`` ('none' = device, 'cpu' = host) owned by this unit
+        and freed by ``close()``; the optimizer keeps its states here too."""
         label = self._label(what)
         if tier == "none":
             tensor = self.tiers.device_tier.empty(numel, dtype, label)
@@ -120,7 +122,7 @@ class Unit:
     def _build(self) -> None:
         p = self.placement
         fp32 = torch.float32
-        self.master = self._alloc(p.optimizer, self.numel, fp32, "master params")
+        self.master = self.allocate(p.optimizer, self.numel, fp32, "master params")
         with torch.no_grad():
             for e in self.entries:
                 self.master[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
@@ -128,7 +130,7 @@ class Unit:
         if p.param == p.optimizer and same_dtype:
             self.home = self.master
         else:
-            self.home = self._alloc(p.param, self.numel, self.compute_dtype, "params")
+            self.home = self.allocate(p.param, self.numel, self.compute_dtype, "params")
             self.home.copy_(self.master)
         if p.param == "none":
             self.device_flat = self.home
@@ -136,7 +138,7 @@ class Unit:
         else:
             self.device_flat = torch.empty(self.numel, dtype=self.compute_dtype, device=self.device)
         self.grad = (
-            self._alloc(p.grad, self.trainable_numel, fp32, "grads")
+            self.allocate(p.grad, self.trainable_numel, fp32, "grads")
             if self.trainable_numel
             else None
         )

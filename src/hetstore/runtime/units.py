@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 __all__ = ["UnitSpec", "find_units"]
@@ -102,17 +101,3 @@ def _named_parameter_slots(model: nn.Module):
                 continue
             qualified = f"{mod_name}.{attr}" if mod_name else attr
             yield qualified, module, attr, param
-
-
-def parameter_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
-    """Parameter id -> every (module, attribute) slot holding it (more than one if tied)."""
-    slots: dict[int, list[tuple[nn.Module, str]]] = {}
-    for _, module, attr, param in _named_parameter_slots(model):
-        pair = (module, attr)
-        if pair not in slots.setdefault(id(param), []):
-            slots[id(param)].append(pair)
-    return slots
-
-
-def is_floating(param: torch.Tensor) -> bool:
-    return param.is_floating_point()
