@@ -118,12 +118,19 @@ def test_range_checks_and_double_free(tier):
 
 
 def test_stats_track_current_and_peak(tier):
-    assert tier.stats() == {"current": 0, "peak": 0, "capacity": 256 * MiB}
+    sizes = ("current", "peak", "capacity")
+    assert tier.stats() == dict(
+        current=0, peak=0, capacity=256 * MiB, bytes_read=0, bytes_written=0
+    )
     a = tier.allocate(MiB, "a")
     b = tier.allocate(4097, "b")
     assert tier.stats()["current"] == MiB + 8192
+    tier.write(b, torch.ones(4097, dtype=torch.uint8)).wait()
+    tier.read(b, torch.empty(100, dtype=torch.uint8), 7).wait()
+    assert (tier.stats()["bytes_written"], tier.stats()["bytes_read"]) == (4097, 100)
     tier.free(a)
-    assert tier.stats() == {"current": 8192, "peak": MiB + 8192, "capacity": 256 * MiB}
+    stats = tier.stats()
+    assert {k: stats[k] for k in sizes} == dict(current=8192, peak=MiB + 8192, capacity=256 * MiB)
     tier.free(b)
     assert tier.stats()["current"] == 0
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -12,10 +13,13 @@ from hetstore._sizes import format_size
 from hetstore.config import OffloadConfig
 from hetstore.errors import ConfigError
 from hetstore.optim import DynamicLossScaler, OffloadedOptimizer
+from hetstore.runtime.flat import DiskArray
 from hetstore.runtime.hooks import OffloadRuntime
+from hetstore.runtime.materialize import materialize_module, owns_meta
+from hetstore.runtime.staging import GradStager, ParamStager
 from hetstore.runtime.state_dict import install_state_dict_hooks
 from hetstore.runtime.unit import Placement, Unit
-from hetstore.runtime.units import find_units
+from hetstore.runtime.units import UnitSpec, find_units
 from hetstore.tiers import Tiers
 
 __all__ = ["offload"]
@@ -27,6 +31,7 @@ def offload(
     config: OffloadConfig | None = None,
     *,
     units: Sequence[nn.Module] | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
 ) -> tuple[nn.Module, OffloadedOptimizer | None]:
     """Offload ``model``'s parameters, gradients and optimizer states per ``config``.
 
@@ -34,6 +39,11 @@ def offload(
     and returned with an optimizer to use instead of ``optimizer``. A plain PyTorch
     training loop then works unchanged. ``units`` overrides the default grouping of
     parameters (one unit per repeated block plus one for the rest).
+
+    A model built under ``torch.device("meta")`` is materialized unit by unit straight
+    into its tiers: each module's ``reset_parameters()`` runs, then ``init_fn(module)``
+    if given (see :mod:`hetstore.runtime.materialize`), so a model larger than host
+    memory can be created. Load trained weights afterwards with ``hetstore.load_weights``.
 
     Raises ``ConfigError`` for a bad configuration and ``OutOfDeviceMemory`` /
     ``OutOfTierMemory`` when the model states cannot be placed, before any training.
@@ -48,28 +58,27 @@ def offload(
             "auto_offload=True needs the planner, which this version does not have yet; "
             "set offload_param / offload_optimizer explicitly"
         )
-    for key in ("offload_param", "offload_optimizer", "offload_activations"):
-        if getattr(config, key) == "disk":
-            raise NotImplementedError(f"{key}='disk' is not supported by this version yet")
-    if config.grad_tier == "disk":
-        raise NotImplementedError("offload_grad='disk' is not supported by this version yet")
     if config.offload_activations != "none":
         raise NotImplementedError("offload_activations is not supported by this version yet")
 
+    if optimizer is not None and config.offload_optimizer == "disk":
+        _check_streamable(optimizer)
     device = config.resolved_device()
     groups_of = _group_index(model, optimizer)
     specs = find_units(model, units)
     placement = Placement(
         param=config.offload_param, optimizer=config.offload_optimizer, grad=config.grad_tier
     )
-    unit_list: list[Unit] = []
+    built: list[Unit | None] = [None] * len(specs)
 
     def advice(tier: str, nbytes: int) -> list[str]:
-        return _placement_advice(config, unit_list, tier)
+        return _placement_advice(config, [u for u in built if u is not None], tier)
 
     tiers = Tiers(config, device=device, advice=advice)
     compute_dtype = config.torch_compute_dtype
-    for spec in specs:
+
+    def build(index: int) -> None:
+        spec = specs[index]
         params = []
         for module, attr, qualified in spec.params:
             param = module._parameters[attr]
@@ -79,17 +88,29 @@ def offload(
                     "floating-point parameters only"
                 )
             params.append((qualified, param, groups_of.get(id(param))))
-        unit_list.append(Unit(len(unit_list), spec.name, params, placement, tiers, compute_dtype))
+        built[index] = Unit(index, spec.name, params, placement, tiers, compute_dtype)
+
+    try:
+        _build_units(model, specs, built, build, init_fn)
+    except BaseException:
+        for unit in built:
+            if unit is not None:
+                unit.close()
+        tiers.close()
+        raise
+    unit_list: list[Unit] = list(built)
     _move_buffers(model, tiers)
 
     root = next((u for u, s in zip(unit_list, specs, strict=True) if s.is_root), None)
     unit_modules = {u.index: s.module for u, s in zip(unit_list, specs, strict=True)}
+    grad_stager = _attach_stagers(unit_list, tiers, config)
     runtime = OffloadRuntime(
         model,
         unit_list,
         unit_modules,
         root,
-        prefetch_depth=config.prefetch_depth if device.type == "cuda" else 0,
+        prefetch_depth=config.prefetch_depth,
+        grad_stager=grad_stager,
     )
     unoptimized = [
         e.param for u in unit_list for e in u.entries if e.param.requires_grad and e.group is None
@@ -108,10 +129,71 @@ def offload(
     wrapped = None
     if optimizer is not None:
         scaler = DynamicLossScaler() if config.compute_dtype == "fp16" else None
-        wrapped = OffloadedOptimizer(optimizer, unit_list, loss_scaler=scaler)
+        wrapped = OffloadedOptimizer(
+            optimizer,
+            unit_list,
+            loss_scaler=scaler,
+            chunk_numel=config.optimizer_chunk_size // 4,
+            param_order=list(model.parameters()),
+        )
         # the user's optimizer held the original parameters; its state is meaningless now
         optimizer.state.clear()
     return model, wrapped
+
+
+def _check_streamable(optimizer: Optimizer) -> None:
+    streamable = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+    if not isinstance(optimizer, streamable) or any(
+        g.get("differentiable") for g in optimizer.param_groups
+    ):
+        raise ConfigError(
+            f"offload_optimizer='disk' streams the states of torch.optim.Adam, AdamW and SGD "
+            f"chunk by chunk; got {type(optimizer).__name__}. Use one of those, or "
+            "offload_optimizer='cpu'"
+        )
+
+
+def _build_units(
+    model: nn.Module,
+    specs: list[UnitSpec],
+    built: list[Unit | None],
+    build: Callable[[int], None],
+    init_fn: Callable[[nn.Module], None] | None,
+) -> None:
+    """Build every unit; a meta model is materialized module by module in between, and
+    each unit is built (moved into its tiers) as soon as all its modules are real."""
+    meta_modules = [(name, m) for name, m in model.named_modules() if owns_meta(m)]
+    owner_ids = [{id(module) for module, _, _ in spec.params} for spec in specs]
+    pending = {id(m) for _, m in meta_modules}
+
+    def build_ready() -> None:
+        for index, owners in enumerate(owner_ids):
+            if built[index] is None and not owners & pending:
+                build(index)
+
+    build_ready()
+    for name, module in meta_modules:
+        materialize_module(module, name, init_fn)
+        pending.discard(id(module))
+        build_ready()
+
+
+def _attach_stagers(units: list[Unit], tiers: Tiers, config: OffloadConfig) -> GradStager | None:
+    """Give disk-resident units their bounded host staging (see runtime.staging)."""
+    disk_home = [u for u in units if isinstance(u.home, DiskArray)]
+    if disk_home:
+        stager = ParamStager(
+            tiers.host, max(u.device_bytes for u in disk_home), config.prefetch_depth + 1
+        )
+        for unit in disk_home:
+            unit.param_stager = stager
+    disk_grad = [u for u in units if isinstance(u.grad, DiskArray)]
+    if not disk_grad:
+        return None
+    grad_stager = GradStager(tiers.host, max(u.trainable_numel * 4 for u in disk_grad))
+    for unit in disk_grad:
+        unit.grad_stager = grad_stager
+    return grad_stager
 
 
 def _group_index(model: nn.Module, optimizer: Optimizer | None) -> dict[int, int]:

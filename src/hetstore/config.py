@@ -72,7 +72,9 @@ class OffloadConfig:
         default=None,
         metadata=_doc(
             "Where gradients go after backward. None: follow offload_optimizer (gradients "
-            "are consumed where the optimizer steps), else 'none' | 'cpu' | 'disk'."
+            "are consumed where the optimizer steps), else 'none' | 'cpu' | 'disk'. 'disk' "
+            "needs offload_optimizer='disk'; 'cpu' with a disk optimizer keeps 4 bytes per "
+            "parameter in host memory and saves a disk write and read of them per step."
         ),
     )
     offload_activations: str = field(
@@ -184,7 +186,18 @@ class OffloadConfig:
     )
     prefetch_depth: int = field(
         default=1,
-        metadata=_doc("How many units ahead of the running one are fetched, >= 0."),
+        metadata=_doc(
+            "How many units ahead of the running one are fetched, >= 0. Units on disk keep "
+            "prefetch_depth + 1 staging buffers of the largest unit's parameters in host memory."
+        ),
+    )
+    optimizer_chunk_size: int = field(
+        default=32 * 2**20,
+        metadata=_doc(
+            "Bytes of one fp32 array per chunk when optimizer states on disk are streamed "
+            "through host memory: the step holds 3 chunks of master, gradient and each "
+            "optimizer state (about 12 x this for Adam with gradients on disk)."
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -198,7 +211,7 @@ class OffloadConfig:
             value = getattr(self, key)
             if value is not None:
                 _set(self, key, _size(key, value))
-        for key in ("host_mem_block_size", "aio_block_size"):
+        for key in ("host_mem_block_size", "aio_block_size", "optimizer_chunk_size"):
             size = _size(key, getattr(self, key))
             if size < 4096 or size % 4096:
                 raise ConfigError(
@@ -223,6 +236,12 @@ class OffloadConfig:
         _set(self, "offload_path", str(self.offload_path))
         _set(self, "compute_dtype", _compute_dtype(self.compute_dtype))
         _set(self, "device", _device(self.device))
+        if self.offload_grad == "disk" and self.offload_optimizer != "disk":
+            raise ConfigError(
+                f"offload_grad='disk' with offload_optimizer={self.offload_optimizer!r}: "
+                "gradients go to disk only when the optimizer steps from disk (they are read "
+                "there, chunk by chunk); use offload_grad='cpu', or offload_optimizer='disk'"
+            )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -365,6 +384,7 @@ _SIZE_KEYS = frozenset(
         "offload_disk_size",
         "host_mem_block_size",
         "aio_block_size",
+        "optimizer_chunk_size",
     }
 )
 _MINDSPORE_KEYS = frozenset(

@@ -10,6 +10,13 @@ at the memory-bandwidth ceiling on CPU, at parity with DeepSpeed's CPUAdam). Any
 step copies their hyper-parameters into the per-unit inner optimizers.
 ``state_dict()`` / ``load_state_dict()`` speak torch's format over the original
 parameters, so states move to and from a plain torch optimizer.
+
+Units whose master and states are on disk are stepped by :class:`StreamedUnitStep`
+(chunks streamed through host buffers, all-or-nothing per unit). Gradients on disk are
+never rewritten for clipping or unscaling: the factors are remembered and applied to
+each chunk as it is read, in the order torch would have applied them in place. If a
+step fails part-way (disk full, IO error), the units before the failing one are
+stepped and the rest are untouched; calling ``step()`` again finishes the step.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import torch
 from torch.optim import Optimizer
 
 from hetstore.optim.loss_scaler import DynamicLossScaler
+from hetstore.optim.streamed import StreamedUnitStep, state_keys_for
+from hetstore.runtime.flat import DiskArray
 from hetstore.runtime.unit import ParamEntry, Unit
 
 __all__ = ["OffloadedOptimizer"]
@@ -49,6 +58,8 @@ class OffloadedOptimizer(Optimizer):
         *,
         loss_scaler: DynamicLossScaler | None = None,
         on_step: Callable[[], None] | None = None,
+        chunk_numel: int = 2**24,
+        param_order: list | None = None,
     ):
         # Optimizer.__init__ gives us live param_groups over the original parameters,
         # which LR schedulers and user code read and edit.
@@ -65,9 +76,18 @@ class OffloadedOptimizer(Optimizer):
         for unit in units:
             for entry in unit.entries:
                 self._entry_of[id(entry.param)] = (unit, entry)
+        self._chunk_numel = chunk_numel
+        # the order norms are summed in by clip_grad_norm_: the model's parameter order
+        # (what torch.nn.utils.clip_grad_norm_(model.parameters()) uses), else the groups'
+        in_groups = [p for g in self.param_groups for p in g["params"]]
+        known = {id(p) for p in in_groups}
+        self._norm_order = [p for p in (param_order or in_groups) if id(p) in known]
         self._unit_steps = [self._build_unit_step(u) for u in units if u.trainable_numel]
         self._unscaled = False
         self._warned_missing: set[str] = set()
+        # factors (unscale, clip) still to apply to on-disk gradients, in order
+        self._disk_grad_factors: list = []
+        self._resume_at = 0  # index into _unit_steps where an interrupted step goes on
 
     # ------------------------------------------------------------------ construction
     def _hyper(self, group_index: int) -> dict:
@@ -77,7 +97,17 @@ class OffloadedOptimizer(Optimizer):
             hyper.update(foreach=False, fused=True)
         return hyper
 
-    def _build_unit_step(self, unit: Unit) -> _UnitStep:
+    def _build_unit_step(self, unit: Unit) -> _UnitStep | StreamedUnitStep:
+        if isinstance(unit.master, DiskArray):
+            if not self._flat:
+                raise TypeError(
+                    f"offload_optimizer='disk' streams the states of Adam, AdamW and SGD; "
+                    f"{self.optimizer_class.__name__} is not supported there"
+                )
+            keys = state_keys_for(self.optimizer_class, self.param_groups)
+            return StreamedUnitStep(
+                unit, self.optimizer_class, self._hyper, keys, self._chunk_numel
+            )
         inner_groups, tensors, owners = [], [], []
         if self._flat:
             for seg in unit.segments:
@@ -116,16 +146,25 @@ class OffloadedOptimizer(Optimizer):
             step.optimizer.state[master] = state
 
     # ------------------------------------------------------------------ gradients
-    def _all_grad_views(self) -> list[torch.Tensor]:
-        """Gradient views of the parameters that have one, in param_groups order (torch's
-        order, so norms are summed in the same order as ``clip_grad_norm_``'s)."""
-        views = []
-        for group in self.param_groups:
-            for param in group["params"]:
-                unit, entry = self._entry_of[id(param)]
+    def _memory_grad_views(self) -> dict[int, torch.Tensor]:
+        """id(param) -> its gradient view, for parameters with a gradient in memory."""
+        views = {}
+        for unit in self.units:
+            if unit.grad is None or isinstance(unit.grad, DiskArray):
+                continue
+            for entry in unit.trainable_entries:
                 if entry.has_grad:
-                    views.append(unit.grad[entry.offset : entry.offset + entry.numel])
+                    views[id(entry.param)] = unit.grad[entry.offset : entry.offset + entry.numel]
         return views
+
+    def _disk_units(self) -> list[StreamedUnitStep]:
+        return [
+            us
+            for us in self._unit_steps
+            if isinstance(us, StreamedUnitStep)
+            and isinstance(us.unit.grad, DiskArray)
+            and us.unit.any_grad()
+        ]
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale`` under fp16 dynamic loss scaling, else ``loss`` unchanged.
@@ -146,13 +185,56 @@ class OffloadedOptimizer(Optimizer):
             return False
         self._unscaled = True
         inv = 1.0 / self.loss_scaler.scale
+        views = list(self._memory_grad_views().values())
         found = False
-        for unit in self.units:
-            if unit.grad is not None and unit.any_grad():
-                unit.grad.mul_(inv)
-                found = found or not bool(torch.isfinite(unit.grad).all())
-        self._found_inf = found
-        return found
+        if views:
+            torch._foreach_mul_(views, inv)
+            found = not all(bool(torch.isfinite(v).all()) for v in views)
+        self._disk_grad_factors.append(inv)
+        finite = [True]
+
+        def check(chunk: torch.Tensor, start: int) -> None:
+            if finite[0] and not bool(torch.isfinite(chunk).all()):
+                finite[0] = False
+
+        for unit_step in self._disk_units():
+            if found or not finite[0]:
+                break
+            unit_step.scan_grads(self._disk_grad_factors, check)
+        return found or not finite[0]
+
+    def _disk_grad_norms(self, norm_type: float) -> dict[int, torch.Tensor]:
+        """id(param) -> norm of its (factored) gradient, for gradients on disk. A
+        parameter split across two chunks combines the chunks' norms."""
+        norms: dict[int, torch.Tensor] = {}
+        for unit_step in self._disk_units():
+            unit = unit_step.unit
+            parts: dict[int, list[torch.Tensor]] = {}
+
+            def visit(chunk: torch.Tensor, start: int, unit=unit, parts=parts) -> None:
+                end = start + chunk.numel()
+                whole, whole_ids = [], []
+                for entry in unit.trainable_entries:
+                    a, b = entry.offset, entry.offset + entry.numel
+                    if not entry.has_grad or b <= start or a >= end:
+                        continue
+                    view = chunk[max(a, start) - start : min(b, end) - start]
+                    if start <= a and b <= end:
+                        whole.append(view)
+                        whole_ids.append(id(entry.param))
+                    else:
+                        part = torch.linalg.vector_norm(view, norm_type)
+                        parts.setdefault(id(entry.param), []).append(part)
+                if whole:
+                    for key, norm in zip(
+                        whole_ids, torch._foreach_norm(whole, norm_type), strict=True
+                    ):
+                        norms[key] = norm
+
+            unit_step.scan_grads(self._disk_grad_factors, visit)
+            for key, pieces in parts.items():
+                norms[key] = torch.linalg.vector_norm(torch.stack(pieces), norm_type)
+        return norms
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -161,29 +243,36 @@ class OffloadedOptimizer(Optimizer):
         """Clip the global gradient norm over every gradient, wherever it lives.
 
         Same semantics and return value as ``torch.nn.utils.clip_grad_norm_`` over the
-        original parameters (norms per parameter, then the norm of those norms).
+        original parameters (norms per parameter, then the norm of those norms, summed in
+        ``model.parameters()`` order). Gradients on disk are read once for their norms and
+        scaled as the step reads them.
         """
         self._unscale()
-        grads = self._all_grad_views()
-        if not grads:
-            return torch.tensor(0.0)
         norm_type = float(norm_type)
-        per_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:
-            per_device.setdefault(g.device, []).append(g)
-        norms = []
-        for group in per_device.values():
-            norms.extend(torch._foreach_norm(group, norm_type))
-        target = grads[0].device
-        total = torch.linalg.vector_norm(torch.stack([n.to(target) for n in norms]), norm_type)
+        memory = self._memory_grad_views()
+        per_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        for key, view in memory.items():
+            per_device.setdefault(view.device, []).append((key, view))
+        norms: dict[int, torch.Tensor] = {}
+        for items in per_device.values():
+            computed = torch._foreach_norm([v for _, v in items], norm_type)
+            norms.update(zip((k for k, _ in items), computed, strict=True))
+        norms.update(self._disk_grad_norms(norm_type))
+        ordered = [norms[id(p)] for p in self._norm_order if id(p) in norms]
+        if not ordered:
+            return torch.tensor(0.0)
+        target = ordered[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(target) for n in ordered]), norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
                 f"the total norm of order {norm_type} for gradients is non-finite, so it "
                 "cannot be clipped; set error_if_nonfinite=False to clip anyway"
             )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for device, group in per_device.items():
-            torch._foreach_mul_(group, coef.to(device))
+        for items in per_device.values():
+            device = items[0][1].device
+            torch._foreach_mul_([v for _, v in items], coef.to(device))
+        self._disk_grad_factors.append(coef.cpu())
         return total
 
     # ------------------------------------------------------------------ step
@@ -191,19 +280,28 @@ class OffloadedOptimizer(Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("OffloadedOptimizer.step does not take a closure")
-        found_inf = self._unscale()
-        self._unscaled = False
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(found_inf)
-            if found_inf:
-                self.zero_grad()
-                return None
-        for unit_step in self._unit_steps:
+        if self._resume_at == 0:
+            found_inf = self._unscale()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(found_inf)
+                if found_inf:
+                    self.zero_grad()
+                    return None
+        # the loss scaler has decided; an interrupted step resumes below, not above
+        for index in range(self._resume_at, len(self._unit_steps)):
+            self._resume_at = index
+            unit_step = self._unit_steps[index]
             unit = unit_step.unit
+            if unit.home_stale:  # stepped before an interruption; only the copy is left
+                unit.refresh_from_master()
+                continue
             if not unit.any_grad():
                 continue  # like torch: parameters without a gradient are not stepped
-            missing = unit.fill_missing_grads()
-            self._warn_missing(missing)
+            self._warn_missing([e.name for e in unit.trainable_entries if not e.has_grad])
+            if isinstance(unit_step, StreamedUnitStep):
+                unit_step.step(self._disk_grad_factors if isinstance(unit.grad, DiskArray) else [])
+                continue
+            unit.fill_missing_grads()
             for inner, outer in zip(
                 unit_step.optimizer.param_groups, unit_step.groups, strict=True
             ):
@@ -211,6 +309,9 @@ class OffloadedOptimizer(Optimizer):
                     inner[key] = value
             unit_step.optimizer.step()
             unit.refresh_from_master()
+        self._resume_at = 0
+        self._unscaled = False
+        self._disk_grad_factors = []
         if self._on_step is not None:
             self._on_step()
         return None
@@ -229,7 +330,15 @@ class OffloadedOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients (the buffers stay allocated for the next step)."""
+        if self._resume_at:
+            warnings.warn(
+                "zero_grad() after a step() that failed part-way: the units it had not "
+                "reached yet are not stepped (call step() again before zero_grad() to finish)",
+                stacklevel=2,
+            )
+            self._resume_at = 0
         self._unscaled = False
+        self._disk_grad_factors = []
         for unit in self.units:
             unit.clear_grads()
 
@@ -237,6 +346,8 @@ class OffloadedOptimizer(Optimizer):
     def _locate(self, param) -> tuple[_UnitStep, int, torch.Tensor, ParamEntry]:
         unit, entry = self._entry_of[id(param)]
         for unit_step in self._unit_steps:
+            if unit_step.unit is unit and isinstance(unit_step, StreamedUnitStep):
+                return unit_step, entry.offset, None, entry
             if unit_step.unit is unit:
                 if self._flat:
                     for seg, tensor in zip(unit.segments, unit_step.tensors, strict=True):
@@ -256,6 +367,13 @@ class OffloadedOptimizer(Optimizer):
             ids = []
             for param in group["params"]:
                 unit_step, start, tensor, entry = self._locate(param)
+                if isinstance(unit_step, StreamedUnitStep):
+                    streamed = self._export_streamed(unit_step, entry)
+                    if streamed:
+                        state[index] = streamed
+                    ids.append(index)
+                    index += 1
+                    continue
                 inner_state = unit_step.optimizer.state.get(tensor)
                 if inner_state and self._has_started(inner_state):
                     state[index] = {
@@ -266,6 +384,21 @@ class OffloadedOptimizer(Optimizer):
                 index += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
         return {"state": state, "param_groups": groups}
+
+    @staticmethod
+    def _export_streamed(unit_step: StreamedUnitStep, entry: ParamEntry) -> dict:
+        if not unit_step.stepped:
+            return {}
+        out = {}
+        segment = next(
+            i for i, s in enumerate(unit_step.unit.segments) if s.start <= entry.offset < s.end
+        )
+        if unit_step.has_step:
+            out["step"] = unit_step.steps[segment].clone()
+        for key in unit_step.states:
+            value = unit_step.read_state(key, entry.offset, entry.numel)
+            out[key] = value.view(entry.shape)
+        return out
 
     @staticmethod
     def _has_started(inner_state: dict) -> bool:
@@ -295,12 +428,24 @@ class OffloadedOptimizer(Optimizer):
                 if key != "params":
                     group[key] = value
         saved_state = state_dict["state"]
+        streamed: dict[StreamedUnitStep, tuple[dict, list]] = {}
         for saved, group in zip(groups, self.param_groups, strict=True):
             for index, param in zip(saved["params"], group["params"], strict=True):
                 if index not in saved_state and str(index) not in saved_state:
                     continue
                 values = saved_state.get(index, saved_state.get(str(index)))
+                unit_step, start, _, entry = self._locate(param)
+                if isinstance(unit_step, StreamedUnitStep):
+                    slices, steps = streamed.setdefault(unit_step, ({}, []))
+                    for key, value in values.items():
+                        if key == "step":
+                            steps.append(float(value))
+                        elif key in unit_step.states:
+                            slices.setdefault(key, []).append((start, value))
+                    continue
                 self._import_param_state(param, values)
+        for unit_step, (slices, steps) in streamed.items():
+            unit_step.write_states(slices, max(steps) if steps else None)
 
     @torch.no_grad()
     def _import_param_state(self, param, values: dict) -> None:

@@ -38,12 +38,14 @@ class OffloadRuntime:
         root: Unit | None,
         *,
         prefetch_depth: int,
+        grad_stager=None,
     ):
         self.model = model
         self.units = units
         self.root = root
         self.block_units = [u for u in units if u is not root]
         self.prefetch_depth = prefetch_depth
+        self.grad_stager = grad_stager
         device = units[0].device if units else torch.device("cpu")
         # Why a side stream: host-to-device copies of the next unit overlap this unit's
         # compute. Lives as long as the runtime.
@@ -140,8 +142,11 @@ class OffloadRuntime:
             param.grad = None
             device_tier.release(grad_bytes, label)
         unit.pending_grads -= 1
-        if unit.pending_grads == 0 and unit is not self.root:
-            unit.release()
+        if unit.pending_grads == 0:
+            if self.grad_stager is not None:
+                self.grad_stager.flush(unit)  # the write overlaps the next unit's backward
+            if unit is not self.root:
+                unit.release()
 
     def _ensure_end_of_backward_callback(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -154,6 +159,8 @@ class OffloadRuntime:
 
     def _end_of_backward(self) -> None:
         self._callback_task = None
+        if self.grad_stager is not None:
+            self.grad_stager.flush_all()
         for unit in self.units:
             unit.release()
 
@@ -162,13 +169,20 @@ class OffloadRuntime:
         unit.fetch(self.copy_stream)
 
     def _prefetch_after(self, unit: Unit, step: int) -> None:
+        """Bring the next units closer: start their disk reads (any device) and, on CUDA,
+        their host-to-device copies on the side stream. On CPU a host-to-"device" copy
+        is a synchronous memcpy, so prefetching it would only hold memory earlier."""
         if not self.prefetch_depth or unit not in self.order:
             return
         position = self.order.index(unit)
         for k in range(1, self.prefetch_depth + 1):
             other = position + step * k
             if 0 <= other < len(self.order):
-                self._fetch(self.order[other])
+                ahead = self.order[other]
+                if ahead.param_stager is not None:
+                    ahead.prefetch()
+                elif self.copy_stream is not None:
+                    self._fetch(ahead)
 
     # ------------------------------------------------------------------ lifetime
     def remove(self) -> None:

@@ -5,6 +5,8 @@ Around both calls every managed parameter is pointed at its slice of the fp32 ma
 (the source of truth): ``state_dict`` then returns the original keys and shapes at full
 precision, and ``load_state_dict`` writes straight into the master; afterwards the
 parameters go back to their device views and the compute-dtype copies are refreshed.
+A master on disk is read into a host copy for the call (and written back after a load):
+``state_dict()`` of a model bigger than host memory cannot work, stream it instead.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ class _MasterViews:
     def __init__(self, units: list[Unit]):
         self.units = units
         self.depth = 0
+        self.masters: list[torch.Tensor] = []
 
     def enter(self) -> None:
         self.depth += 1
         if self.depth > 1:
             return
-        for unit in self.units:
+        self.masters = [unit.master_copy() for unit in self.units]
+        for unit, master in zip(self.units, self.masters, strict=True):
             for e in unit.entries:
-                e.param.data = unit.master[e.offset : e.offset + e.numel].view(e.shape)
+                e.param.data = master[e.offset : e.offset + e.numel].view(e.shape)
 
     def exit(self, refresh: bool) -> None:
         self.depth -= 1
@@ -43,8 +47,10 @@ class _MasterViews:
                 e.param.data = unit.device_flat[e.offset : e.offset + e.numel].view(e.shape)
             if not live:
                 storage.resize_(0)
-            if refresh:
-                unit.refresh_from_master()
+        masters, self.masters = self.masters, []
+        if refresh:
+            for unit, master in zip(self.units, masters, strict=True):
+                unit.store_master(master)
 
 
 def install_state_dict_hooks(model: nn.Module, units: list[Unit]) -> list:

@@ -3,30 +3,44 @@
 Forms of a unit's parameters (all flat, 1-D, one element per parameter element, in the
 order of ``entries``: trainable parameters grouped by optimizer param group, then frozen):
 
-- ``master``: fp32, on the optimizer's tier (device or host). The source of truth.
+- ``master``: fp32, on the optimizer's tier (device, host or disk). The source of truth.
 - ``home``: compute dtype, where the parameters live between uses (``offload_param``);
   aliases ``master`` when dtype and tier agree (fp32 on host, say), so nothing is stored twice.
 - ``device_flat``: compute dtype on the device; every ``nn.Parameter`` of the unit is a
   view into it. When the unit is released its *storage* is resized to 0 (FSDP2's trick):
   the Parameter objects, and autograd's references to them, stay valid; the bytes go.
 - ``grad``: fp32 on the gradient tier, accumulated across micro-batches.
+
+On the disk tier a form is a :class:`~hetstore.runtime.flat.DiskArray`, not a tensor:
+parameters come to the device through the runtime's :class:`ParamStager`, gradients go
+out through its :class:`GradStager`, and the optimizer streams master and states.
+
+Layout: each optimizer segment starts at a multiple of ``ALIGN_ELEMENTS`` (padding of at
+most 8 KiB in between), so chunks of different segments never share a disk page and can
+be read and written at the same time.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray
 from hetstore.tiers import HostBuffer, Tiers
+
+if TYPE_CHECKING:
+    from hetstore.runtime.staging import GradStager, ParamStager
 
 __all__ = ["ParamEntry", "Segment", "Unit", "Placement"]
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one unit's pieces live: each 'none' (device) or 'cpu' (host)."""
+    """Where one unit's pieces live: each 'none' (device), 'cpu' (host) or 'disk'."""
 
     param: str
     optimizer: str
@@ -76,7 +90,11 @@ class Unit:
         ordered = sorted(params, key=lambda item: (item[2] is None, item[2] or 0))
         self.entries: list[ParamEntry] = []
         offset = 0
+        previous_group: object = object()
         for name_, param, group in ordered:
+            if group != previous_group and offset % ALIGN_ELEMENTS:
+                offset += ALIGN_ELEMENTS - offset % ALIGN_ELEMENTS  # a segment starts aligned
+            previous_group = group
             self.entries.append(ParamEntry(param, name_, offset, param.numel(), param.shape, group))
             offset += param.numel()
         self.numel = offset
@@ -94,9 +112,14 @@ class Unit:
         self.trainable_numel = self.segments[-1].end if self.segments else 0
         self._host_buffers: list[HostBuffer] = []
         self._device_persistent: list[tuple[torch.Tensor, str]] = []
+        self._disk_arrays: list[DiskArray] = []
         self.materialized = False
         self.ready_event = None  # CUDA event guarding an in-flight fetch
         self.pending_grads = 0
+        # set by the runtime when some form lives on disk
+        self.param_stager: ParamStager | None = None
+        self.grad_stager: GradStager | None = None
+        self.home_stale = False  # master changed but a disk ``home`` not yet rewritten
         self._build()
 
     # ------------------------------------------------------------------ construction
@@ -115,23 +138,28 @@ class Unit:
             buffer = self.tiers.host.allocate(numel * dtype.itemsize, label, dtype)
             self._host_buffers.append(buffer)
             return buffer.tensor
-        raise NotImplementedError(
-            f"tier {tier!r} for {what} of unit {self.name!r} is not supported by this runtime yet"
-        )
+        if tier == "disk":
+            array = DiskArray(self.tiers.disk, numel, dtype, label)
+            self._disk_arrays.append(array)
+            return array
+        raise ValueError(f"unknown tier {tier!r} for {what} of unit {self.name!r}")
+
+    def scratch(self, numel: int, dtype: torch.dtype, what: str) -> HostBuffer:
+        """A temporary host buffer (free it with ``tiers.host.free``)."""
+        return self.tiers.host.allocate(max(numel, 1) * dtype.itemsize, self._label(what), dtype)
 
     def _build(self) -> None:
         p = self.placement
         fp32 = torch.float32
         self.master = self.allocate(p.optimizer, self.numel, fp32, "master params")
-        with torch.no_grad():
-            for e in self.entries:
-                self.master[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
         same_dtype = self.compute_dtype == fp32
         if p.param == p.optimizer and same_dtype:
             self.home = self.master
         else:
             self.home = self.allocate(p.param, self.numel, self.compute_dtype, "params")
-            self.home.copy_(self.master)
+        with torch.no_grad(), self.edit_master() as master:
+            for e in self.entries:
+                master[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
         if p.param == "none":
             self.device_flat = self.home
             self.materialized = True
@@ -142,6 +170,8 @@ class Unit:
             if self.trainable_numel
             else None
         )
+        if isinstance(self.grad, torch.Tensor):
+            self.grad.zero_()  # padding between segments must be finite for overflow checks
         for e in self.entries:
             view = self.device_flat[e.offset : e.offset + e.numel].view(e.shape)
             e.param.data = view
@@ -152,6 +182,79 @@ class Unit:
     def device_bytes(self) -> int:
         return self.numel * self.compute_dtype.itemsize
 
+    @property
+    def on_disk(self) -> bool:
+        return any(isinstance(x, DiskArray) for x in (self.master, self.home, self.grad))
+
+    @contextlib.contextmanager
+    def edit_master(self):
+        """Yield the whole fp32 master as a tensor to read or change in place; on exit the
+        change is written back (disk) and the compute-dtype copies are refreshed.
+
+        A disk-resident master passes through one temporary host buffer of the unit's
+        size, so loading or initializing a model holds one unit in host memory at a time.
+        """
+        if not isinstance(self.master, DiskArray):
+            yield self.master
+            self._sync_home(self.master)
+            return
+        scratch = self.scratch(self.numel, torch.float32, "master scratch")
+        try:
+            flat = scratch.tensor
+            if self.master.written:
+                self.master.read(flat).wait()
+            else:
+                flat.zero_()
+            yield flat
+            self.master.write_all(flat)
+            self._sync_home(flat)
+        finally:
+            self.tiers.host.free(scratch)
+
+    def master_copy(self) -> torch.Tensor:
+        """The fp32 master as a tensor: the buffer itself in memory, a fresh copy from disk."""
+        if not isinstance(self.master, DiskArray):
+            return self.master
+        flat = torch.empty(self.numel, dtype=torch.float32)
+        self.master.read(flat).wait()
+        return flat
+
+    def store_master(self, flat: torch.Tensor) -> None:
+        """Make ``flat`` (from :meth:`master_copy`, changed) the master and refresh the copies."""
+        if isinstance(self.master, DiskArray):
+            self.master.write_all(flat)
+        self._sync_home(flat)
+
+    def _sync_home(self, master: torch.Tensor) -> None:
+        """Make ``home`` (and a materialized device copy) equal ``master``, cast."""
+        with torch.no_grad():
+            if isinstance(self.home, DiskArray):
+                if self.home is not self.master:
+                    self._write_home(master)
+            elif self.home is not master:
+                self.home.copy_(master)
+            if self.materialized and self.device_flat is not self.home:
+                self.device_flat.copy_(master)
+        if self.param_stager is not None:
+            self.param_stager.forget(self)
+
+    def _write_home(self, master: torch.Tensor) -> None:
+        """Write ``master`` cast to the compute dtype into the disk ``home``, atomically
+        (into a shadow region, committed only when complete)."""
+        self.home_stale = True
+        staged = self.scratch(self.numel, self.compute_dtype, "params scratch")
+        shadow = self.home.shadow()
+        try:
+            staged.tensor.copy_(master)
+            self.home.write(staged.tensor, 0, into=shadow)
+            self.home.commit(shadow)
+        except BaseException:
+            shadow.discard()
+            raise
+        finally:
+            self.tiers.host.free(staged)
+        self.home_stale = False
+
     # ------------------------------------------------------------------ movement
     def fetch(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make the parameters present on the device (idempotent).
@@ -161,18 +264,35 @@ class Unit:
         """
         if self.materialized:
             return
+        if self.home_stale:  # a failed step left the disk copy behind the master
+            self.refresh_from_master()
         self.tiers.device_tier.reserve(self.device_bytes, self._label("params"))
-        storage = self.device_flat.untyped_storage()
-        if stream is not None:
-            with torch.cuda.stream(stream):
+        try:
+            source, slot = self.home, None
+            if isinstance(self.home, DiskArray):
+                slot, source = self.param_stager.take(self)
+            storage = self.device_flat.untyped_storage()
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    storage.resize_(self.device_bytes)
+                    self.device_flat.copy_(source, non_blocking=True)
+                    self.ready_event = torch.cuda.Event()
+                    self.ready_event.record(stream)
+            else:
                 storage.resize_(self.device_bytes)
-                self.device_flat.copy_(self.home, non_blocking=True)
-                self.ready_event = torch.cuda.Event()
-                self.ready_event.record(stream)
-        else:
-            storage.resize_(self.device_bytes)
-            self.device_flat.copy_(self.home)
+                self.device_flat.copy_(source)
+        except BaseException:
+            self.device_flat.untyped_storage().resize_(0)
+            self.tiers.device_tier.release(self.device_bytes, self._label("params"))
+            raise
+        if slot is not None:
+            self.param_stager.give_back(slot, self.ready_event)
         self.materialized = True
+
+    def prefetch(self) -> None:
+        """Start bringing the parameters closer without waiting: a disk read into staging."""
+        if isinstance(self.home, DiskArray) and not self.materialized and not self.home_stale:
+            self.param_stager.prefetch(self)
 
     def wait_ready(self) -> None:
         if self.ready_event is not None:
@@ -192,17 +312,17 @@ class Unit:
         self.materialized = False
 
     def refresh_from_master(self) -> None:
-        """After the optimizer changed ``master``: update the compute-dtype copies."""
-        with torch.no_grad():
-            if self.home is not self.master:
-                self.home.copy_(self.master, non_blocking=True)
-            if self.materialized and self.device_flat is not self.home:
-                self.device_flat.copy_(self.home, non_blocking=True)
+        """After ``master`` changed: update the compute-dtype copies (a disk ``home`` is
+        rewritten whole, atomically)."""
+        self._sync_home(self.master_copy())
 
     # ------------------------------------------------------------------ gradients
     def accumulate_grad(self, entry: ParamEntry, grad: torch.Tensor) -> None:
         """Move ``grad`` into the fp32 gradient buffer (no clone kept on the device)."""
-        target = self.grad[entry.offset : entry.offset + entry.numel]
+        flat = self.grad
+        if isinstance(flat, DiskArray):
+            flat = self.grad_stager.buffer_for(self)
+        target = flat[entry.offset : entry.offset + entry.numel]
         source = grad.reshape(-1)
         if source.device != target.device:
             source = source.to(target.device, non_blocking=False)
@@ -216,12 +336,19 @@ class Unit:
         for entry in self.entries:
             entry.has_grad = False
 
-    def fill_missing_grads(self) -> list[str]:
-        """Zero the slices of parameters that got no gradient; return their names."""
+    def fill_missing_grads(self, grad: torch.Tensor | None = None, start: int = 0) -> list[str]:
+        """Zero the slices of parameters that got no gradient; return their names.
+
+        ``grad`` is the gradient buffer, or a chunk of it starting at element ``start``.
+        """
+        grad = self.grad if grad is None else grad
+        end = start + grad.numel()
         missing = []
         for entry in self.trainable_entries:
             if not entry.has_grad:
-                self.grad[entry.offset : entry.offset + entry.numel].zero_()
+                a, b = max(entry.offset, start), min(entry.offset + entry.numel, end)
+                if a < b:
+                    grad[a - start : b - start].zero_()
                 missing.append(entry.name)
         return missing
 
@@ -237,3 +364,6 @@ class Unit:
         for tensor, label in self._device_persistent:
             self.tiers.device_tier.release(tensor.numel() * tensor.element_size(), label)
         self._device_persistent.clear()
+        for array in self._disk_arrays:
+            array.free()
+        self._disk_arrays.clear()

@@ -342,12 +342,21 @@ class DiskTier:
         self._seq = 0
         self._current = 0
         self._peak = 0
+        self.bytes_read = 0  # bytes submitted for reading / writing since creation
+        self.bytes_written = 0
 
     # -- accounting -------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """``{"current", "peak", "capacity"}`` in bytes (region sizes, page-rounded)."""
-        return {"current": self._current, "peak": self._peak, "capacity": self.capacity}
+        """``{"current", "peak", "capacity"}`` in bytes (region sizes, page-rounded), plus
+        ``bytes_read`` / ``bytes_written``: the traffic submitted since creation."""
+        return {
+            "current": self._current,
+            "peak": self._peak,
+            "capacity": self.capacity,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+        }
 
     @property
     def kept_bytes(self) -> int:
@@ -488,6 +497,7 @@ class DiskTier:
         n = self._check_range(region, buffer, offset)
         region._written.add(offset, offset + n)
         region._written.remove(offset + n, _round_up(offset + n))
+        self.bytes_written += n
         return self.engine.submit_write(region.file, region.offset + offset, buffer)
 
     def read(self, region: DiskRegion, buffer: torch.Tensor, offset: int = 0) -> IOHandle:
@@ -505,6 +515,7 @@ class DiskTier:
                 path=region.file.path,
                 offset=region.offset + gap,
             )
+        self.bytes_read += n
         return self.engine.submit_read(region.file, region.offset + offset, buffer)
 
     # -- lifetime ---------------------------------------------------------------------

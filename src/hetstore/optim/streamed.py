@@ -1,0 +1,325 @@
+"""The optimizer step of a unit whose fp32 master and states live on disk, streamed.
+
+ZeRO-Infinity's pipelined swap, chunk by chunk through a fixed set of host buffers: while
+chunk ``i`` is stepped, chunk ``i+1``'s master, gradient and moments are being read and
+chunk ``i-1``'s are being written. Three buffer sets of ``chunk_numel`` elements per
+array bound the host memory whatever the unit's size.
+
+All writes of one unit go into shadow regions (see :mod:`hetstore.runtime.flat`) that
+replace the old ones only when every write of the unit has finished. If anything fails
+(disk full when allocating the shadow, an IO error) the unit's master, moments, step
+counter and compute-dtype copies are exactly as before the step, and the step can be
+run again.
+
+A chunk never straddles two optimizer segments (param groups), so one call of the fused
+kernel steps it with its group's hyper-parameters; chunks start at multiples of
+``chunk_numel`` from the segment start, which keeps every element's arithmetic identical
+to stepping the whole segment at once. The padding after a segment and the frozen
+parameters at the end of the unit are copied through unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.optim import Optimizer
+
+from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, wait_all
+from hetstore.runtime.unit import Unit
+
+__all__ = ["StreamedUnitStep", "state_keys_for"]
+
+_ADAM = (torch.optim.Adam, torch.optim.AdamW)
+SLOT_SETS = 3
+
+
+def state_keys_for(optimizer_class: type, groups: list[dict]) -> tuple[str, ...]:
+    """The per-element state tensors ``optimizer_class`` keeps for these param groups."""
+    if issubclass(optimizer_class, _ADAM):
+        amsgrad = any(g.get("amsgrad") for g in groups)
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    if issubclass(optimizer_class, torch.optim.SGD):
+        return ("momentum_buffer",) if any(g.get("momentum", 0) for g in groups) else ()
+    raise TypeError(optimizer_class)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    segment: int | None  # index into unit.segments; None: frozen tail, copied through
+    start: int
+    end: int  # master/home range [start, end)
+    state_end: int  # grad/state range [start, state_end)
+    step_end: int  # stepped range [start, step_end)
+
+
+def _chunks(unit: Unit, chunk_numel: int) -> list[_Chunk]:
+    spans = [(i, s.start, s.end) for i, s in enumerate(unit.segments)]
+    tail = unit.segments[-1].end if unit.segments else 0
+    tail += -tail % ALIGN_ELEMENTS
+    if tail < unit.numel:
+        spans.append((None, tail, unit.numel))
+    chunks = []
+    for k, (segment, start, seg_end) in enumerate(spans):
+        span_end = spans[k + 1][1] if k + 1 < len(spans) else unit.numel
+        for a in range(start, span_end, chunk_numel):
+            b = min(a + chunk_numel, span_end)
+            stepped = min(b, seg_end) if segment is not None else a
+            chunks.append(_Chunk(segment, a, b, min(b, unit.trainable_numel), stepped))
+    return chunks
+
+
+class StreamedUnitStep:
+    """Owns a disk unit's optimizer states and steps them (see module doc)."""
+
+    def __init__(
+        self,
+        unit: Unit,
+        optimizer_class: type,
+        hyper: Callable[[int], dict],
+        state_keys: tuple[str, ...],
+        chunk_numel: int,
+    ):
+        self.unit = unit
+        self.optimizer_class = optimizer_class
+        self.hyper = hyper
+        self.chunk_numel = max(ALIGN_ELEMENTS, chunk_numel // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
+        self.has_step = issubclass(optimizer_class, _ADAM)
+        self.states: dict[str, DiskArray] = {
+            key: unit.allocate("disk", unit.trainable_numel, torch.float32, key)
+            for key in state_keys
+        }
+        self.steps = [torch.zeros((), dtype=torch.float32) for _ in unit.segments]
+        self.stepped = False  # states hold values (else: fresh, as torch starts them)
+        self._chunks = _chunks(unit, self.chunk_numel)
+        placeholder = torch.zeros(1)
+        self._inner: list[Optimizer] = [
+            optimizer_class([{**hyper(s.group), "params": [placeholder]}]) for s in unit.segments
+        ]
+
+    # ------------------------------------------------------------------ buffers
+    def _slot_sets(self, count: int, names: list[tuple[str, torch.dtype]]):
+        host, buffers, sets = self.unit.tiers.host, [], []
+        try:
+            for _ in range(count):
+                slot = {}
+                for name, dtype in names:
+                    buffer = self.unit.scratch(self.chunk_numel, dtype, f"swap {name}")
+                    buffers.append(buffer)
+                    slot[name] = buffer.tensor
+                sets.append(slot)
+        except BaseException:
+            for buffer in buffers:
+                host.free(buffer)
+            raise
+        return sets, buffers
+
+    def _fresh_absent(self, key: str) -> bool:
+        """True when torch creates this state itself on the first step (SGD momentum)."""
+        return not self.stepped and not self.has_step
+
+    # ------------------------------------------------------------------ gradients
+    def scan_grads(self, multipliers: list, visit: Callable[[torch.Tensor, int], None]) -> None:
+        """Read the unit's gradients chunk by chunk (two buffers, reading ahead), apply
+        ``multipliers`` in order, and call ``visit(chunk, start)``."""
+        unit = self.unit
+        total = unit.trainable_numel
+        starts = list(range(0, total, self.chunk_numel))
+        sets, buffers = self._slot_sets(min(2, len(starts)), [("grad", torch.float32)])
+        pending: list = []
+        try:
+            views = []
+            for i, a in enumerate(starts):
+                n = min(self.chunk_numel, total - a)
+                views.append(sets[i % len(sets)]["grad"][:n])
+            pending.append(unit.grad.read(views[0], starts[0]))
+            for i, a in enumerate(starts):
+                current = pending.pop(0)
+                if i + 1 < len(starts):
+                    pending.append(unit.grad.read(views[i + 1], starts[i + 1]))
+                current.wait()
+                chunk = views[i]
+                unit.fill_missing_grads(chunk, a)
+                for m in multipliers:
+                    chunk.mul_(m)
+                visit(chunk, a)
+        finally:
+            wait_all_quiet(pending)
+            for buffer in buffers:
+                self.unit.tiers.host.free(buffer)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, grad_multipliers: list) -> None:
+        """Step every segment of the unit; all-or-nothing (see module doc)."""
+        unit = self.unit
+        grad_on_disk = isinstance(unit.grad, DiskArray)
+        home = unit.home
+        home_on_disk = isinstance(home, DiskArray) and home is not unit.master
+        targets: dict[str, DiskArray] = {"master": unit.master, **self.states}
+        if home_on_disk:
+            targets["home"] = home
+        names = [("master", torch.float32)] + [(k, torch.float32) for k in self.states]
+        if grad_on_disk:
+            names.append(("grad", torch.float32))
+        if home_on_disk:
+            names.append(("home", unit.compute_dtype))
+        chunks = self._chunks
+        shadows: dict[str, DiskArray] = {}
+        sets, buffers = [], []
+        loads: dict[int, list] = {}
+        writes: dict[int, list] = {}
+        touched_memory_home = False
+        if unit.grad_stager is not None:
+            unit.grad_stager.finish()  # backward's gradient writes, and their errors
+        try:
+            for name, array in targets.items():
+                shadows[name] = array.shadow()
+            sets, buffers = self._slot_sets(min(SLOT_SETS, len(chunks)), names)
+
+            def load(i: int) -> None:
+                slot = sets[i % len(sets)]
+                wait_all(writes.pop(i % len(sets), []))  # the buffer set is free again
+                c = chunks[i]
+                handles = [unit.master.read(slot["master"][: c.end - c.start], c.start)]
+                n_state = c.state_end - c.start
+                if n_state > 0:
+                    if grad_on_disk:
+                        handles.append(unit.grad.read(slot["grad"][:n_state], c.start))
+                    for key, array in self.states.items():
+                        if not self._fresh_absent(key):
+                            handles.append(array.read(slot[key][:n_state], c.start))
+                loads[i] = handles
+
+            load(0)
+            for i, c in enumerate(chunks):
+                if i + 1 < len(chunks):
+                    load(i + 1)
+                wait_all(loads.pop(i))
+                slot = sets[i % len(sets)]
+                master = slot["master"][: c.end - c.start]
+                n_state = c.state_end - c.start
+                if c.segment is not None and c.step_end > c.start:
+                    self._step_chunk(c, slot, master, grad_on_disk, grad_multipliers)
+                handles = [unit.master.write(master, c.start, into=shadows["master"])]
+                if n_state > 0:
+                    for key, array in self.states.items():
+                        handles.append(array.write(slot[key][:n_state], c.start, into=shadows[key]))
+                if home_on_disk:
+                    cast = slot["home"][: c.end - c.start]
+                    cast.copy_(master)
+                    handles.append(home.write(cast, c.start, into=shadows["home"]))
+                elif home is not unit.master:
+                    touched_memory_home = True
+                    home[c.start : c.end].copy_(master, non_blocking=True)
+                if unit.materialized and unit.device_flat is not home:
+                    unit.device_flat[c.start : c.end].copy_(master, non_blocking=True)
+                writes[i % len(sets)] = handles
+            for handles in writes.values():
+                wait_all(handles)
+            for name, array in targets.items():
+                array.commit(shadows.pop(name))
+        except BaseException:
+            for handles in list(loads.values()) + list(writes.values()):
+                wait_all_quiet(handles)
+            for shadow in shadows.values():
+                shadow.discard()
+            if touched_memory_home:
+                self._restore_home()
+            raise
+        finally:
+            for buffer in buffers:
+                unit.tiers.host.free(buffer)
+        for counter in self.steps:
+            counter += 1
+        self.stepped = True
+        if unit.param_stager is not None:
+            unit.param_stager.forget(unit)
+
+    def _step_chunk(self, c: _Chunk, slot, master, grad_on_disk: bool, multipliers) -> None:
+        unit = self.unit
+        n = c.step_end - c.start
+        if grad_on_disk:
+            grad = slot["grad"][:n]
+            unit.fill_missing_grads(grad, c.start)
+            for m in multipliers:
+                grad.mul_(m)
+        else:
+            grad = unit.grad[c.start : c.step_end]
+        param = master[:n]
+        inner = self._inner[c.segment]
+        group = inner.param_groups[0]
+        group.update(self.hyper(unit.segments[c.segment].group))
+        group["params"] = [param]
+        param.grad = grad
+        state = {}
+        if self.has_step:
+            state["step"] = self.steps[c.segment].clone()
+        for key in self.states:
+            if not self._fresh_absent(key):
+                state[key] = slot[key][:n]
+        inner.state.clear()
+        inner.state[param] = state
+        inner.step()
+        for key in self.states:
+            value = inner.state[param].get(key)
+            view = slot[key][:n]
+            if value is not None and value.data_ptr() != view.data_ptr():
+                view.copy_(value)  # a state torch created itself (SGD's first momentum)
+        param.grad = None
+        inner.state.clear()
+
+    def _restore_home(self) -> None:
+        """After a failed step: the in-memory compute-dtype copy back from the (intact)
+        master on disk."""
+        unit = self.unit
+        scratch = unit.scratch(unit.numel, torch.float32, "restore scratch")
+        try:
+            unit.master.read(scratch.tensor).wait()
+            unit.home.copy_(scratch.tensor)
+            if unit.materialized and unit.device_flat is not unit.home:
+                unit.device_flat.copy_(scratch.tensor)
+        finally:
+            unit.tiers.host.free(scratch)
+
+    # ------------------------------------------------------------------ state dict
+    def read_state(self, key: str, start: int, numel: int) -> torch.Tensor | None:
+        """Elements ``[start, start+numel)`` of state ``key`` (None before the first step)."""
+        if key == "step":
+            return None
+        if not self.stepped:
+            return None
+        out = torch.empty(numel, dtype=torch.float32)
+        self.states[key].read(out, start).wait()
+        return out
+
+    def write_states(self, values: dict[str, list[tuple[int, torch.Tensor]]], step) -> None:
+        """Overwrite slices of the states: ``values[key] = [(start, flat tensor), ...]``;
+        every segment's step counter becomes ``step`` (torch keeps one per parameter; a
+        loaded state has one value for all of a unit's parameters in practice)."""
+        unit = self.unit
+        scratch = unit.scratch(unit.trainable_numel, torch.float32, "state scratch")
+        try:
+            for key, array in self.states.items():
+                flat = scratch.tensor
+                array.read(flat).wait()
+                for start, value in values.get(key, []):
+                    flat[start : start + value.numel()].copy_(value.reshape(-1))
+                array.write_all(flat)
+        finally:
+            unit.tiers.host.free(scratch)
+        if step is not None:
+            for counter in self.steps:
+                counter.fill_(float(step))
+        self.stepped = True
+
+
+def wait_all_quiet(handles: list) -> None:
+    """Wait for every handle, ignoring errors (cleanup after another error)."""
+    for handle in handles:
+        try:
+            handle.wait()
+        except BaseException:  # noqa: BLE001 - an error is already being raised
+            pass
+    handles.clear()

@@ -1,0 +1,167 @@
+"""``DiskArray``: a flat tensor whose elements live in a disk-tier region.
+
+What a unit keeps on disk (fp32 master, optimizer moments, gradients, compute-dtype
+parameters) is one ``DiskArray`` each. Elements move in and out through host buffers
+with :meth:`read` / :meth:`write`, asynchronously.
+
+Updates that must not be left half-done (the optimizer step of a unit) write into a
+*shadow*: a second region of the same size, made the array's region by
+:meth:`commit` once every write into it has finished, or thrown away by
+:meth:`DiskArray.discard`. A failure in the middle of writing a unit's new state
+therefore leaves the old state whole; the disk cost is one unit's states, and the
+shadow's file is the old region's file of the previous commit (the disk tier recycles
+freed files of the same size), so steady-state steps allocate nothing new.
+
+Element ranges read or written at once must start at a multiple of
+:data:`ALIGN_ELEMENTS` (except at the array's end) when another transfer could touch
+the neighbouring range at the same time: the disk tier's writes own the rest of their
+last 4096-byte page. Units lay out their flat buffers so that every optimizer segment
+starts at such a multiple.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hetstore.tiers.aio import IOHandle
+from hetstore.tiers.disk import DiskRegion, DiskTier
+
+__all__ = ["ALIGN_ELEMENTS", "DiskArray", "Done", "wait_all"]
+
+# 4096 bytes of the narrowest dtype a unit stores (2-byte compute dtypes)
+ALIGN_ELEMENTS = 2048
+
+
+class Done:
+    """A finished transfer (zero-filled reads of never-written arrays)."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+
+def wait_all(handles: list) -> None:
+    """Wait for every handle, then raise the first error (no transfer is left running)."""
+    first: BaseException | None = None
+    for handle in handles:
+        try:
+            handle.wait()
+        except BaseException as exc:  # noqa: BLE001 - collected, re-raised below
+            first = first or exc
+    handles.clear()
+    if first is not None:
+        raise first
+
+
+class DiskArray:
+    """``numel`` elements of ``dtype`` in one region of ``disk``."""
+
+    def __init__(self, disk: DiskTier, numel: int, dtype: torch.dtype, label: str):
+        self.disk = disk
+        self.numel = numel
+        self.dtype = dtype
+        self.label = label
+        self.region: DiskRegion = disk.allocate(numel * dtype.itemsize, label)
+        self._writes: list[tuple[IOHandle, DiskRegion, int, int]] = []
+        self.written = False  # False until the first full write: reads give zeros
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def _check(self, buffer: torch.Tensor, start: int) -> None:
+        if buffer.dtype != self.dtype:
+            raise TypeError(f"{self.label}: buffer dtype {buffer.dtype}, array dtype {self.dtype}")
+        if start < 0 or start + buffer.numel() > self.numel:
+            raise ValueError(
+                f"{self.label}: elements [{start}, {start + buffer.numel()}) outside 0..{self.numel}"
+            )
+
+    # ------------------------------------------------------------------ IO
+    def read(self, buffer: torch.Tensor, start: int = 0):
+        """Start reading elements ``[start, start + buffer.numel())`` into ``buffer``.
+
+        An array never written reads as zeros (no IO). Writes still running are waited
+        for first, so a read always sees the last write.
+        """
+        self._check(buffer, start)
+        self.wait_writes()
+        if not self.written:
+            buffer.zero_()
+            return Done()
+        return self.disk.read(self.region, buffer, start * self.dtype.itemsize)
+
+    def write(self, buffer: torch.Tensor, start: int = 0, *, into: DiskArray | None = None):
+        """Start writing ``buffer`` at element ``start`` of this array, or of the shadow
+        ``into`` (made by :meth:`shadow`). Keep ``buffer`` unchanged until it is done."""
+        self._check(buffer, start)
+        target = into if into is not None else self
+        region = target.region
+        offset = start * self.dtype.itemsize
+        handle = self.disk.write(region, buffer, offset)
+        target._writes.append(
+            (handle, region, offset, offset + buffer.numel() * self.dtype.itemsize)
+        )
+        if start == 0 and buffer.numel() == self.numel:
+            target.written = True
+        return handle
+
+    def write_all(self, buffer: torch.Tensor) -> None:
+        """Write the whole array from ``buffer`` and wait (construction, loading)."""
+        self.write(buffer, 0)
+        self.wait_writes()
+
+    def wait_writes(self) -> None:
+        """Wait for this array's writes; a failed one raises and its bytes become unreadable."""
+        writes, self._writes = self._writes, []
+        first: BaseException | None = None
+        for handle, region, a, b in writes:
+            try:
+                handle.wait()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                region._written.remove(a, b)
+                first = first or exc
+        if first is not None:
+            raise first
+
+    # ------------------------------------------------------------------ shadows
+    def shadow(self) -> DiskArray:
+        """A fresh region of the same size to write a new version into (see module doc)."""
+        twin = DiskArray.__new__(DiskArray)
+        twin.disk, twin.numel, twin.dtype = self.disk, self.numel, self.dtype
+        twin.label = self.label
+        twin.region = self.disk.allocate(self.nbytes, self.label)
+        twin._writes = []
+        twin.written = False
+        return twin
+
+    def commit(self, shadow: DiskArray) -> None:
+        """Make ``shadow`` (fully written, its writes finished) this array's contents."""
+        shadow.wait_writes()
+        self.wait_writes()
+        old = self.region
+        self.region = shadow.region
+        self.written = True
+        shadow.region = None
+        self.disk.free(old)
+
+    def discard(self) -> None:
+        """Give a shadow (or any array) back without committing; waits for its IO."""
+        for handle, _, _, _ in self._writes:
+            try:
+                handle.wait()
+            except BaseException:  # noqa: BLE001 - the data is being thrown away
+                pass
+        self._writes.clear()
+        if self.region is not None and not self.region.freed:
+            self.disk.free(self.region)
+        self.region = None
+
+    def free(self) -> None:
+        if self.region is not None and not self.region.freed and not self.disk.closed:
+            self.discard()
+
+    def __repr__(self) -> str:
+        return f"DiskArray({self.label!r}, {self.numel} x {self.dtype}, {self.region!r})"

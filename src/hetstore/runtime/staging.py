@@ -1,0 +1,217 @@
+"""Bounded host staging for disk-resident units.
+
+Two pools, both of a fixed number of equal host buffers allocated lazily from the host
+tier, so the host memory a disk placement needs does not grow with the model:
+
+- :class:`ParamStager`: compute-dtype parameters on their way disk -> host -> device.
+  ``prefetch_depth + 1`` buffers of the largest unit's parameter bytes. A prefetch
+  starts the disk read into a free buffer and never waits; a fetch takes the unit's
+  staged buffer (or reads now), copies it to the device and gives the buffer back, so
+  the host copy is dropped right after upload.
+- :class:`GradStager`: fp32 gradients of units whose gradients live on disk, gathered in
+  a host buffer while the unit's backward runs and written out (asynchronously) when the
+  unit has all its gradients. Three buffers of the largest unit's trainable bytes: one
+  being filled, one being written, one for the root unit, whose gradients (embeddings)
+  complete only at the end of backward. A unit needing a buffer when all are busy
+  waits for the oldest write, or writes out the oldest partial unit and re-reads it
+  later (accumulation makes that exact), so any model order works.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+
+from hetstore.tiers import HostBuffer, HostTier
+
+if TYPE_CHECKING:
+    from hetstore.runtime.unit import Unit
+
+__all__ = ["ParamStager", "GradStager"]
+
+
+class _Slots:
+    """``count`` host buffers of ``nbytes`` each, allocated on first use."""
+
+    def __init__(self, host: HostTier, nbytes: int, count: int, label: str):
+        self.host = host
+        self.nbytes = max(nbytes, 1)
+        self.count = count
+        self.label = label
+        self._buffers: list[HostBuffer] = []
+        self.free: list[torch.Tensor] = []
+
+    def take(self) -> torch.Tensor | None:
+        if self.free:
+            return self.free.pop()
+        if len(self._buffers) < self.count:
+            buffer = self.host.allocate(self.nbytes, f"{self.label} {len(self._buffers)}")
+            self._buffers.append(buffer)
+            return buffer.tensor
+        return None
+
+    def give(self, slot: torch.Tensor) -> None:
+        self.free.append(slot)
+
+    def close(self) -> None:
+        for buffer in self._buffers:
+            self.host.free(buffer)
+        self._buffers.clear()
+        self.free.clear()
+
+
+class ParamStager:
+    """Staging buffers for reading compute-dtype parameters from disk (see module doc)."""
+
+    def __init__(self, host: HostTier, nbytes: int, count: int):
+        self._slots = _Slots(host, nbytes, count, "param staging")
+        self._staged: OrderedDict[Unit, tuple[torch.Tensor, object]] = OrderedDict()
+        self._uploading: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+
+    def _reclaim_uploads(self, block: bool) -> None:
+        still = []
+        for slot, event in self._uploading:
+            if block or event.query():
+                event.synchronize()
+                self._slots.give(slot)
+            else:
+                still.append((slot, event))
+        self._uploading = still
+
+    def _take(self, block: bool) -> torch.Tensor | None:
+        self._reclaim_uploads(block=False)
+        slot = self._slots.take()
+        if slot is None and self._uploading and block:
+            self._reclaim_uploads(block=True)
+            slot = self._slots.take()
+        if slot is None and self._staged and block:
+            _, (slot, handle) = self._staged.popitem(last=False)  # drop the oldest prefetch
+            handle.wait()
+        return slot
+
+    def _view(self, slot: torch.Tensor, unit: Unit) -> torch.Tensor:
+        return slot[: unit.device_bytes].view(unit.compute_dtype)
+
+    def prefetch(self, unit: Unit) -> None:
+        """Start reading ``unit``'s parameters from disk if a buffer is free; never waits."""
+        if unit in self._staged or unit.materialized:
+            return
+        slot = self._take(block=False)
+        if slot is not None:
+            self._staged[unit] = (slot, unit.home.read(self._view(slot, unit)))
+
+    def take(self, unit: Unit) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(buffer, parameters)``: ``unit``'s parameters read (or waited for) now into a
+        host buffer; hand ``buffer`` to :meth:`give_back` after the upload."""
+        staged = self._staged.pop(unit, None)
+        if staged is None:
+            slot = self._take(block=True)
+            staged = (slot, unit.home.read(self._view(slot, unit)))
+        slot, handle = staged
+        try:
+            handle.wait()
+        except BaseException:
+            self._slots.give(slot)
+            raise
+        return slot, self._view(slot, unit)
+
+    def give_back(self, slot: torch.Tensor, event: torch.cuda.Event | None = None) -> None:
+        """Return a buffer from :meth:`take`; with ``event``, once that copy has finished."""
+        if event is None:
+            self._slots.give(slot)
+        else:
+            self._uploading.append((slot, event))
+
+    def forget(self, unit: Unit) -> None:
+        """Drop a prefetch that is stale (the unit's parameters changed on disk)."""
+        staged = self._staged.pop(unit, None)
+        if staged is not None:
+            staged[1].wait()
+            self._slots.give(staged[0])
+
+    def close(self) -> None:
+        for _slot, handle in self._staged.values():
+            try:
+                handle.wait()
+            except BaseException:  # noqa: BLE001 - closing: the data is not needed
+                pass
+        self._staged.clear()
+        self._reclaim_uploads(block=True)
+        self._slots.close()
+
+
+class GradStager:
+    """Host buffers gathering fp32 gradients of disk-gradient units (see module doc)."""
+
+    def __init__(self, host: HostTier, nbytes: int, count: int = 3):
+        self._slots = _Slots(host, nbytes, count, "grad staging")
+        # unit -> (gradient view, the whole buffer it is a prefix of)
+        self._holders: OrderedDict[Unit, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._writing: list[tuple[Unit, torch.Tensor]] = []  # (unit, whole buffer)
+
+    def buffer_for(self, unit: Unit) -> torch.Tensor:
+        """The host buffer gathering ``unit``'s gradients (its accumulated ones read in)."""
+        held = self._holders.get(unit)
+        if held is not None:
+            return held[0]
+        slot = self._slots.take()
+        while slot is None:
+            if self._writing:
+                self._finish_oldest_write()
+            else:
+                self.flush(next(iter(self._holders)))
+            slot = self._slots.take()
+        view = slot[: unit.trainable_numel * 4].view(torch.float32)
+        if unit.any_grad():  # accumulating: earlier micro-batches' sums are on disk
+            try:
+                unit.grad.read(view).wait()
+            except BaseException:
+                self._slots.give(slot)
+                raise
+        self._holders[unit] = (view, slot)
+        return view
+
+    def holds(self, unit: Unit) -> bool:
+        return unit in self._holders
+
+    def _finish_oldest_write(self) -> None:
+        unit, slot = self._writing.pop(0)
+        try:
+            unit.grad.wait_writes()
+        finally:
+            self._slots.give(slot)
+
+    def flush(self, unit: Unit) -> None:
+        """Start writing ``unit``'s gathered gradients to disk (no-op if none gathered)."""
+        held = self._holders.pop(unit, None)
+        if held is None:
+            return
+        view, slot = held
+        unit.grad.write(view, 0)
+        self._writing.append((unit, slot))
+
+    def flush_all(self) -> None:
+        for unit in list(self._holders):
+            self.flush(unit)
+
+    def finish(self) -> None:
+        """Wait for every gradient write (before the step reads them)."""
+        self.flush_all()
+        first = None
+        while self._writing:
+            try:
+                self._finish_oldest_write()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        self._holders.clear()
+        try:
+            self.finish()
+        except BaseException:  # noqa: BLE001 - closing
+            pass
+        self._slots.close()
