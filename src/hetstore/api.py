@@ -163,7 +163,17 @@ def _build_units(
     """Build every unit; a meta model is materialized module by module in between, and
     each unit is built (moved into its tiers) as soon as all its modules are real."""
     meta_modules = [(name, m) for name, m in model.named_modules() if owns_meta(m)]
-    owner_ids = [{id(module) for module, _, _ in spec.params} for spec in specs]
+    # every module holding a parameter, tied ones included: a unit is built (and its
+    # storage released) only after all of them have run their initialization
+    holders: dict[int, set[int]] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                holders.setdefault(id(param), set()).add(id(module))
+    owner_ids = [
+        set().union(*(holders[id(module._parameters[attr])] for module, attr, _ in spec.params))
+        for spec in specs
+    ]
     pending = {id(m) for _, m in meta_modules}
 
     def build_ready() -> None:
