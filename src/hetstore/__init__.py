@@ -14,6 +14,7 @@ from hetstore.errors import (
     OutOfTierMemory,
 )
 from hetstore.stats import memory_stats
+from hetstore.weights import load_weights
 
 __all__ = [
     "offload",
@@ -24,5 +25,6 @@ __all__ = [
     "DiskIOError",
     "HetstoreError",
     "memory_stats",
+    "load_weights",
 ]
 __version__ = "0.1.0"
