@@ -235,3 +235,21 @@ def test_disk_capacity_smaller_than_states_refused_before_training(tmp_path):
         )
     assert info.value.tier == "disk" and "offload_disk_size" in str(info.value)
     assert os.listdir(tmp_path) == []  # nothing left behind
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_disk_reads_are_prefetched_in_forward_and_backward(tmp_path, depth):
+    """After the first step recorded the order, every block's parameters were already
+    being read when its forward or backward asked for them (only the root, fetched at
+    the very start, is read on demand)."""
+    _, mine = pair(GPT)
+    cfg = disk_config(tmp_path, prefetch_depth=depth)
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
+    data = batches(3)
+    run(mine, opt, data[:1])
+    stager = mine._hetstore_runtime.root.param_stager
+    stager.prefetched = stager.unprefetched = 0
+    run(mine, opt, data[1:])
+    blocks = len(mine._hetstore_runtime.block_units)
+    assert stager.prefetched == 2 * blocks * 2  # forward + backward, two steps
+    assert stager.unprefetched == 2  # the root, once per step

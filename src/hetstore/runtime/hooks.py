@@ -89,6 +89,8 @@ class OffloadRuntime:
 
     # ------------------------------------------------------------------ forward
     def _model_pre_forward(self, module, args) -> None:
+        if not _in_backward():
+            self._prefetch_edge(first=True)  # the first blocks' reads overlap the root's
         if self.root is not None:
             self._fetch(self.root)
             self.root.wait_ready()
@@ -101,6 +103,8 @@ class OffloadRuntime:
         )
         if self.root is not None and not needs_grad and not _in_backward():
             self.root.release()
+        if needs_grad and not _in_backward():
+            self._prefetch_edge(first=False)  # backward starts with the last blocks
 
     def _pre_forward(self, unit: Unit) -> None:
         if not self._order_done and not _in_backward() and unit not in self.order:
@@ -167,6 +171,20 @@ class OffloadRuntime:
     # ------------------------------------------------------------------ prefetch
     def _fetch(self, unit: Unit) -> None:
         unit.fetch(self.copy_stream)
+
+    def _prefetch_edge(self, first: bool) -> None:
+        """Prefetch the units the next phase starts with: the first ones in the recorded
+        order before a forward, the last ones before a backward."""
+        if not self.prefetch_depth or not self.order:
+            return
+        edge = (
+            self.order[: self.prefetch_depth] if first else self.order[::-1][: self.prefetch_depth]
+        )
+        for unit in edge:
+            if unit.param_stager is not None:
+                unit.prefetch()
+            elif self.copy_stream is not None:
+                self._fetch(unit)
 
     def _prefetch_after(self, unit: Unit, step: int) -> None:
         """Bring the next units closer: start their disk reads (any device) and, on CUDA,

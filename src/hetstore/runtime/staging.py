@@ -69,6 +69,9 @@ class ParamStager:
         self._slots = _Slots(host, nbytes, count, "param staging")
         self._staged: OrderedDict[Unit, tuple[torch.Tensor, object]] = OrderedDict()
         self._uploading: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        # fetches that found their read already started (prefetched) / had to start it
+        self.prefetched = 0
+        self.unprefetched = 0
 
     def _reclaim_uploads(self, block: bool) -> None:
         still = []
@@ -107,8 +110,11 @@ class ParamStager:
         host buffer; hand ``buffer`` to :meth:`give_back` after the upload."""
         staged = self._staged.pop(unit, None)
         if staged is None:
+            self.unprefetched += 1
             slot = self._take(block=True)
             staged = (slot, unit.home.read(self._view(slot, unit)))
+        else:
+            self.prefetched += 1
         slot, handle = staged
         try:
             handle.wait()
