@@ -253,3 +253,33 @@ def test_disk_reads_are_prefetched_in_forward_and_backward(tmp_path, depth):
     blocks = len(mine._hetstore_runtime.block_units)
     assert stager.prefetched == 2 * blocks * 2  # forward + backward, two steps
     assert stager.unprefetched == 2  # the root, once per step
+
+
+CRASHING_RUN = """
+import os, signal, sys, torch, hetstore
+from tests.models.gpt import GPT, batches
+model = GPT()
+cfg = hetstore.OffloadConfig(offload_param="disk", offload_optimizer="disk",
+                             offload_path=sys.argv[1], enable_pinned_mem=False, device="cpu")
+model, opt = hetstore.offload(model, torch.optim.AdamW(model.parameters()), cfg)
+x, y = batches(1)[0]
+model(x, y).backward()
+opt.step()
+os.kill(os.getpid(), signal.SIGKILL)  # no cleanup runs
+"""
+
+
+def test_a_killed_runs_swap_files_are_removed_by_the_next_run(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", CRASHING_RUN, str(tmp_path)], cwd=root)
+    assert proc.returncode == -9
+    leftovers = [p for p in os.listdir(tmp_path) if p.startswith("hetstore-")]
+    assert len(leftovers) == 1 and len(os.listdir(tmp_path / leftovers[0])) > 2
+    _, mine = pair(GPT)
+    mine, _ = hetstore.offload(mine, adamw(mine.parameters()), disk_config(tmp_path))
+    remaining = [p for p in os.listdir(tmp_path) if p.startswith("hetstore-")]
+    assert remaining == [os.path.basename(mine._hetstore_tiers.disk.path)]

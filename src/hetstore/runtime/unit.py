@@ -195,8 +195,10 @@ class Unit:
         size, so loading or initializing a model holds one unit in host memory at a time.
         """
         if not isinstance(self.master, DiskArray):
-            yield self.master
-            self._sync_home(self.master)
+            try:
+                yield self.master
+            finally:  # even a half-done edit: the copies must match the master
+                self._sync_home(self.master)
             return
         scratch = self.scratch(self.numel, torch.float32, "master scratch")
         try:
