@@ -22,14 +22,19 @@ def cuda_config(param="cpu", optim="cpu", **kwargs):
     return OffloadConfig(offload_param=param, offload_optimizer=optim, device="cuda", **kwargs)
 
 
-@pytest.mark.parametrize("param, optim", [("cpu", "cpu"), ("none", "cpu"), ("cpu", "none")])
-def test_cuda_parity_with_plain_pytorch(param, optim):
+@pytest.mark.parametrize(
+    "param, optim",
+    [("cpu", "cpu"), ("none", "cpu"), ("cpu", "none"), ("disk", "disk"), ("disk", "cpu")],
+)
+def test_cuda_parity_with_plain_pytorch(tmp_path, param, optim):
     torch.manual_seed(0)
     ref = GPT(width=64, depth=4).cuda()
     mine = copy.deepcopy(ref).cpu()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
     mine, opt = hetstore.offload(
-        mine, torch.optim.AdamW(mine.parameters(), lr=1e-3, fused=True), cuda_config(param, optim)
+        mine,
+        torch.optim.AdamW(mine.parameters(), lr=1e-3, fused=True),
+        cuda_config(param, optim, offload_path=str(tmp_path)),
     )
     for x, y in batches(4):
         x, y = x.cuda(), y.cuda()
