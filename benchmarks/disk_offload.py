@@ -1,0 +1,507 @@
+"""Training step of a GPT with its states on disk: against host offload and plain PyTorch.
+
+    .venv/bin/python benchmarks/disk_offload.py            # ~77M parameters, a few minutes
+    .venv/bin/python benchmarks/disk_offload.py --tiny     # seconds: checks the harness
+
+Every variant trains ``hetstore.demo.gpt.GPT`` from the same seed on the same
+``hetstore.demo.gpt.batches`` with ``torch.optim.AdamW(fused=True)``, in fp32:
+
+* ``plain``: the model and optimizer as they are (the reference);
+* ``cpu``: ``offload_param="cpu", offload_optimizer="cpu"``;
+* ``disk``: ``offload_param="disk", offload_optimizer="disk"`` (gradients follow to disk);
+* ``disk (grad cpu)``: as ``disk`` with ``offload_grad="cpu"``.
+
+hetstore runs use ``enable_pinned_mem=False, device="cpu"`` and an ``offload_path`` in a
+temporary directory under ``--dir`` (by default ``offload/`` in the repository: the same
+disk as the repository, never tmpfs). Each variant runs in its own worker process, so
+its peak RSS is its own and nothing is shared (page cache, allocator). The workers run in
+lockstep: step i of every variant, in a random order per step with a short pause before
+each, then step i + 1, so drift of the shared machine hits all of them alike.
+
+The disk's own bandwidth is measured in the same run, in the same rounds (one per timed
+step), by sequential O_DIRECT writes and reads of ``--disk-size`` bytes on a file in the
+same directory as the offload path:
+
+* with fio, bs 8M, in a few engine / numjobs / iodepth configurations; the configuration
+  with the best median per direction gives "(fio)". ``--no-fio`` or no fio: skipped.
+* with hetstore's own ``AsyncIOEngine`` at its defaults on a huge-page mmap buffer, as the
+  disk tier runs it ("(engine)", the ``disk_io.py`` pass). On a virtio disk fio, whose
+  buffers are 4 KiB pages, reads well below what the disk delivers to huge-page buffers
+  (see docs/BENCHMARKS.md), so both are shown.
+
+For a disk variant, the bytes it read and wrote per step
+(``model._hetstore_tiers.disk.stats()``, summed over the timed steps / their number) give
+the time the disk alone needs, ``t_disk = read_bytes / read_bw + write_bytes / write_bw``,
+and the *disk-bound fraction* ``t_disk / step time``: 1.0 means the step runs at the
+disk's limit. The same is reported per phase (forward, backward, optimizer step).
+
+Reported: median step time (and its forward / backward / optimizer parts), the paired
+per-step ratio to plain and to host offload, peak RSS per process, hetstore's host and
+disk peaks, the disk traffic per step, and the largest relative difference of every
+run's losses from plain's (they should agree to ~1e-6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import random
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+import hetstore
+from _common import REPO, format_table, machine_line, median, peak_rss_bytes, size, spread
+from disk_io import MiB, hetstore_pass, host_buffer, layout, machine_summary
+from hetstore._sizes import format_size, parse_size
+from hetstore.demo.gpt import GPT, batches
+
+LR = 3e-4
+WEIGHT_DECAY = 0.1
+SETTLE_S = 0.05  # pause before each timed step: the other workers' OpenMP threads spin down
+
+# variant -> (offload_param, offload_optimizer, offload_grad); None: plain PyTorch
+VARIANTS: dict[str, tuple[str, str, str | None] | None] = {
+    "plain": None,
+    "cpu": ("cpu", "cpu", None),
+    "disk": ("disk", "disk", None),
+    "disk (grad cpu)": ("disk", "disk", "cpu"),
+}
+# fio configurations tried each round: (ioengine, numjobs, iodepth), all bs 8M, O_DIRECT
+FIO_CONFIGS = [("libaio", 1, 16), ("libaio", 2, 8), ("psync", 4, 1)]
+FIO_BS = "8M"
+PHASES = ("fwd", "bwd", "opt")  # forward; backward; optimizer.step() + zero_grad()
+
+
+def on_disk(variant: str) -> bool:
+    placement = VARIANTS[variant]
+    return placement is not None and placement[0] == "disk"
+
+
+# ---------------------------------------------------------------------------- worker
+def build(variant: str, args: argparse.Namespace):
+    torch.manual_seed(0)
+    model = GPT(
+        vocab=args.vocab, width=args.width, depth=args.depth, heads=args.heads, ctx=args.ctx
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    placement = VARIANTS[variant]
+    if placement is not None:
+        param, opt, grad = placement
+        config = hetstore.OffloadConfig(
+            offload_param=param,
+            offload_optimizer=opt,
+            offload_grad=grad,
+            offload_path=args.offload_path,
+            enable_pinned_mem=False,
+            device="cpu",
+            compute_dtype="fp32",
+        )
+        model, optimizer = hetstore.offload(model, optimizer, config)
+    return model, optimizer
+
+
+def disk_counters(model, variant: str) -> tuple[int, int]:
+    """(bytes read, bytes written) by the disk tier since it was made; 0, 0 off disk."""
+    if not on_disk(variant):
+        return 0, 0
+    stats = model._hetstore_tiers.disk.stats()
+    return stats["bytes_read"], stats["bytes_written"]
+
+
+def worker(variant: str, args: argparse.Namespace) -> None:
+    """Line protocol on stdin/stdout: JSON commands in, one JSON reply per command."""
+    t0 = time.perf_counter()
+    model, optimizer = build(variant, args)
+    data = batches(args.warmup + args.steps, vocab=args.vocab, batch=args.batch, ctx=args.ctx)
+    params = sum(p.numel() for p in model.parameters())
+    reply({"ready": True, "params": params, "build_s": time.perf_counter() - t0})
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["op"] == "step":
+            x, y = data[command["step"]]
+            marks = [(time.perf_counter(), *disk_counters(model, variant))]
+            loss = model(x, y)
+            marks.append((time.perf_counter(), *disk_counters(model, variant)))
+            loss.backward()
+            marks.append((time.perf_counter(), *disk_counters(model, variant)))
+            optimizer.step()
+            optimizer.zero_grad()
+            marks.append((time.perf_counter(), *disk_counters(model, variant)))
+            out = {"loss": loss.item(), "time": marks[-1][0] - marks[0][0]}
+            out["read"] = marks[-1][1] - marks[0][1]
+            out["written"] = marks[-1][2] - marks[0][2]
+            for phase, (a, b) in zip(PHASES, itertools.pairwise(marks), strict=True):
+                out[phase] = b[0] - a[0]
+                out[f"{phase}_read"] = b[1] - a[1]
+                out[f"{phase}_written"] = b[2] - a[2]
+            reply(out)
+        elif command["op"] == "stats":
+            stats = None if VARIANTS[variant] is None else hetstore.memory_stats(model)
+            reply({"rss": peak_rss_bytes(), "memory_stats": stats})
+        else:
+            break
+
+
+def reply(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------- driver
+class Worker:
+    """One variant's process; requests are answered in order."""
+
+    def __init__(self, variant: str, argv: list[str]):
+        self.variant = variant
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, *argv, "--worker", variant],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        ready = self.request(None)
+        self.params, self.build_s = ready["params"], ready["build_s"]
+
+    def request(self, command: dict[str, Any] | None) -> dict[str, Any]:
+        if command is not None:
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.variant!r} worker exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            self.proc.wait(timeout=300)
+
+
+def fio_bw(path: str, nbytes: int, write: bool, engine: str, numjobs: int, iodepth: int) -> float:
+    """One sequential O_DIRECT pass of fio over ``path``: bytes/s. (disk_io.fio_pass with
+    bs 8M, the disk tier's request size, instead of its 1M.)"""
+    per = nbytes // numjobs // MiB * MiB
+    cmd = [
+        "fio", "--name=t", f"--filename={path}", f"--size={per}", f"--offset_increment={per}",
+        f"--numjobs={numjobs}", f"--bs={FIO_BS}", f"--rw={'write' if write else 'read'}",
+        "--direct=1", f"--ioengine={engine}", f"--iodepth={iodepth}", "--group_reporting",
+        "--output-format=json", *(["--end_fsync=1"] if write else []),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    job = json.loads(out[out.index("{") :])["jobs"][0]
+    return float(job["write" if write else "read"]["bw_bytes"])
+
+
+class DiskBandwidth:
+    """The disk's sequential O_DIRECT bandwidth, sampled once per ``round`` call: every fio
+    configuration, and hetstore's own AsyncIOEngine (its defaults, as the disk tier runs
+    it, on a huge-page mmap buffer like the host tier's), each a write then a read of the
+    whole file."""
+
+    ENGINE = "hetstore AsyncIOEngine, defaults, mmap + MADV_HUGEPAGE buffer"
+
+    def __init__(self, path: str, nbytes: int, fio: bool):
+        self.path, self.nbytes = path, nbytes
+        self.configs = list(FIO_CONFIGS) if fio else []
+        self.names = [f"fio {e} numjobs {nj} iodepth {qd}" for e, nj, qd in self.configs]
+        self.names.append(self.ENGINE)
+        self.samples: dict[tuple[str, str], list[float]] = {
+            (name, d): [] for name in self.names for d in ("read", "write")
+        }
+        self.buffer, _ = host_buffer(nbytes, "thp")
+        torch.randint(0, 256, (nbytes,), dtype=torch.uint8, out=self.buffer)
+
+    def round(self) -> None:
+        for name, cfg in zip(self.names, [*self.configs, None], strict=True):
+            for direction in ("write", "read"):
+                write = direction == "write"
+                if cfg is None:  # hetstore_pass gives GB/s
+                    bw = hetstore_pass(self.path, self.buffer, write, {}) * 1e9
+                else:
+                    bw = fio_bw(self.path, self.nbytes, write, *cfg)
+                self.samples[(name, direction)].append(bw)
+
+    def best_fio(self, direction: str) -> tuple[float, str] | None:
+        """The fio configuration with the highest median in ``direction``: median, name."""
+        if not self.configs:
+            return None
+        name = max(self.names[:-1], key=lambda n: median(self.samples[(n, direction)]))
+        return median(self.samples[(name, direction)]), name
+
+    def engine(self, direction: str) -> float:
+        return median(self.samples[(self.ENGINE, direction)])
+
+    def cell(self, name: str, direction: str) -> str:
+        xs = self.samples[(name, direction)]
+        return f"{gb_s(median(xs))} [{gb_s(min(xs))}..{gb_s(max(xs))}]"
+
+
+def lockstep(
+    workers: list[Worker], disk: DiskBandwidth, warmup: int, total: int
+) -> dict[str, list]:
+    """Step i of every worker (and, in timed rounds, one round of disk bandwidth
+    measurements), in a random order per round, then step i + 1."""
+    results: dict[str, list[dict[str, float]]] = {w.variant: [] for w in workers}
+    order = random.Random(0)
+    for step in range(total):
+        t_round = time.perf_counter()
+        jobs: list[Worker | DiskBandwidth] = list(workers)
+        if step >= warmup:
+            jobs.append(disk)
+        for job in order.sample(jobs, len(jobs)):
+            time.sleep(SETTLE_S)
+            if isinstance(job, DiskBandwidth):
+                job.round()
+            else:
+                results[job.variant].append(job.request({"op": "step", "step": step}))
+        kind = "warm-up" if step < warmup else "timed"
+        print(
+            f"# round {step + 1}/{total} ({kind}) took {time.perf_counter() - t_round:.1f} s",
+            flush=True,
+        )
+    return results
+
+
+def gb_s(bw: float) -> str:
+    return f"{bw / 1e9:.2f}"
+
+
+def disk_cells(
+    read: float, written: float, seconds: float, bw: dict[str, float] | None
+) -> list[str]:
+    """t_disk and t_disk / seconds at bandwidth ``bw`` ({"read", "write"}: bytes/s)."""
+    if bw is None:
+        return ["-", "-"]
+    t_disk = read / bw["read"] + written / bw["write"]
+    return [f"{t_disk:.3f}", f"**{t_disk / seconds:.2f}**"]
+
+
+def summarize(
+    results: dict[str, list[dict[str, float]]],
+    stats: dict[str, dict],
+    warmup: int,
+    fio_rate: dict[str, float] | None,
+    engine_bw: dict[str, float],
+) -> tuple[str, str]:
+    """The main table (one row per variant) and the per-phase table of the disk variants."""
+    timed = {v: r[warmup:] for v, r in results.items()}
+    plain = [s["time"] for s in timed["plain"]]
+    host = [s["time"] for s in timed["cpu"]] if "cpu" in timed else None
+    rows, phase_rows = [], []
+    for variant, steps in timed.items():
+        n = len(steps)
+        times = [s["time"] for s in steps]
+        parts = [f"{median([s[k] for s in steps]):.3f}" for k in PHASES]
+        ratio = median([t / p for t, p in zip(times, plain, strict=True)])
+        to_host = median([t / h for t, h in zip(times, host, strict=True)]) if host else None
+        tiers = stats[variant]["memory_stats"] or {}
+        row = [variant, f"{median(times):.3f} {spread(times)}", *parts, f"**{ratio:.2f}**"]
+        row += [f"{to_host:.2f}" if to_host is not None else "-", size(stats[variant]["rss"])]
+        row += [size(tiers.get(t, {}).get("peak")) for t in ("host", "disk")]
+        if on_disk(variant):
+            read = sum(s["read"] for s in steps) / n
+            written = sum(s["written"] for s in steps) / n
+            fio_cells = disk_cells(read, written, median(times), fio_rate)
+            engine_cells = disk_cells(read, written, median(times), engine_bw)
+            row += [size(read), size(written), *fio_cells, engine_cells[1]]
+            for phase in PHASES:
+                seconds = median([s[phase] for s in steps])
+                p_read = sum(s[f"{phase}_read"] for s in steps) / n
+                p_written = sum(s[f"{phase}_written"] for s in steps) / n
+                phase_rows.append(
+                    [variant, phase, f"{seconds:.3f}", size(p_read), size(p_written)]
+                    + disk_cells(p_read, p_written, seconds, fio_rate)
+                    + disk_cells(p_read, p_written, seconds, engine_bw)
+                )
+        else:
+            row += ["-"] * 5
+        rows.append(row)
+    header = ["variant", "step s, median [min..max]", "fwd s", "bwd s", "opt s", "time / plain"]
+    header += ["time / cpu", "peak RSS", "hetstore host peak", "hetstore disk peak"]
+    header += ["disk read / step", "disk written / step", "t_disk s (fio)"]
+    header += ["disk-bound fraction (fio)", "disk-bound fraction (engine)"]
+    phase_header = ["variant", "phase", "s, median", "disk read", "disk written"]
+    phase_header += ["t_disk s (fio)", "fraction (fio)", "t_disk s (engine)", "fraction (engine)"]
+    return format_table(header, rows), format_table(phase_header, phase_rows)
+
+
+def loss_check(results: dict[str, list[dict[str, float]]]) -> tuple[str, float]:
+    plain = [s["loss"] for s in results["plain"]]
+    lines = [f"losses, step 0 -> {len(plain) - 1}: plain {plain[0]:.6f} -> {plain[-1]:.6f}"]
+    worst = 0.0
+    for variant, steps in results.items():
+        if variant == "plain":
+            continue
+        losses = [s["loss"] for s in steps]
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, plain, strict=True))
+        worst = max(worst, rel)
+        lines.append(
+            f"  {variant}: {losses[0]:.6f} -> {losses[-1]:.6f}; "
+            f"max relative difference from plain = {rel:.2e}"
+        )
+    return "\n".join(lines), worst
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Defaults: GPT width 768, depth 10, 12 heads, vocab 8192, ctx 128, batch 4 "
+        "(77.3M parameters); 2 warm-up + 8 timed steps; disk bandwidth on 1 GiB.",
+    )
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--depth", type=int, default=10, help="transformer blocks")
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--ctx", type=int, default=128, help="sequence length")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed first steps")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny model, 1 + 3 steps, disk bandwidth on 64 MiB: a harness check",
+    )
+    parser.add_argument(
+        "--dir",
+        default=str(REPO / "offload"),
+        help="a temporary directory for the offload path and fio's file is made here "
+        "(must be on the disk under test; not tmpfs)",
+    )
+    parser.add_argument(
+        "--disk-size", default="1GiB", help="bytes per disk bandwidth pass (fio and engine)"
+    )
+    parser.add_argument("--no-fio", action="store_true", help="skip fio (engine bandwidth only)")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated subset of: {', '.join(VARIANTS)} (plain is always run)",
+    )
+    parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--offload-path", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.width, args.depth, args.heads, args.vocab = 64, 2, 2, 256
+        args.ctx, args.batch, args.steps, args.warmup = 32, 2, 3, 1
+        args.disk_size = "64MiB"
+        args.tiny = False  # the fields above now say it all; workers get them explicitly
+    return args
+
+
+def model_argv(args: argparse.Namespace) -> list[str]:
+    """The flags that fix the model, data and step counts: passed to every worker."""
+    flags = ("width", "depth", "heads", "vocab", "ctx", "batch", "steps", "warmup")
+    return [x for f in flags for x in (f"--{f}", str(getattr(args, f)))]
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args.worker, args)
+        return
+
+    variants = ["plain"] + [
+        v for v in (s.strip() for s in args.variants.split(",")) if v and v != "plain"
+    ]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        sys.exit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    disk_size = parse_size(args.disk_size) // MiB * MiB
+    have_fio = shutil.which("fio") is not None and not args.no_fio
+
+    command = [".venv/bin/python", "benchmarks/disk_offload.py", *model_argv(args)]
+    command += ["--disk-size", args.disk_size] + ([] if have_fio else ["--no-fio"])
+    if variants != list(VARIANTS):
+        command += ["--variants", ",".join(variants)]
+    os.makedirs(args.dir, exist_ok=True)
+    print("$ " + shlex.join(command))
+    print(f"# {machine_line()}")
+    print(f"# {machine_summary(args.dir)}")
+
+    workdir = tempfile.mkdtemp(prefix="disk_offload_", dir=args.dir)
+    offload_path = os.path.join(workdir, "offload")
+    fio_file = os.path.join(workdir, "fio.bin")
+    worker_argv = model_argv(args) + ["--offload-path", offload_path]
+    workers: list[Worker] = []
+    try:
+        layout(fio_file, disk_size)  # timed writes then overwrite written blocks, as the tier's
+        disk = DiskBandwidth(fio_file, disk_size, fio=have_fio)
+        for v in variants:
+            workers.append(Worker(v, worker_argv))
+        params = workers[0].params
+        print(
+            f"# GPT width {args.width}, depth {args.depth}, {args.heads} heads, vocab "
+            f"{args.vocab}, ctx {args.ctx}, batch {args.batch}: {params / 1e6:.1f}M parameters "
+            f"({format_size(params * 4)} fp32; with AdamW's master, gradient and two moments "
+            f"{format_size(params * 16)})"
+        )
+        print(
+            f"# AdamW(fused=True) lr={LR} wd={WEIGHT_DECAY}, fp32; {args.warmup} warm-up + "
+            f"{args.steps} timed steps, lockstep; offload_path under {workdir}"
+        )
+        print("# build s: " + ", ".join(f"{w.variant} {w.build_s:.1f}" for w in workers))
+        results = lockstep(workers, disk, args.warmup, args.warmup + args.steps)
+        stats = {w.variant: w.request({"op": "stats"}) for w in workers}
+    finally:
+        for w in workers:
+            w.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    print()
+    print(
+        f"Disk bandwidth, GB/s (1e9 B/s): sequential O_DIRECT passes over one "
+        f"{format_size(disk_size)} file beside the offload path, fio at bs {FIO_BS}, "
+        f"median [min..max] of {len(disk.samples[(disk.ENGINE, 'read')])} rounds "
+        f"(one per timed step)\n"
+    )
+    bw_rows = [[name, disk.cell(name, "write"), disk.cell(name, "read")] for name in disk.names]
+    if not have_fio:
+        why = "skipped (--no-fio)" if args.no_fio else "not installed (apt-get install -y fio)"
+        bw_rows.insert(0, [f"fio: {why}", "-", "-"])
+    print(format_table(["measured with", "write (incl. fsync)", "read"], bw_rows))
+    fio_rate = None
+    if have_fio:
+        best = {d: disk.best_fio(d) for d in ("read", "write")}
+        fio_rate = {d: bw for d, (bw, _) in best.items()}
+        print(
+            "\n(fio) below: the best fio configuration per direction: "
+            + "; ".join(f"{d} {gb_s(bw)} ({name})" for d, (bw, name) in best.items())
+        )
+    engine_bw = {d: disk.engine(d) for d in ("read", "write")}
+    print(
+        "(engine): hetstore's AsyncIOEngine: "
+        + "; ".join(f"{d} {gb_s(bw)}" for d, bw in engine_bw.items())
+    )
+    print(
+        "t_disk = bytes read / read bandwidth + bytes written / write bandwidth; "
+        "disk-bound fraction = t_disk / step time (1.0: the step runs at the disk's limit)\n"
+    )
+    table, phase_table = summarize(results, stats, args.warmup, fio_rate, engine_bw)
+    print(table)
+    print()
+    print("Disk variants by phase (opt: optimizer.step() + zero_grad()):\n")
+    print(phase_table)
+    print()
+    text, worst = loss_check(results)
+    print(text)
+    if not all(math.isfinite(s["loss"]) for r in results.values() for s in r):
+        sys.exit("non-finite loss")
+    if worst > 1e-4:
+        sys.exit(f"losses differ from plain by up to {worst:.2e} (relative)")
+
+
+if __name__ == "__main__":
+    main()
