@@ -99,13 +99,15 @@ class StreamedUnitStep:
         ]
 
     # ------------------------------------------------------------------ buffers
-    def _slot_sets(self, count: int, names: list[tuple[str, torch.dtype]]):
+    def _slot_sets(self, count: int, names: list[tuple[str, torch.dtype]], numel: int):
+        """``count`` sets of host buffers of ``numel`` elements (a chunk, or less for a
+        unit smaller than one chunk: a small model does not pay for big chunks)."""
         host, buffers, sets = self.unit.tiers.host, [], []
         try:
             for _ in range(count):
                 slot = {}
                 for name, dtype in names:
-                    buffer = self.unit.scratch(self.chunk_numel, dtype, f"swap {name}")
+                    buffer = self.unit.scratch(numel, dtype, f"swap {name}")
                     buffers.append(buffer)
                     slot[name] = buffer.tensor
                 sets.append(slot)
@@ -126,7 +128,9 @@ class StreamedUnitStep:
         unit = self.unit
         total = unit.trainable_numel
         starts = list(range(0, total, self.chunk_numel))
-        sets, buffers = self._slot_sets(min(2, len(starts)), [("grad", torch.float32)])
+        sets, buffers = self._slot_sets(
+            min(2, len(starts)), [("grad", torch.float32)], min(self.chunk_numel, total)
+        )
         pending: list = []
         try:
             views = []
@@ -176,7 +180,8 @@ class StreamedUnitStep:
         try:
             for name, array in targets.items():
                 shadows[name] = array.shadow()
-            sets, buffers = self._slot_sets(min(SLOT_SETS, len(chunks)), names)
+            longest = max(c.end - c.start for c in chunks)
+            sets, buffers = self._slot_sets(min(SLOT_SETS, len(chunks)), names, longest)
 
             def load(i: int) -> None:
                 slot = sets[i % len(sets)]
@@ -240,13 +245,10 @@ class StreamedUnitStep:
     def _step_chunk(self, c: _Chunk, slot, master, grad_on_disk: bool, multipliers) -> None:
         unit = self.unit
         n = c.step_end - c.start
-        if grad_on_disk:
-            grad = slot["grad"][:n]
-            unit.fill_missing_grads(grad, c.start)
-            for m in multipliers:
-                grad.mul_(m)
-        else:
-            grad = unit.grad[c.start : c.step_end]
+        grad = slot["grad"][:n] if grad_on_disk else unit.grad[c.start : c.step_end]
+        unit.fill_missing_grads(grad, c.start)  # like the in-memory step: zeros, not stale
+        for m in multipliers:
+            grad.mul_(m)
         param = master[:n]
         inner = self._inner[c.segment]
         group = inner.param_groups[0]
