@@ -7,14 +7,18 @@ reports medians and ratios rather than absolute figures.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import random
 import resource
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -101,3 +105,40 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def size(nbytes: int | float | None) -> str:
     """Bytes in binary units ('1.52 GiB'), '-' when there is nothing to report."""
     return "-" if nbytes is None else format_size(int(nbytes))
+
+
+# ------------------------------------------------------------ one process per variant
+def reply(message: dict[str, Any]) -> None:
+    """Worker side: answer the driver with one JSON line."""
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+class Worker:
+    """Driver side: one variant's process (``python *argv``); requests are answered in
+    order, one JSON line each. ``ready`` is the worker's first message."""
+
+    def __init__(self, variant: str, argv: list[str]):
+        self.variant = variant
+        self.proc = subprocess.Popen(
+            [sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.ready = self.request(None)
+
+    def request(self, command: dict[str, Any] | None) -> dict[str, Any]:
+        if command is not None:
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.variant!r} worker exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            self.proc.wait(timeout=300)

@@ -55,12 +55,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 import torch
 
 import hetstore
-from _common import REPO, format_table, machine_line, median, peak_rss_bytes, size, spread
+from _common import (
+    REPO,
+    Worker,
+    format_table,
+    machine_line,
+    median,
+    peak_rss_bytes,
+    reply,
+    size,
+    spread,
+)
 from disk_io import MiB, hetstore_pass, host_buffer, layout, machine_summary
 from hetstore._sizes import format_size, parse_size
 from hetstore.demo.gpt import GPT, batches
@@ -152,43 +161,11 @@ def worker(variant: str, args: argparse.Namespace) -> None:
             break
 
 
-def reply(message: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
-
-
 # ---------------------------------------------------------------------------- driver
-class Worker:
-    """One variant's process; requests are answered in order."""
-
-    def __init__(self, variant: str, argv: list[str]):
-        self.variant = variant
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, *argv, "--worker", variant],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        ready = self.request(None)
-        self.params, self.build_s = ready["params"], ready["build_s"]
-
-    def request(self, command: dict[str, Any] | None) -> dict[str, Any]:
-        if command is not None:
-            self.proc.stdin.write(json.dumps(command) + "\n")
-            self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.variant!r} worker exited with {self.proc.wait()}")
-        return json.loads(line)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
-            self.proc.wait(timeout=300)
+def start_worker(variant: str, argv: list[str]) -> Worker:
+    worker = Worker(variant, [__file__, *argv, "--worker", variant])
+    worker.params, worker.build_s = worker.ready["params"], worker.ready["build_s"]
+    return worker
 
 
 def fio_bw(path: str, nbytes: int, write: bool, engine: str, numjobs: int, iodepth: int) -> float:
@@ -440,7 +417,7 @@ def main() -> None:
         layout(fio_file, disk_size)  # timed writes then overwrite written blocks, as the tier's
         disk = DiskBandwidth(fio_file, disk_size, fio=have_fio)
         for v in variants:
-            workers.append(Worker(v, worker_argv))
+            workers.append(start_worker(v, worker_argv))
         params = workers[0].params
         print(
             f"# GPT width {args.width}, depth {args.depth}, {args.heads} heads, vocab "

@@ -26,18 +26,25 @@ import argparse
 import json
 import math
 import random
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import hetstore
-from _common import format_table, machine_line, median, peak_rss_bytes, size, spread
+from _common import (
+    Worker,
+    format_table,
+    machine_line,
+    median,
+    peak_rss_bytes,
+    reply,
+    size,
+    spread,
+)
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1
@@ -179,36 +186,12 @@ def worker(variant: str, cfg: GPTConfig, max_device_memory: str) -> None:
             break
 
 
-def reply(message: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
-
-
 # ---------------------------------------------------------------------------- driver
-class Worker:
-    """One variant's process; requests are answered in order."""
-
-    def __init__(self, variant: str, size: str, max_device_memory: str):
-        self.variant = variant
-        argv = [sys.executable, __file__, "--worker", variant, "--size", size]
-        argv += ["--max-device-memory", max_device_memory]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.params = self.request(None)["params"]
-
-    def request(self, command: dict[str, Any] | None) -> dict[str, Any]:
-        if command is not None:
-            self.proc.stdin.write(json.dumps(command) + "\n")
-            self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.variant} worker exited with {self.proc.wait()}")
-        return json.loads(line)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self.proc.stdin.close()
-            self.proc.wait(timeout=120)
+def start_worker(variant: str, size: str, max_device_memory: str) -> Worker:
+    argv = [__file__, "--worker", variant, "--size", size]
+    worker = Worker(variant, argv + ["--max-device-memory", max_device_memory])
+    worker.params = worker.ready["params"]
+    return worker
 
 
 def lockstep(workers: list[Worker], total: int) -> dict[str, list[dict[str, float]]]:
@@ -268,7 +251,7 @@ def main() -> None:
         return
 
     print(machine_line())
-    workers = [Worker(v, args.size, args.max_device_memory) for v in ("plain", "offloaded")]
+    workers = [start_worker(v, args.size, args.max_device_memory) for v in ("plain", "offloaded")]
     try:
         params = workers[0].params
         print(f"GPT {args.size}: {params / 1e6:.1f}M params, {asdict(cfg)}")
