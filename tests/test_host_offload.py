@@ -331,7 +331,7 @@ def test_device_peak_stays_within_budget_below_states_size():
     torch.manual_seed(0)
     model = GPT(width=64, depth=4)
     states = states_bytes(model)
-    budget = states // 8
+    budget = states // 2  # the running unit, its gradients and the saved activations
     model, opt = hetstore.offload(
         model, adamw(model.parameters()), config(max_device_memory=budget)
     )

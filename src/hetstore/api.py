@@ -13,6 +13,7 @@ from hetstore._sizes import format_size
 from hetstore.config import OffloadConfig
 from hetstore.errors import ConfigError
 from hetstore.optim import DynamicLossScaler, OffloadedOptimizer
+from hetstore.runtime.activations import ActivationHooks
 from hetstore.runtime.flat import DiskArray
 from hetstore.runtime.hooks import OffloadRuntime
 from hetstore.runtime.materialize import materialize_module, owns_meta
@@ -58,8 +59,6 @@ def offload(
             "auto_offload=True needs the planner, which this version does not have yet; "
             "set offload_param / offload_optimizer explicitly"
         )
-    if config.offload_activations != "none":
-        raise NotImplementedError("offload_activations is not supported by this version yet")
 
     if optimizer is not None and config.offload_optimizer == "disk":
         _check_streamable(optimizer)
@@ -104,6 +103,11 @@ def offload(
     root = next((u for u, s in zip(unit_list, specs, strict=True) if s.is_root), None)
     unit_modules = {u.index: s.module for u, s in zip(unit_list, specs, strict=True)}
     grad_stager = _attach_stagers(unit_list, tiers, config)
+    activations = None
+    if config.offload_activations != "none" or device.type == "cpu":
+        activations = ActivationHooks(
+            model, unit_list, tiers, config.offload_activations, config.activation_min_bytes
+        )
     runtime = OffloadRuntime(
         model,
         unit_list,
@@ -111,6 +115,7 @@ def offload(
         root,
         prefetch_depth=config.prefetch_depth,
         grad_stager=grad_stager,
+        activations=activations,
     )
     unoptimized = [
         e.param for u in unit_list for e in u.entries if e.param.requires_grad and e.group is None

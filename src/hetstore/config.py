@@ -191,6 +191,13 @@ class OffloadConfig:
             "prefetch_depth + 1 staging buffers of the largest unit's parameters in host memory."
         ),
     )
+    activation_min_bytes: int = field(
+        default=2**20,
+        metadata=_doc(
+            "Saved activations smaller than this (bytes of their storage) stay on the device "
+            "when offload_activations is 'cpu' or 'disk': copying them costs more than it frees."
+        ),
+    )
     optimizer_chunk_size: int = field(
         default=32 * 2**20,
         metadata=_doc(
@@ -229,6 +236,7 @@ class OffloadConfig:
         _check_int("aio_queue_depth", self.aio_queue_depth, minimum=1)
         _check_int("aio_threads", self.aio_threads, minimum=0)
         _check_int("prefetch_depth", self.prefetch_depth, minimum=0)
+        _set(self, "activation_min_bytes", _size("activation_min_bytes", self.activation_min_bytes))
         if not isinstance(self.offload_path, str | os.PathLike) or not str(self.offload_path):
             raise ConfigError(
                 f"offload_path={self.offload_path!r}: must be a non-empty directory path"

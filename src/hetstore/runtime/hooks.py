@@ -39,6 +39,7 @@ class OffloadRuntime:
         *,
         prefetch_depth: int,
         grad_stager=None,
+        activations=None,
     ):
         self.model = model
         self.units = units
@@ -56,6 +57,14 @@ class OffloadRuntime:
         self._handles: list = []
         self._untracked_params: list[nn.Parameter] = []
 
+        self.activations = activations
+        if activations is not None:
+            # first in, last out: the saved-tensor hooks cover the root's work too, and
+            # always_call leaves them even when forward raises
+            self._handles.append(model.register_forward_pre_hook(self._enter_activations))
+            self._handles.append(
+                model.register_forward_hook(self._exit_activations, always_call=True)
+            )
         self._handles.append(model.register_forward_pre_hook(self._model_pre_forward))
         self._handles.append(model.register_forward_hook(self._model_post_forward))
         for unit in self.block_units:
@@ -88,6 +97,13 @@ class OffloadRuntime:
         param.grad = None
 
     # ------------------------------------------------------------------ forward
+    def _enter_activations(self, module, args) -> None:
+        if torch.is_grad_enabled() and not _in_backward():
+            self.activations.enter()
+
+    def _exit_activations(self, module, args, output) -> None:
+        self.activations.exit()
+
     def _model_pre_forward(self, module, args) -> None:
         if not _in_backward():
             self._prefetch_edge(first=True)  # the first blocks' reads overlap the root's
