@@ -264,6 +264,11 @@ def _placement_advice(config: OffloadConfig, units: list[Unit], tier: str) -> li
             f"  offload_param='cpu' would keep only the running unit's parameters on the "
             f"device (frees about {format_size(saved)} of parameters so far)"
         )
+    if config.offload_activations == "none":
+        lines.append(
+            "  offload_activations='cpu' would move the tensors saved for backward "
+            "(the 'activations' holder) to host memory until their backward"
+        )
     if config.offload_optimizer == "none":
         lines.append(
             f"  offload_optimizer='cpu' would move fp32 master weights, gradients and "
