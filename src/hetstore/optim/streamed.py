@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
-from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, wait_all
+from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, wait_all, wait_all_quiet
 from hetstore.runtime.unit import Unit
 
 __all__ = ["StreamedUnitStep", "state_keys_for"]
@@ -117,8 +117,10 @@ class StreamedUnitStep:
             raise
         return sets, buffers
 
-    def _fresh_absent(self, key: str) -> bool:
-        """True when torch creates this state itself on the first step (SGD momentum)."""
+    @property
+    def _states_absent(self) -> bool:
+        """True when torch creates the states itself on the first step (SGD momentum);
+        Adam's fresh states are zeros, which never-written arrays read as."""
         return not self.stepped and not self.has_step
 
     # ------------------------------------------------------------------ gradients
@@ -193,7 +195,7 @@ class StreamedUnitStep:
                     if grad_on_disk:
                         handles.append(unit.grad.read(slot["grad"][:n_state], c.start))
                     for key, array in self.states.items():
-                        if not self._fresh_absent(key):
+                        if not self._states_absent:
                             handles.append(array.read(slot[key][:n_state], c.start))
                 loads[i] = handles
 
@@ -259,7 +261,7 @@ class StreamedUnitStep:
         if self.has_step:
             state["step"] = self.steps[c.segment].clone()
         for key in self.states:
-            if not self._fresh_absent(key):
+            if not self._states_absent:
                 state[key] = slot[key][:n]
         inner.state.clear()
         inner.state[param] = state
@@ -288,8 +290,6 @@ class StreamedUnitStep:
     # ------------------------------------------------------------------ state dict
     def read_state(self, key: str, start: int, numel: int) -> torch.Tensor | None:
         """Elements ``[start, start+numel)`` of state ``key`` (None before the first step)."""
-        if key == "step":
-            return None
         if not self.stepped:
             return None
         out = torch.empty(numel, dtype=torch.float32)
@@ -315,13 +315,3 @@ class StreamedUnitStep:
             for counter in self.steps:
                 counter.fill_(float(step))
         self.stepped = True
-
-
-def wait_all_quiet(handles: list) -> None:
-    """Wait for every handle, ignoring errors (cleanup after another error)."""
-    for handle in handles:
-        try:
-            handle.wait()
-        except BaseException:  # noqa: BLE001 - an error is already being raised
-            pass
-    handles.clear()

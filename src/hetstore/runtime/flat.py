@@ -26,7 +26,7 @@ import torch
 from hetstore.tiers.aio import IOHandle
 from hetstore.tiers.disk import DiskRegion, DiskTier
 
-__all__ = ["ALIGN_ELEMENTS", "DiskArray", "Done", "wait_all"]
+__all__ = ["ALIGN_ELEMENTS", "DiskArray", "Done", "wait_all", "wait_all_quiet"]
 
 # 4096 bytes of the narrowest dtype a unit stores (2-byte compute dtypes)
 ALIGN_ELEMENTS = 2048
@@ -53,6 +53,16 @@ def wait_all(handles: list) -> None:
     handles.clear()
     if first is not None:
         raise first
+
+
+def wait_all_quiet(handles: list) -> None:
+    """Wait for every handle, ignoring errors (cleanup after another error)."""
+    for handle in handles:
+        try:
+            handle.wait()
+        except BaseException:  # noqa: BLE001 - an error is already being raised
+            pass
+    handles.clear()
 
 
 class DiskArray:
@@ -149,12 +159,8 @@ class DiskArray:
 
     def discard(self) -> None:
         """Give a shadow (or any array) back without committing; waits for its IO."""
-        for handle, _, _, _ in self._writes:
-            try:
-                handle.wait()
-            except BaseException:  # noqa: BLE001 - the data is being thrown away
-                pass
-        self._writes.clear()
+        writes, self._writes = self._writes, []
+        wait_all_quiet([handle for handle, _, _, _ in writes])
         if self.region is not None and not self.region.freed:
             self.disk.free(self.region)
         self.region = None

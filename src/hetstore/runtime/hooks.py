@@ -197,10 +197,7 @@ class OffloadRuntime:
             self.order[: self.prefetch_depth] if first else self.order[::-1][: self.prefetch_depth]
         )
         for unit in edge:
-            if unit.param_stager is not None:
-                unit.prefetch()
-            elif self.copy_stream is not None:
-                self._fetch(unit)
+            self._prefetch(unit)
 
     def _prefetch_after(self, unit: Unit, step: int) -> None:
         """Bring the next units closer: start their disk reads (any device) and, on CUDA,
@@ -212,11 +209,14 @@ class OffloadRuntime:
         for k in range(1, self.prefetch_depth + 1):
             other = position + step * k
             if 0 <= other < len(self.order):
-                ahead = self.order[other]
-                if ahead.param_stager is not None:
-                    ahead.prefetch()
-                elif self.copy_stream is not None:
-                    self._fetch(ahead)
+                self._prefetch(self.order[other])
+
+    def _prefetch(self, unit: Unit) -> None:
+        """Start bringing ``unit`` closer without waiting (see ``_prefetch_after``)."""
+        if unit.param_stager is not None:
+            unit.prefetch()
+        elif self.copy_stream is not None:
+            self._fetch(unit)
 
     # ------------------------------------------------------------------ lifetime
     def remove(self) -> None:

@@ -182,10 +182,6 @@ class Unit:
     def device_bytes(self) -> int:
         return self.numel * self.compute_dtype.itemsize
 
-    @property
-    def on_disk(self) -> bool:
-        return any(isinstance(x, DiskArray) for x in (self.master, self.home, self.grad))
-
     @contextlib.contextmanager
     def edit_master(self):
         """Yield the whole fp32 master as a tensor to read or change in place; on exit the
