@@ -106,7 +106,12 @@ def offload(
     activations = None
     if config.offload_activations != "none" or device.type == "cpu":
         activations = ActivationHooks(
-            model, unit_list, tiers, config.offload_activations, config.activation_min_bytes
+            model,
+            unit_list,
+            tiers,
+            config.offload_activations,
+            config.activation_min_bytes,
+            prefetch_depth=config.prefetch_depth,
         )
     runtime = OffloadRuntime(
         model,

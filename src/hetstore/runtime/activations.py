@@ -26,11 +26,15 @@ own hooks inside ours, so what they save is theirs: not copied twice.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from hetstore.runtime.flat import DiskArray
+from hetstore.config import TIERS as ACTIVATION_TIERS
+from hetstore.errors import ConfigError
+from hetstore.runtime.flat import DiskArray, wait_all_quiet
 from hetstore.tiers import Tiers
 
 __all__ = ["ActivationHooks"]
@@ -68,50 +72,154 @@ class _Kept:
 
 
 class _Storage:
-    """One saved storage's bytes, away from the device; restored once for all its views."""
+    """One saved storage's bytes, away from the device; restored once for all its views.
 
-    def __init__(self, storage: torch.UntypedStorage, tiers: Tiers, tier: str, count: bool):
-        self.tiers = tiers
+    Out (at pack): the bytes are copied into a host-tier buffer -- on CUDA asynchronously
+    on the hooks' side stream, the device storage held until :meth:`settle` has seen the
+    copy finish -- and, for the disk tier, written from that buffer to a disk region; the
+    buffer goes back to the pool once the write is done.
+
+    In (in backward): :meth:`prefetch` starts bringing the bytes closer before they are
+    needed (the disk read into host staging; on CUDA the host-to-device copy on the side
+    stream); :meth:`restore` finishes whatever is left and makes the device storage all
+    the views share. The host and disk copies are given back as soon as it exists.
+    """
+
+    def __init__(self, hooks: ActivationHooks, storage: torch.UntypedStorage, tier: str):
+        self.hooks = hooks
         self.nbytes = storage.nbytes()
         self.device = storage.device
-        self.count = count  # reserve device bytes while restored (CPU accounting)
         self.restored: torch.UntypedStorage | None = None
-        source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-        self.host = tiers.host.allocate(max(self.nbytes, 1), _LABEL, torch.uint8)
-        self.host.tensor[: self.nbytes].copy_(source)
+        self.group = hooks.group_index
         self.disk: DiskArray | None = None
-        if tier == "disk":
-            self.disk = DiskArray(tiers.disk, self.nbytes, torch.uint8, _LABEL)
-            try:
-                self.disk.write_all(self.host.tensor[: self.nbytes])
-            finally:
-                tiers.host.free(self.host)
-                self.host = None
+        self._source: torch.UntypedStorage | None = None  # kept while a copy reads it
+        self._copied = None  # CUDA event of the copy out
+        self._written = None  # disk write in flight from self.host
+        self._staged = None  # host buffer a prefetched disk read lands in
+        self._read = None
+        self._incoming = None  # (device tensor, event) of a prefetched host-to-device copy
+        self.host = None
+        tiers = hooks.tiers
+        self.host = tiers.host.allocate(max(self.nbytes, 1), _LABEL, torch.uint8)
+        try:
+            source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+            if hooks.stream is not None:
+                hooks.stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(hooks.stream):
+                    self.host.tensor[: self.nbytes].copy_(source, non_blocking=True)
+                    self._copied = torch.cuda.Event()
+                    self._copied.record(hooks.stream)
+                self._source = storage
+            else:
+                self.host.tensor[: self.nbytes].copy_(source)
+            if tier == "disk":
+                self.disk = DiskArray(tiers.disk, self.nbytes, torch.uint8, _LABEL)
+                if self._copied is None:
+                    self._start_write()
+        except BaseException:
+            self._give_back()
+            raise
+
+    # ------------------------------------------------------------------ out
+    def _start_write(self) -> None:
+        self._written = self.disk.write(self.host.tensor[: self.nbytes])
+
+    def settle(self, wait: bool) -> bool:
+        """Move the offload along: once the copy out finished, let the device storage go
+        and start the disk write; once the write finished, give the host buffer back.
+        With ``wait``, block until both happened. True when nothing is left in flight."""
+        if self._copied is not None:
+            if not wait and not self._copied.query():
+                return False
+            self._copied.synchronize()
+            self._copied = None
+            self._source = None  # the device bytes are free from here
+            if self.disk is not None:
+                self._start_write()
+        if self._written is not None:
+            if not wait and not self._written.done():
+                return False
+            self._written = None
+            self.disk.wait_writes()  # raises the write's error, naming the file
+            self.hooks.tiers.host.free(self.host)
+            self.host = None
+        return True
+
+    # ------------------------------------------------------------------ in
+    def prefetch(self) -> None:
+        """Start bringing the bytes closer (see class doc); never waits."""
+        if self.restored is not None or self._incoming is not None or self._staged is not None:
+            return
+        if self.host is None:  # on disk only: read into host staging
+            self._staged = self.hooks.tiers.host.allocate(max(self.nbytes, 1), _LABEL)
+            self._read = self.disk.read(self._staged.tensor[: self.nbytes])
+        elif self.hooks.stream is not None and self._copied is None:
+            stream = self.hooks.stream
+            with torch.cuda.stream(stream):
+                flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+                flat.copy_(self.host.tensor[: self.nbytes], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            self._incoming = (flat, event)
 
     def restore(self) -> torch.UntypedStorage:
-        if self.restored is None:
-            if self.count:
-                self.tiers.device_tier.reserve(self.nbytes, _LABEL)
-            flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-            if self.disk is not None:
-                staging = self.tiers.host.allocate(max(self.nbytes, 1), _LABEL, torch.uint8)
-                try:
-                    self.disk.read(staging.tensor[: self.nbytes]).wait()
-                    flat.copy_(staging.tensor[: self.nbytes])
-                finally:
-                    self.tiers.host.free(staging)
+        if self.restored is not None:
+            return self.restored
+        self.settle(wait=True)
+        hooks = self.hooks
+        hooks.restores += 1
+        if self._incoming is not None or self._staged is not None:
+            hooks.restored_ahead += 1
+        if hooks.count:
+            hooks.tiers.device_tier.reserve(self.nbytes, _LABEL)
+        try:
+            if self._incoming is not None:
+                flat, event = self._incoming
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(event)
+                flat.record_stream(current)  # allocated on the side stream, used here
             else:
-                flat.copy_(self.host.tensor[: self.nbytes])
-            self.restored = flat.untyped_storage()
+                if self.host is not None:
+                    source = self.host.tensor
+                else:
+                    if self._staged is None:
+                        self.prefetch()
+                    self._read.wait()
+                    source = self._staged.tensor
+                flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+                flat.copy_(source[: self.nbytes])  # from host memory: done when it returns
+        except BaseException:
+            if hooks.count:
+                hooks.tiers.device_tier.release(self.nbytes, _LABEL)
+            raise
+        self.restored = flat.untyped_storage()
+        self._give_back()
         return self.restored
 
-    def __del__(self) -> None:
-        if self.host is not None:
-            self.tiers.host.free(self.host)
+    # ------------------------------------------------------------------ lifetime
+    def _give_back(self) -> None:
+        """Return the host and disk copies (waits for transfers still using them)."""
+        pending = [h for h in (self._read, self._written) if h is not None]
+        self._read = self._written = None
+        wait_all_quiet(pending)
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        self._source = None
+        host = self.hooks.tiers.host
+        for buffer in (self.host, self._staged):
+            if buffer is not None:
+                host.free(buffer)
+        self.host = self._staged = None
         if self.disk is not None:
             self.disk.free()
-        if self.restored is not None and self.count:
-            self.tiers.device_tier.release(self.nbytes, _LABEL)
+            self.disk = None
+        self._incoming = None
+
+    def __del__(self) -> None:
+        self._give_back()
+        if self.restored is not None and self.hooks.count:
+            self.hooks.tiers.device_tier.release(self.nbytes, _LABEL)
 
 
 class _View:
@@ -125,29 +233,83 @@ class _View:
         self.stride = tensor.stride()
 
     def unpack(self) -> torch.Tensor:
-        storage = self.record.restore()
-        out = torch.empty(0, dtype=self.dtype, device=self.record.device)
+        record = self.record
+        record.hooks.backward_reached(record.group)
+        storage = record.restore()
+        out = torch.empty(0, dtype=self.dtype, device=record.device)
         return out.set_(storage, self.offset, self.size, self.stride)
 
 
 class ActivationHooks:
-    """The saved-tensor hooks of one offloaded model (see module doc)."""
+    """The saved-tensor hooks of one offloaded model (see module doc).
 
-    def __init__(self, model: nn.Module, units, tiers: Tiers, tier: str, min_bytes: int):
+    ``tier`` is where saved tensors of every unit go; :meth:`set_unit_tier` changes it
+    for one unit (the planner's per-unit choice). The runtime's unit hooks call
+    :meth:`enter_unit` / :meth:`exit_unit`, which split a forward's saved tensors into
+    *groups* (the root's work before the first unit, each unit, the root's work between
+    and after units): backward unpacks them group by group in reverse, and reaching a
+    group prefetches the ``prefetch_depth`` groups before it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units,
+        tiers: Tiers,
+        tier: str,
+        min_bytes: int,
+        prefetch_depth: int = 1,
+    ):
         self.units = units
         self.tiers = tiers
         self.tier = tier
         self.min_bytes = min_bytes
+        self.prefetch_depth = prefetch_depth
         self.count = tiers.device.type == "cpu"
+        # Why a stream of our own: copies out of the device overlap compute, and run
+        # beside the parameter copies coming in (the link is full duplex).
+        self.stream = torch.cuda.Stream(tiers.device) if tiers.device.type == "cuda" else None
+        self._unit_tiers: dict[str, str] = {}
         self._buffer_ptrs = {b.untyped_storage().data_ptr() for b in model.buffers()}
         self._records: dict[tuple[int, int], tuple[StorageWeakRef, _Storage]] = {}
         self._counted: dict[int, tuple[StorageWeakRef, _Counted]] = {}
         self._context = None
+        self._current = tier  # tier of the region forward is in
+        # groups of the last forward, as weak references: autograd owns the records
+        self._groups: list[list[weakref.ref]] = []
+        self._prefetched: set[int] = set()
+        self._unsettled: list[_Storage] = []
         self.packed_bytes = 0  # bytes moved off the device, for tests and stats
+        self.restores = 0  # storages brought back ...
+        self.restored_ahead = 0  # ... of which a prefetch had started bringing
+
+    @property
+    def group_index(self) -> int:
+        return len(self._groups) - 1
+
+    def set_unit_tier(self, name: str, tier: str) -> None:
+        """Send the saved tensors of unit ``name`` ('root' for work outside units) to
+        ``tier``: 'none' (keep on the device), 'cpu' or 'disk'."""
+        names = [u.name for u in self.units]
+        if name not in names:
+            raise ConfigError(f"set_unit_tier: no unit {name!r}; units are {names}")
+        if tier not in ACTIVATION_TIERS:
+            raise ConfigError(
+                f"set_unit_tier: tier {tier!r} for unit {name!r} is not one of {ACTIVATION_TIERS}"
+            )
+        if tier == "disk":
+            self.tiers.disk  # noqa: B018 - fails now, naming offload_path, not mid-forward
+        self._unit_tiers[name] = tier
+
+    def tier_of(self, name: str) -> str:
+        return self._unit_tiers.get(name, self.tier)
 
     # ------------------------------------------------------------------ context
     def enter(self) -> None:
         if self._context is None:
+            self._groups = [[]]
+            self._prefetched = set()
+            self._current = self.tier_of("root")
             self._context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self._context.__enter__()
 
@@ -157,6 +319,45 @@ class ActivationHooks:
             context.__exit__(None, None, None)
             self._records.clear()  # only dedupe within one forward
             self._counted.clear()
+            # backward starts from settled records: host memory back, writes checked
+            self._settle(keep=len(self._groups), wait=True)
+
+    def enter_unit(self, name: str) -> None:
+        if self._context is not None:
+            self._new_group(self.tier_of(name))
+
+    def exit_unit(self, name: str) -> None:
+        if self._context is not None:
+            self._new_group(self.tier_of("root"))
+
+    def _new_group(self, tier: str) -> None:
+        self._current = tier
+        if self._groups[-1]:  # an empty group (nothing between two units) is reused
+            self._groups.append([])
+        # the copies out of the group before last have had a unit's compute to finish
+        self._settle(keep=len(self._groups) - 2, wait=True)
+
+    def _settle(self, keep: int, wait: bool) -> None:
+        """Settle the offloads of groups before ``keep``; poll the rest."""
+        still = []
+        for record in self._unsettled:
+            if not record.settle(wait=wait and record.group < keep):
+                still.append(record)
+        self._unsettled = still
+
+    # ------------------------------------------------------------------ backward
+    def backward_reached(self, group: int) -> None:
+        """A saved tensor of ``group`` is being unpacked: prefetch the groups before it."""
+        if group in self._prefetched:
+            return
+        self._prefetched.add(group)
+        for other in range(group - 1, max(group - 1 - self.prefetch_depth, -1), -1):
+            if other in self._prefetched or other >= len(self._groups):
+                continue
+            for ref in self._groups[other]:
+                record = ref()
+                if record is not None:
+                    record.prefetch()
 
     # ------------------------------------------------------------------ hooks
     def _managed(self, tensor: torch.Tensor) -> bool:
@@ -174,7 +375,7 @@ class ActivationHooks:
             return _Kept(tensor)
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        if self.tier == "none" or nbytes < self.min_bytes:
+        if self._current == "none" or nbytes < self.min_bytes:
             if not self.count:
                 return _Kept(tensor)
             found = self._counted.get(storage.data_ptr())
@@ -189,8 +390,10 @@ class ActivationHooks:
         if found is not None and not found[0].expired():
             record = found[1]
         else:
-            record = _Storage(storage, self.tiers, self.tier, self.count)
+            record = _Storage(self, storage, self._current)
             self._records[key] = (StorageWeakRef(storage), record)
+            self._groups[-1].append(weakref.ref(record))
+            self._unsettled.append(record)
             self.packed_bytes += nbytes
         return _View(record, tensor)
 

@@ -128,11 +128,15 @@ class OffloadRuntime:
         self._fetch(unit)
         if not _in_backward():
             self._prefetch_after(unit, step=1)
+            if self.activations is not None:
+                self.activations.enter_unit(unit.name)
         unit.wait_ready()
 
     def _post_forward(self, unit: Unit, output) -> None:
         if _in_backward():
             return  # checkpoint recompute: the backward that follows needs the parameters
+        if self.activations is not None:
+            self.activations.exit_unit(unit.name)
         if torch.is_grad_enabled():
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
