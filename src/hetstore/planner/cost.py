@@ -1,0 +1,224 @@
+"""The cost model: what a placement costs in memory per tier and in step time.
+
+Pure arithmetic over a :class:`~hetstore.planner.trace.Trace` and one
+:class:`UnitChoice` per unit; no device calls. It mirrors what the runtime does:
+
+Memory (peak bytes per tier, during a step)
+  device: buffers; parameters kept on the device; the fetched working set
+  (``prefetch_depth + 1`` of the largest offloaded unit, plus the root unit, which stays
+  for the whole step once fetched); master, gradients and states of device-optimizer
+  units (a fp32 model's parameters alias its master); one parameter's gradient in
+  flight; saved activations (see ``_activation_peak``: kept ones, and offloaded ones
+  restored ``prefetch_depth`` units ahead) and those too small to offload; the largest
+  unit's temporaries (CUDA only: the CPU device accounting counts model data and saved
+  tensors, not temporaries).
+  host: parameters homed on host (unless they alias a host master), host-optimizer
+  master/states/gradients, activations sent to host, and the staging the disk paths use
+  (parameters ``depth + 1`` units, gradients 3 units, the streamed step 3 chunks per
+  array, activations 2 units).
+  disk: everything homed on disk, activations sent to disk, and one unit's shadow of its
+  optimizer state (the all-or-nothing step writes the new state beside the old one).
+
+Time (seconds per step)
+  compute (measured per unit or FLOPs / rate) + the trace's calibrated overhead
+  + copies that stall compute (every host<->device copy on a CPU "device"; gradient
+  copies everywhere, as the runtime does them synchronously)
+  + overlappable transfers beyond the compute they hide behind (CUDA copies with
+  prefetch, disk reads and writes), plus one unit's transfer to fill the pipeline,
+  divided by the prefetch depth
+  + the optimizer step per unit: device rate, host rate, or for disk the host rate or
+  the disk's read+write time, whichever is longer (the chunks are pipelined).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetstore.planner.trace import Trace, UnitTrace
+
+__all__ = ["UnitChoice", "Estimate", "estimate", "TIERS"]
+
+TIERS = ("none", "cpu", "disk")
+
+
+@dataclass(frozen=True)
+class UnitChoice:
+    """Where one unit's pieces live: 'none' (device), 'cpu' (host) or 'disk'.
+    Gradients follow the optimizer (they are consumed where it steps)."""
+
+    param: str = "none"
+    optimizer: str = "none"
+    activations: str = "none"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted per-tier peaks (bytes) and step time with its parts (seconds)."""
+
+    device: int
+    host: int
+    disk: int
+    compute_s: float
+    stall_s: float  # copies that stop compute
+    exposed_s: float  # overlappable transfers compute could not hide
+    optimizer_s: float
+    overhead_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.stall_s + self.exposed_s + self.optimizer_s + self.overhead_s
+
+    def peak(self, tier: str) -> int:
+        return {"device": self.device, "host": self.host, "disk": self.disk}[tier]
+
+
+def _aliases_master(u: UnitTrace, c: UnitChoice) -> bool:
+    return c.param == c.optimizer and u.compute_itemsize == 4
+
+
+def _optimizer_bytes(u: UnitTrace) -> int:
+    return u.master_bytes + u.grad_bytes + u.state_bytes
+
+
+def _max(values) -> int:
+    return max(values, default=0)
+
+
+def memory(
+    trace: Trace, choices: list[UnitChoice], depth: int, chunk_bytes: int
+) -> tuple[int, int, int]:
+    """Peak (device, host, disk) bytes of ``choices`` (see module doc)."""
+    device = trace.buffer_bytes
+    host = disk = 0
+    fetched_blocks = []
+    for u, c in zip(trace.units, choices, strict=True):
+        aliased = _aliases_master(u, c)
+        # parameters between uses, and their working copy on the device
+        if c.param == "none":
+            device += 0 if aliased else u.param_bytes
+        else:
+            if u.is_root:
+                device += u.param_bytes
+            else:
+                fetched_blocks.append(u.param_bytes)
+            if not aliased:
+                host += u.param_bytes if c.param == "cpu" else 0
+                disk += u.param_bytes if c.param == "disk" else 0
+        opt = _optimizer_bytes(u)
+        device += opt if c.optimizer == "none" else 0
+        host += opt if c.optimizer == "cpu" else 0
+        disk += opt if c.optimizer == "disk" else 0
+        host += u.saved_bytes if c.activations == "cpu" else 0
+        disk += u.saved_bytes if c.activations == "disk" else 0
+    units = list(zip(trace.units, choices, strict=True))
+    if fetched_blocks:
+        device += min(depth + 1, len(fetched_blocks)) * max(fetched_blocks)
+    device += sum(u.kept_bytes for u in trace.units)
+    device += _max(u.max_param_numel * u.compute_itemsize for u in trace.units)
+    device += _activation_peak(units, depth)
+    if trace.machine.device != "cpu":
+        device += _max(u.temp_bytes for u in trace.units)
+    # host staging of the disk paths (runtime.staging, optim.streamed, activations)
+    disk_params = [
+        u.param_bytes for u, c in units if c.param == "disk" and not _aliases_master(u, c)
+    ]
+    if disk_params:
+        host += (depth + 1) * max(disk_params)
+    disk_opt = [u for u, c in units if c.optimizer == "disk"]
+    if disk_opt:
+        host += 3 * _max(u.grad_bytes for u in disk_opt)
+        arrays = 2 + _max(u.state_itemsize // 4 for u in disk_opt)
+        host += 3 * arrays * min(chunk_bytes, _max(u.master_bytes for u in disk_opt))
+        disk += _max(u.master_bytes + u.state_bytes for u in disk_opt)  # the shadow
+    disk_saved = [u.saved_bytes for u, c in units if c.activations == "disk"]
+    if disk_saved:
+        host += 2 * max(disk_saved)
+    return device, host, disk
+
+
+def _activation_peak(units, depth: int) -> int:
+    """Peak device bytes of saved activations. At the end of forward every kept group is
+    there; in the backward of unit k, the kept groups of units up to k and the restored
+    groups of units k-depth..k (units in execution order; the root's saved tensors, the
+    loss and head, count as last)."""
+    kept = [u.saved_bytes if c.activations == "none" else 0 for u, c in units]
+    moved = [u.saved_bytes if c.activations != "none" else 0 for u, c in units]
+    peak = sum(kept)
+    prefix = 0
+    for k in range(len(units)):
+        prefix += kept[k]
+        peak = max(peak, prefix + sum(moved[max(0, k - depth) : k + 1]))
+    return peak
+
+
+def _compute_s(u: UnitTrace, trace: Trace) -> float:
+    if u.forward_s or u.backward_s:
+        return u.forward_s + u.backward_s
+    return u.flops / trace.machine.flops if trace.machine.flops else 0.0
+
+
+def times(trace: Trace, choices: list[UnitChoice], depth: int) -> tuple[float, ...]:
+    """(compute, stall, exposed, optimizer) seconds of ``choices`` (see module doc)."""
+    m = trace.machine
+    compute = stall = overlappable = optimizer = 0.0
+    fill = 0.0
+    for u, c in zip(trace.units, choices, strict=True):
+        compute += _compute_s(u, trace)
+        fetches = 1 if u.is_root else 2  # the root stays from forward through backward
+        unit_transfer = 0.0
+        if c.param != "none":
+            copy = fetches * u.param_bytes / m.to_device
+            if m.copies_overlap and depth > 0 and not u.is_root:
+                unit_transfer += copy
+            else:
+                stall += copy
+            if c.param == "disk" and not _aliases_master(u, c):
+                read = fetches * u.param_bytes / m.disk_read
+                if depth > 0 and not u.is_root:
+                    unit_transfer += read
+                else:
+                    stall += read
+        if c.optimizer != "none" and u.trainable_numel:
+            # gradients leave the device in the gradient hook, synchronously
+            stall += u.trainable_numel * u.compute_itemsize / m.from_device
+        if c.optimizer == "disk":
+            unit_transfer += u.grad_bytes / m.disk_write
+        if c.activations != "none":
+            copies = u.saved_bytes / m.from_device + u.saved_bytes / m.to_device
+            if m.copies_overlap:
+                unit_transfer += copies
+            else:
+                stall += copies
+            if c.activations == "disk":
+                unit_transfer += u.saved_bytes / m.disk_write + u.saved_bytes / m.disk_read
+        overlappable += unit_transfer
+        fill = max(fill, unit_transfer)
+        # the optimizer step
+        n = u.trainable_numel
+        if not n:
+            continue
+        if c.optimizer == "none":
+            optimizer += n / m.device_step
+        elif c.optimizer == "cpu":
+            optimizer += n / m.host_step
+            if c.param == "none":
+                optimizer += u.param_bytes / m.to_device  # updated weights back
+        else:
+            read = u.master_bytes + u.state_bytes + u.grad_bytes
+            write = u.master_bytes + u.state_bytes
+            if c.param == "disk" and not _aliases_master(u, c):
+                write += u.param_bytes
+            io = read / m.disk_read + write / m.disk_write
+            optimizer += max(n / m.host_step, io)
+            if c.param == "none":
+                optimizer += u.param_bytes / m.to_device
+    exposed = max(0.0, overlappable - compute) + (fill / depth if depth else 0.0)
+    return compute, stall, exposed, optimizer
+
+
+def estimate(
+    trace: Trace, choices: list[UnitChoice], depth: int, chunk_bytes: int = 32 << 20
+) -> Estimate:
+    device, host, disk = memory(trace, choices, depth, chunk_bytes)
+    compute, stall, exposed, optimizer = times(trace, choices, depth)
+    return Estimate(device, host, disk, compute, stall, exposed, optimizer, trace.overhead_s)

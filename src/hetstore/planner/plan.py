@@ -1,0 +1,164 @@
+"""A placement plan: one :class:`UnitChoice` per unit, a prefetch depth, and what the
+cost model predicts for it. Manual settings are a plan too (:meth:`Plan.uniform`), so
+``hetstore.offload`` builds every model the same way from one."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hetstore._sizes import format_size
+from hetstore.planner.cost import Estimate, UnitChoice, estimate
+from hetstore.planner.trace import Trace
+
+__all__ = ["Capacities", "Plan", "UnitPlan"]
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """What the planner may fill, in bytes (None: no limit): the tiers' capacities times
+    ``hbm_ratio`` / ``cpu_ratio``."""
+
+    device: int | None
+    host: int | None
+    disk: int | None
+
+    def of(self, tier: str) -> int | None:
+        return getattr(self, tier)
+
+    @classmethod
+    def from_config(
+        cls, config, *, device_total: int | None, host_total: int | None, disk_free: int | None
+    ) -> Capacities:
+        """The planner's limits: each configured capacity (else what the machine has,
+        given by the caller) times ``hbm_ratio`` / ``cpu_ratio``."""
+        device = config.max_device_memory if config.max_device_memory is not None else device_total
+        host = config.offload_cpu_size if config.offload_cpu_size is not None else host_total
+        disk = config.offload_disk_size if config.offload_disk_size is not None else disk_free
+        return cls(
+            None if device is None else int(device * config.hbm_ratio),
+            None if host is None else int(host * config.cpu_ratio),
+            disk,
+        )
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    name: str
+    choice: UnitChoice
+    param_bytes: int
+    optimizer_bytes: int  # fp32 master + gradients + optimizer states
+    saved_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    units: tuple[UnitPlan, ...]
+    prefetch_depth: int
+    estimate: Estimate
+    capacities: Capacities
+    source: str  # "auto" (the planner) or "manual" (the offload_* keys)
+
+    @classmethod
+    def build(
+        cls,
+        trace: Trace,
+        choices: list[UnitChoice],
+        depth: int,
+        capacities: Capacities,
+        source: str,
+        chunk_bytes: int = 32 << 20,
+    ) -> Plan:
+        units = tuple(
+            UnitPlan(
+                u.name,
+                c,
+                u.param_bytes,
+                u.master_bytes + u.grad_bytes + u.state_bytes,
+                u.saved_bytes,
+            )
+            for u, c in zip(trace.units, choices, strict=True)
+        )
+        return cls(units, depth, estimate(trace, choices, depth, chunk_bytes), capacities, source)
+
+    @classmethod
+    def uniform(
+        cls, trace: Trace, choice: UnitChoice, depth: int, capacities: Capacities, **kw
+    ) -> Plan:
+        """The manual plan: the same choice for every unit."""
+        return cls.build(trace, [choice] * len(trace.units), depth, capacities, "manual", **kw)
+
+    def choice_of(self, name: str) -> UnitChoice:
+        for unit in self.units:
+            if unit.name == name:
+                return unit.choice
+        raise KeyError(f"the plan has no unit {name!r}; it has {[u.name for u in self.units]}")
+
+    @property
+    def offloads_anything(self) -> bool:
+        return any(u.choice != UnitChoice() for u in self.units)
+
+    # ------------------------------------------------------------------ display
+    def table(self) -> str:
+        """The plan as text: per unit, per tier, and the predicted step time."""
+        names = {"none": "device", "cpu": "host", "disk": "disk"}
+        rows = [("unit", "params", "where", "optimizer", "where", "activations", "where")]
+        for u in self.units:
+            c = u.choice
+            rows.append(
+                (
+                    u.name,
+                    format_size(u.param_bytes),
+                    names[c.param],
+                    format_size(u.optimizer_bytes),
+                    names[c.optimizer],
+                    format_size(u.saved_bytes),
+                    names[c.activations],
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        e = self.estimate
+        lines.append("")
+        lines.append(f"{'tier':<7} {'predicted peak':>15} {'may use':>12}")
+        for tier in ("device", "host", "disk"):
+            cap = self.capacities.of(tier)
+            limit = "no limit" if cap is None else format_size(cap)
+            lines.append(f"{tier:<7} {format_size(e.peak(tier)):>15} {limit:>12}")
+        lines.append("")
+        lines.append(
+            f"predicted step {e.step_s * 1e3:.1f} ms = compute {e.compute_s * 1e3:.1f}"
+            f" + stalled copies {e.stall_s * 1e3:.1f} + unhidden transfers "
+            f"{e.exposed_s * 1e3:.1f} + optimizer {e.optimizer_s * 1e3:.1f}"
+            f" + overhead {e.overhead_s * 1e3:.1f}  (prefetch_depth={self.prefetch_depth},"
+            f" {self.source} plan)"
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    # ------------------------------------------------------------------ JSON
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        units = tuple(UnitPlan(**{**u, "choice": UnitChoice(**u["choice"])}) for u in data["units"])
+        return cls(
+            units,
+            data["prefetch_depth"],
+            Estimate(**data["estimate"]),
+            Capacities(**data["capacities"]),
+            data["source"],
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(Path(path).read_text())

@@ -1,0 +1,238 @@
+"""The planner: a pure function from (trace, capacities, config) to a :class:`Plan`.
+
+No device calls: everything it knows is in the :class:`Trace`. The search:
+
+1. Everything on the device fits: nothing is offloaded.
+2. Otherwise three fixed orders of moves are made, each by cost per byte (the added step
+   time of the move alone over the bytes it frees), cheapest first:
+   - *device moves*: a block unit's parameters to host, a unit's activations to host;
+   - *optimizer returns*: a unit's optimizer states (with master and gradients) kept on
+     the device instead of host, most time saved per device byte first;
+   - *spills*: something on host (a unit's optimizer states, parameters, activations)
+     to disk instead.
+   For each prefetch depth and each prefix ``j`` of the device moves, the plan takes as
+   many optimizer returns ``k`` as the device holds -- within ``gpu_margin_mem_ratio``
+   of the margin (device capacity minus everything else's peak) unless every unit's
+   states fit -- then the fewest spills ``s`` the host needs, and keeps the fastest of
+   all ``(depth, j, k, s)`` that fit every tier.
+
+Each move only adds time and the feasible set only grows with capacity, so more capacity
+never predicts a slower step (a test checks it). When nothing fits, the error names each
+short tier with the least capacity that would do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hetstore._sizes import format_size
+from hetstore.errors import OutOfDeviceMemory, OutOfTierMemory
+from hetstore.planner.cost import UnitChoice, memory, times
+from hetstore.planner.plan import Capacities, Plan
+from hetstore.planner.trace import Trace
+
+__all__ = ["make_plan"]
+
+_KEYS = {"device": "max_device_memory", "host": "offload_cpu_size", "disk": "offload_disk_size"}
+_RATIOS = {"device": "hbm_ratio", "host": "cpu_ratio", "disk": None}
+
+
+def _fits(value: int, cap: int | None) -> bool:
+    return cap is None or value <= cap
+
+
+def _time(trace, choices, depth) -> float:
+    return sum(times(trace, choices, depth)) + trace.overhead_s
+
+
+def _order(trace: Trace, base: list[UnitChoice], moves, depth, chunk, tier_index, sign=1):
+    """Sort ``moves`` (unit index, field, value) by added time per byte freed on the tier
+    at ``tier_index`` of :func:`memory`, each measured alone against ``base``."""
+    t0 = _time(trace, base, depth)
+    m0 = memory(trace, base, depth, chunk)[tier_index]
+    keyed = []
+    for i, field_, value in moves:
+        trial = list(base)
+        trial[i] = replace(trial[i], **{field_: value})
+        freed = sign * (m0 - memory(trace, trial, depth, chunk)[tier_index])
+        added = sign * (_time(trace, trial, depth) - t0)
+        keyed.append((added / freed if freed > 0 else float("inf"), i, field_, value))
+    keyed.sort(key=lambda k: (k[0], k[1]))
+    return [(i, f, v) for _, i, f, v in keyed]
+
+
+def _apply(choices: list[UnitChoice], moves) -> list[UnitChoice]:
+    out = list(choices)
+    for i, field_, value in moves:
+        out[i] = replace(out[i], **{field_: value})
+    return out
+
+
+def _spill(choices, spills, s):
+    """The first ``s`` spills that apply (an item still on host goes to disk)."""
+    out = list(choices)
+    for i, field_, _ in spills[:s]:
+        if getattr(out[i], field_) == "cpu":
+            out[i] = replace(out[i], **{field_: "disk"})
+    return out
+
+
+def _largest_true(predicate, low: int, high: int) -> int:
+    """Largest k in [low, high] with predicate(k), assuming true-then-false; low - 1 if none."""
+    if not predicate(low):
+        return low - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        if predicate(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def make_plan(trace: Trace, capacities: Capacities, config) -> Plan:
+    """The fastest predicted placement within ``capacities`` (see module doc)."""
+    chunk = config.optimizer_chunk_size
+    n = len(trace.units)
+    everything = [UnitChoice()] * n
+    device_all, host_all, disk_all = memory(trace, everything, config.prefetch_depth, chunk)
+    if all(
+        _fits(v, capacities.of(t))
+        for t, v in (("device", device_all), ("host", host_all), ("disk", disk_all))
+    ):
+        return Plan.build(trace, everything, config.prefetch_depth, capacities, "auto", chunk)
+
+    trainable = [i for i, u in enumerate(trace.units) if u.trainable_numel]
+    best: tuple[float, list[UnitChoice], int] | None = None
+    for depth in sorted({0, 1, 2, config.prefetch_depth}):
+        host_opt = [
+            replace(c, optimizer="cpu") if i in trainable else c for i, c in enumerate(everything)
+        ]
+        device_moves = _order(
+            trace,
+            host_opt,
+            [(i, "param", "cpu") for i, u in enumerate(trace.units) if not u.is_root]
+            + [(i, "activations", "cpu") for i, u in enumerate(trace.units) if u.saved_bytes],
+            depth,
+            chunk,
+            0,
+        )
+        for j in range(len(device_moves) + 1):
+            base = _apply(host_opt, device_moves[:j])
+            # optimizer states back on the device, most time saved per byte first
+            returns = _order(
+                trace, base, [(i, "optimizer", "none") for i in trainable], depth, chunk, 0, -1
+            )
+            candidates = []
+            device_base = memory(trace, base, depth, chunk)[0]
+            if not _fits(device_base, capacities.device):
+                continue
+            all_back = _apply(base, returns)
+            if _fits(memory(trace, all_back, depth, chunk)[0], capacities.device):
+                candidates.append(all_back)
+            else:
+                margin = (capacities.device - device_base) * config.gpu_margin_mem_ratio
+
+                def within(
+                    k,
+                    base=base,
+                    returns=returns,
+                    device_base=device_base,
+                    margin=margin,
+                    depth=depth,
+                ):
+                    used = memory(trace, _apply(base, returns[:k]), depth, chunk)[0]
+                    return used - device_base <= margin
+
+                k = _largest_true(within, 0, len(returns))
+                candidates.append(_apply(base, returns[: max(k, 0)]))
+            for choices in candidates:
+                plan = _fit_host(trace, choices, depth, chunk, capacities)
+                if plan is None:
+                    continue
+                t = _time(trace, plan, depth)
+                if best is None or t < best[0] - 1e-12:
+                    best = (t, plan, depth)
+    if best is None:
+        raise _refusal(trace, capacities, config)
+    return Plan.build(trace, best[1], best[2], capacities, "auto", chunk)
+
+
+def _fit_host(trace, choices, depth, chunk, capacities) -> list[UnitChoice] | None:
+    """The fewest spills to disk that make host (and then disk) fit; None if none do."""
+    spills = _order(
+        trace,
+        choices,
+        [
+            (i, field_, "disk")
+            for i, c in enumerate(choices)
+            for field_ in ("optimizer", "param", "activations")
+            if getattr(c, field_) == "cpu"
+        ],
+        depth,
+        chunk,
+        1,
+    )
+
+    def host_short(s: int) -> bool:
+        return not _fits(
+            memory(trace, _spill(choices, spills, s), depth, chunk)[1], capacities.host
+        )
+
+    # host use falls as spills grow: find the first s where it fits
+    last_short = _largest_true(host_short, 0, len(spills))
+    s = last_short + 1
+    if s > len(spills):
+        return None
+    result = _spill(choices, spills, s)
+    if not _fits(memory(trace, result, depth, chunk)[2], capacities.disk):
+        return None
+    return result
+
+
+def _refusal(trace: Trace, capacities: Capacities, config) -> OutOfTierMemory:
+    """Name every tier that is short, with the least capacity that would fit."""
+    chunk = config.optimizer_chunk_size
+    lean = [
+        UnitChoice(param="none" if u.is_root else "cpu", optimizer="cpu", activations="cpu")
+        for u in trace.units
+    ]
+    device_need = memory(trace, lean, 0, chunk)[0]
+    on_disk = [
+        UnitChoice(param="none" if u.is_root else "disk", optimizer="disk", activations="disk")
+        for u in trace.units
+    ]
+    host_need = memory(trace, on_disk, 0, chunk)[1]
+    # disk: what spills when the host holds all it may, at the leanest device plan
+    disk_need = memory(trace, on_disk, 0, chunk)[2]
+    host_cap = capacities.host
+    if host_cap is not None:
+        plan = _fit_host(trace, lean, 0, chunk, Capacities(None, host_cap, None))
+        if plan is not None:
+            disk_need = memory(trace, plan, 0, chunk)[2]
+    needs = {"device": device_need, "host": host_need, "disk": disk_need}
+    lines = []
+    short = []
+    for tier, need in needs.items():
+        cap = capacities.of(tier)
+        if cap is not None and need > cap:
+            short.append(tier)
+            ratio = _RATIOS[tier]
+            share = f" x {ratio} {getattr(config, ratio)}" if ratio else ""
+            lines.append(
+                f"  {tier}: needs at least {format_size(need)}, may use {format_size(cap)} "
+                f"({_KEYS[tier]}{share}); raise {_KEYS[tier]}" + (f" or {ratio}" if ratio else "")
+            )
+    if not short:  # each tier alone would do; together they do not
+        short = ["host"]
+        lines.append(
+            "  no single tier is short, but no placement fits all three at once; "
+            "raise offload_cpu_size or offload_disk_size"
+        )
+    message = (
+        f"hetstore cannot place this model (model states {format_size(trace.state_bytes)}) "
+        "within the capacities, even offloading everything it can:\n" + "\n".join(lines)
+    )
+    tier = short[0]
+    cls = OutOfDeviceMemory if tier == "device" else OutOfTierMemory
+    return cls(message, tier=tier, requested=needs[tier], capacity=capacities.of(tier))

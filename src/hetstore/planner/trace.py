@@ -1,0 +1,124 @@
+"""What the planner plans from: per-unit sizes and times, and the machine's rates.
+
+Plain data, saved and loaded as JSON, so a trace taken on one run (or on the meta
+device, before the model exists) can be planned again with other capacities, in tests
+without any device, or on another machine after swapping the :class:`MachineRates`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+__all__ = ["MachineRates", "UnitTrace", "Trace"]
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    """Measured (or given) speeds; bytes per second unless said otherwise.
+
+    ``to_device`` / ``from_device``: host<->device copy bandwidth (on a CPU "device" the
+    memcpy rate). ``copies_overlap``: whether those copies run beside compute (CUDA side
+    streams) or stall it (CPU memcpy). ``host_step`` / ``device_step``: optimizer
+    elements per second (fused AdamW over flat fp32 buffers). ``flops``: the device's
+    achieved FLOP/s, used to turn counted FLOPs into time when no time was measured.
+    """
+
+    to_device: float
+    from_device: float
+    disk_read: float
+    disk_write: float
+    host_step: float
+    device_step: float
+    flops: float
+    copies_overlap: bool = False
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class UnitTrace:
+    """One unit: its sizes (bytes) and its compute time (seconds) in one step.
+
+    ``saved_bytes``: tensors saved for backward while the unit's forward runs that are
+    large enough to offload (the activations the planner places); ``kept_bytes``: the
+    smaller ones, always kept; ``temp_bytes``: the peak of everything else the unit
+    allocates above that (non-model data that lives only inside the unit; the CPU
+    device accounting does not see it, so the planner counts it on CUDA only).
+    """
+
+    name: str
+    numel: int  # elements of all its parameters
+    trainable_numel: int  # elements the optimizer steps
+    compute_itemsize: int  # bytes per element of the compute dtype
+    state_itemsize: int  # optimizer-state bytes per trainable element (Adam: 8)
+    saved_bytes: int = 0
+    kept_bytes: int = 0  # saved, but below activation_min_bytes: never offloaded
+    temp_bytes: int = 0
+    max_param_numel: int = 0  # its largest parameter (one gradient in flight)
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    flops: float = 0.0
+    is_root: bool = False  # present for the whole step: its parameters never leave
+
+    @property
+    def param_bytes(self) -> int:
+        return self.numel * self.compute_itemsize
+
+    @property
+    def master_bytes(self) -> int:
+        return self.numel * 4
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.trainable_numel * 4
+
+    @property
+    def state_bytes(self) -> int:
+        return self.trainable_numel * self.state_itemsize
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Everything one profiling step (or a meta-device dry run) learned."""
+
+    units: tuple[UnitTrace, ...]
+    machine: MachineRates
+    buffer_bytes: int = 0  # module buffers, always on the device
+    overhead_s: float = 0.0  # per-step time not explained by the units (calibration)
+    measured: bool = False  # times measured on the real model, not from FLOPs
+    batch_shapes: tuple = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        names = [u.name for u in self.units]
+        if len(set(names)) != len(names):
+            raise ValueError(f"unit names must be unique, got {names}")
+
+    @property
+    def state_bytes(self) -> int:
+        """Model states of the whole model: params, master, grads, optimizer states."""
+        return sum(
+            u.param_bytes + u.master_bytes + u.grad_bytes + u.state_bytes for u in self.units
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Trace:
+        data = json.loads(text)
+        unit_keys = {f.name for f in fields(UnitTrace)}
+        units = tuple(
+            UnitTrace(**{k: v for k, v in u.items() if k in unit_keys}) for u in data["units"]
+        )
+        machine = MachineRates(**data["machine"])
+        shapes = tuple(tuple(s) for s in data.get("batch_shapes", ()))
+        rest = {k: data[k] for k in ("buffer_bytes", "overhead_s", "measured") if k in data}
+        return cls(units=units, machine=machine, batch_shapes=shapes, **rest)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        return cls.from_json(Path(path).read_text())

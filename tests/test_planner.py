@@ -1,0 +1,212 @@
+"""The planner and its cost model on synthetic traces: pure functions, no device."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hetstore import OffloadConfig, OutOfDeviceMemory
+from hetstore.errors import OutOfTierMemory
+from hetstore.planner import (
+    Capacities,
+    MachineRates,
+    Plan,
+    Trace,
+    UnitChoice,
+    UnitTrace,
+    estimate,
+    make_plan,
+)
+
+MiB = 1 << 20
+GPU = MachineRates(
+    to_device=20e9, from_device=20e9, disk_read=3e9, disk_write=2e9,
+    host_step=1e9, device_step=50e9, flops=100e12, copies_overlap=True, device="cuda",
+)  # fmt: skip
+CPU = MachineRates(
+    to_device=8e9, from_device=8e9, disk_read=1e9, disk_write=0.5e9,
+    host_step=0.3e9, device_step=0.3e9, flops=50e9, copies_overlap=False, device="cpu",
+)  # fmt: skip
+
+
+def unit(name, numel, saved=0, forward_s=0.01, root=False, itemsize=2):
+    return UnitTrace(
+        name=name, numel=numel, trainable_numel=numel, compute_itemsize=itemsize,
+        state_itemsize=8, saved_bytes=saved, forward_s=forward_s, backward_s=2 * forward_s,
+        max_param_numel=numel // 4, is_root=root,
+    )  # fmt: skip
+
+
+def gpt_like(blocks=4, numel=4 * MiB, saved=16 * MiB, machine=GPU):
+    units = [unit(f"blocks.{i}", numel, saved) for i in range(blocks)]
+    units.append(unit("root", numel // 2, saved // 4, root=True))
+    return Trace(units=tuple(units), machine=machine)
+
+
+def caps(device=None, host=None, disk=None):
+    return Capacities(device, host, disk)
+
+
+def config(**kw):
+    return OffloadConfig(device="cpu", **kw)
+
+
+def all_none_peak(trace, tier="device"):
+    return estimate(trace, [UnitChoice()] * len(trace.units), 1).peak(tier)
+
+
+def test_a_model_that_fits_is_not_offloaded():
+    trace = gpt_like()
+    plan = make_plan(trace, caps(device=all_none_peak(trace)), config())
+    assert not plan.offloads_anything
+    assert plan.estimate.device == all_none_peak(trace)
+
+
+def test_device_short_moves_the_cheapest_bytes_first():
+    """Short by less than one unit's activations: moving activations costs a copy each
+    way hidden behind compute; moving optimizer states to host costs a host step 50x
+    slower. Only activations move, and no more of them than needed."""
+    trace = gpt_like()
+    need = all_none_peak(trace)
+    plan = make_plan(trace, caps(device=need - 8 * MiB), config())
+    moved = [u for u in plan.units if u.choice != UnitChoice()]
+    assert moved and all(u.choice == UnitChoice(activations="cpu") for u in moved)
+    assert len(moved) < len(plan.units)
+    assert plan.estimate.device <= need - 8 * MiB
+
+
+def test_host_short_spills_to_disk():
+    trace = gpt_like(numel=32 * MiB, saved=64 * MiB)
+    lean_device = 400 * MiB
+    free = make_plan(trace, caps(device=lean_device), config())
+    assert free.estimate.disk == 0
+    host_cap = free.estimate.host // 2
+    plan = make_plan(trace, caps(device=lean_device, host=host_cap), config())
+    assert plan.estimate.host <= host_cap < free.estimate.host
+    assert plan.estimate.disk > 0
+    assert any(
+        "disk" in (u.choice.param, u.choice.optimizer, u.choice.activations) for u in plan.units
+    )
+    assert plan.estimate.step_s >= free.estimate.step_s
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+def test_device_margin_holds_optimizer_states_up_to_the_ratio(ratio):
+    trace = gpt_like()
+    cap = all_none_peak(trace) // 2
+    plan = make_plan(trace, caps(device=cap), config(gpu_margin_mem_ratio=ratio))
+    on_device = [u for u in plan.units if u.choice.optimizer == "none"]
+    assert plan.estimate.device <= cap
+    if ratio == 0.0:
+        assert not on_device
+    else:
+        # the states kept fit in ratio x (budget - everything else's peak)
+        without = [UnitChoice(u.choice.param, "cpu", u.choice.activations) for u in plan.units]
+        rest = estimate(trace, without, plan.prefetch_depth).device
+        kept = plan.estimate.device - rest
+        assert on_device and kept <= ratio * (cap - rest) + 1
+
+
+def test_margin_ratio_helps_monotonically():
+    trace = gpt_like()
+    cap = all_none_peak(trace) // 2
+    times = [
+        make_plan(trace, caps(device=cap), config(gpu_margin_mem_ratio=r)).estimate.step_s
+        for r in (0.0, 0.5, 1.0)
+    ]
+    assert times[0] >= times[1] >= times[2]
+    assert times[0] > times[2]
+
+
+def test_ratios_scale_the_capacities():
+    cfg = config(max_device_memory="1GB", offload_cpu_size="10GB", hbm_ratio=0.5, cpu_ratio=0.25)
+    c = Capacities.from_config(cfg, device_total=None, host_total=None, disk_free=123)
+    assert (c.device, c.host, c.disk) == (
+        cfg.max_device_memory // 2,
+        cfg.offload_cpu_size // 4,
+        123,
+    )
+    trace = gpt_like()
+    full = make_plan(trace, Capacities(all_none_peak(trace), None, None), config())
+    assert not full.offloads_anything
+    halved = make_plan(
+        trace,
+        Capacities.from_config(
+            config(max_device_memory=all_none_peak(trace), hbm_ratio=0.5),
+            device_total=None,
+            host_total=None,
+            disk_free=None,
+        ),  # fmt: skip
+        config(),
+    )
+    assert halved.offloads_anything and halved.estimate.device <= all_none_peak(trace) // 2
+
+
+def test_impossible_is_refused_with_each_short_tier_and_its_need():
+    trace = gpt_like()
+    with pytest.raises(OutOfDeviceMemory) as info:
+        make_plan(trace, caps(device=MiB), config())
+    message = str(info.value)
+    assert "device: needs at least" in message and "max_device_memory" in message
+    need = info.value.requested
+    # the need it names is enough
+    make_plan(trace, caps(device=need), config())
+    with pytest.raises(OutOfTierMemory) as info:
+        make_plan(trace, caps(device=need, host=MiB, disk=MiB), config())
+    assert "host: needs at least" in str(info.value) and "disk: needs at least" in str(info.value)
+
+
+def random_trace(rng: random.Random, machine):
+    units = [
+        unit(
+            f"b{i}",
+            rng.randint(1, 64) * MiB // 8,
+            rng.randint(0, 64) * MiB,
+            forward_s=rng.uniform(1e-4, 1e-2),
+        )
+        for i in range(rng.randint(2, 6))
+    ]
+    units.append(unit("root", rng.randint(1, 16) * MiB // 8, rng.randint(0, 8) * MiB, root=True))
+    return Trace(units=tuple(units), machine=machine)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_more_capacity_never_predicts_a_slower_step(seed):
+    rng = random.Random(seed)
+    trace = random_trace(rng, GPU if seed % 2 else CPU)
+    top = all_none_peak(trace)
+    host_top = (
+        all_none_peak(trace, "host") + trace.state_bytes + sum(u.saved_bytes for u in trace.units)
+    )
+    for host in (host_top // 8, host_top // 3, None):
+        previous = float("inf")
+        for fraction in (0.1, 0.2, 0.35, 0.5, 0.7, 0.9, 1.0):
+            try:
+                plan = make_plan(trace, caps(device=int(top * fraction), host=host), config())
+            except OutOfTierMemory:
+                assert previous == float("inf"), "refused after a smaller capacity fitted"
+                continue
+            assert plan.estimate.step_s <= previous * (1 + 1e-9)
+            assert plan.estimate.device <= int(top * fraction)
+            assert host is None or plan.estimate.host <= host
+            previous = plan.estimate.step_s
+
+
+def test_trace_and_plan_round_trip_through_json(tmp_path):
+    trace = gpt_like(machine=CPU)
+    trace.save(tmp_path / "trace.json")
+    assert Trace.load(tmp_path / "trace.json") == trace
+    plan = make_plan(trace, caps(device=all_none_peak(trace) // 3), config())
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+    table = plan.table()
+    for name in ("blocks.0", "root", "predicted step", "device", "host"):
+        assert name in table
+
+
+def test_manual_settings_are_a_plan():
+    trace = gpt_like(machine=CPU)
+    plan = Plan.uniform(trace, UnitChoice("cpu", "cpu", "none"), 1, caps())
+    assert plan.source == "manual"
+    assert {u.choice for u in plan.units} == {UnitChoice("cpu", "cpu", "none")}
