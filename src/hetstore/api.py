@@ -13,6 +13,9 @@ from hetstore._sizes import format_size
 from hetstore.config import OffloadConfig
 from hetstore.errors import ConfigError
 from hetstore.optim import DynamicLossScaler, OffloadedOptimizer
+from hetstore.planner import Capacities, Plan, UnitChoice, make_plan
+from hetstore.planner.machine import machine_capacities, measure_machine
+from hetstore.planner.tracer import model_data_trace, trace_model
 from hetstore.runtime.activations import ActivationHooks
 from hetstore.runtime.flat import DiskArray
 from hetstore.runtime.hooks import OffloadRuntime
@@ -33,6 +36,7 @@ def offload(
     *,
     units: Sequence[nn.Module] | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
+    example_inputs=None,
 ) -> tuple[nn.Module, OffloadedOptimizer | None]:
     """Offload ``model``'s parameters, gradients and optimizer states per ``config``.
 
@@ -46,6 +50,11 @@ def offload(
     if given (see :mod:`hetstore.runtime.materialize`), so a model larger than host
     memory can be created. Load trained weights afterwards with ``hetstore.load_weights``.
 
+    With ``auto_offload=True`` the planner chooses every unit's placement (see
+    :func:`hetstore.plan`); ``example_inputs`` (the arguments of one forward, real or
+    meta tensors) lets it trace the activations too, on fake tensors, before anything
+    moves. The plan used is ``model._hetstore_runtime.plan``.
+
     Raises ``ConfigError`` for a bad configuration and ``OutOfDeviceMemory`` /
     ``OutOfTierMemory`` when the model states cannot be placed, before any training.
     """
@@ -54,20 +63,12 @@ def offload(
         raise ConfigError(f"config must be a hetstore.OffloadConfig, got {type(config).__name__}")
     if getattr(model, "_hetstore_runtime", None) is not None:
         raise ConfigError("this model was already passed to hetstore.offload()")
-    if config.auto_offload:
-        raise NotImplementedError(
-            "auto_offload=True needs the planner, which this version does not have yet; "
-            "set offload_param / offload_optimizer explicitly"
-        )
-
-    if optimizer is not None and config.offload_optimizer == "disk":
+    if optimizer is not None and config.offload_optimizer == "disk" and not config.auto_offload:
         _check_streamable(optimizer)
     device = config.resolved_device()
     groups_of = _group_index(model, optimizer)
     specs = find_units(model, units)
-    placement = Placement(
-        param=config.offload_param, optimizer=config.offload_optimizer, grad=config.grad_tier
-    )
+    plan = _plan_for(model, optimizer, config, specs, device, units, example_inputs)
     built: list[Unit | None] = [None] * len(specs)
 
     def advice(tier: str, nbytes: int) -> list[str]:
@@ -87,6 +88,9 @@ def offload(
                     "floating-point parameters only"
                 )
             params.append((qualified, param, groups_of.get(id(param))))
+        choice = plan.choice_of(spec.name)
+        grad = choice.optimizer if plan.source == "auto" else config.grad_tier
+        placement = Placement(param=choice.param, optimizer=choice.optimizer, grad=grad)
         built[index] = Unit(index, spec.name, params, placement, tiers, compute_dtype)
 
     try:
@@ -102,23 +106,27 @@ def offload(
 
     root = next((u for u, s in zip(unit_list, specs, strict=True) if s.is_root), None)
     unit_modules = {u.index: s.module for u, s in zip(unit_list, specs, strict=True)}
-    grad_stager = _attach_stagers(unit_list, tiers, config)
+    grad_stager = _attach_stagers(unit_list, tiers, plan.prefetch_depth)
     activations = None
-    if config.offload_activations != "none" or device.type == "cpu":
+    default_tier = "none" if plan.source == "auto" else config.offload_activations
+    if device.type == "cpu" or any(u.choice.activations != "none" for u in plan.units):
         activations = ActivationHooks(
             model,
             unit_list,
             tiers,
-            config.offload_activations,
+            default_tier,
             config.activation_min_bytes,
-            prefetch_depth=config.prefetch_depth,
+            prefetch_depth=plan.prefetch_depth,
         )
+        for unit_plan in plan.units:
+            if unit_plan.choice.activations != default_tier:
+                activations.set_unit_tier(unit_plan.name, unit_plan.choice.activations)
     runtime = OffloadRuntime(
         model,
         unit_list,
         unit_modules,
         root,
-        prefetch_depth=config.prefetch_depth,
+        prefetch_depth=plan.prefetch_depth,
         grad_stager=grad_stager,
         activations=activations,
     )
@@ -135,6 +143,7 @@ def offload(
     runtime.adopt(install_state_dict_hooks(model, unit_list))
     model._hetstore_tiers = tiers
     model._hetstore_runtime = runtime
+    runtime.plan = plan
 
     wrapped = None
     if optimizer is not None:
@@ -151,11 +160,16 @@ def offload(
     return model, wrapped
 
 
-def _check_streamable(optimizer: Optimizer) -> None:
+def _streamable(optimizer: Optimizer) -> bool:
+    """Whether the disk tier's streamed step can run this optimizer."""
     streamable = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-    if not isinstance(optimizer, streamable) or any(
+    return isinstance(optimizer, streamable) and not any(
         g.get("differentiable") for g in optimizer.param_groups
-    ):
+    )
+
+
+def _check_streamable(optimizer: Optimizer) -> None:
+    if not _streamable(optimizer):
         raise ConfigError(
             f"offload_optimizer='disk' streams the states of torch.optim.Adam, AdamW and SGD "
             f"chunk by chunk; got {type(optimizer).__name__}. Use one of those, or "
@@ -198,13 +212,32 @@ def _build_units(
         build_ready()
 
 
-def _attach_stagers(units: list[Unit], tiers: Tiers, config: OffloadConfig) -> GradStager | None:
+def _plan_for(model, optimizer, config, specs, device, units, example_inputs) -> Plan:
+    """The placement of every unit: the offload_* keys for all (a manual plan), or the
+    planner's choice from a trace (``auto_offload``); refused here, before any work,
+    when nothing fits."""
+    if not config.auto_offload:
+        trace = model_data_trace(model, config, None, optimizer=optimizer, specs=specs)
+        choice = UnitChoice(
+            config.offload_param, config.offload_optimizer, config.offload_activations
+        )
+        return Plan.uniform(trace, choice, config.prefetch_depth, Capacities(None, None, None))
+    machine = measure_machine(device, config.offload_path)
+    if example_inputs is not None:
+        trace = trace_model(
+            model, example_inputs, config, machine, optimizer=optimizer, units=units
+        )
+    else:
+        trace = model_data_trace(model, config, machine, optimizer=optimizer, specs=specs)
+    streamable = optimizer is None or _streamable(optimizer)
+    return make_plan(trace, machine_capacities(config, device), config, disk_optimizer=streamable)
+
+
+def _attach_stagers(units: list[Unit], tiers: Tiers, prefetch_depth: int) -> GradStager | None:
     """Give disk-resident units their bounded host staging (see runtime.staging)."""
     disk_home = [u for u in units if isinstance(u.home, DiskArray)]
     if disk_home:
-        stager = ParamStager(
-            tiers.host, max(u.device_bytes for u in disk_home), config.prefetch_depth + 1
-        )
+        stager = ParamStager(tiers.host, max(u.device_bytes for u in disk_home), prefetch_depth + 1)
         for unit in disk_home:
             unit.param_stager = stager
     disk_grad = [u for u in units if isinstance(u.grad, DiskArray)]

@@ -116,7 +116,7 @@ def memory(
     device += sum(u.kept_bytes for u in trace.units)
     device += _max(u.max_param_numel * u.compute_itemsize for u in trace.units)
     device += _activation_peak(units, depth)
-    if trace.machine.device != "cpu":
+    if trace.machine is not None and trace.machine.device != "cpu":
         device += _max(u.temp_bytes for u in trace.units)
     # host staging of the disk paths (runtime.staging, optim.streamed, activations)
     disk_params = [

@@ -56,7 +56,7 @@ class UnitPlan:
 class Plan:
     units: tuple[UnitPlan, ...]
     prefetch_depth: int
-    estimate: Estimate
+    estimate: Estimate | None  # None for a manual plan made without machine rates
     capacities: Capacities
     source: str  # "auto" (the planner) or "manual" (the offload_* keys)
 
@@ -80,7 +80,8 @@ class Plan:
             )
             for u, c in zip(trace.units, choices, strict=True)
         )
-        return cls(units, depth, estimate(trace, choices, depth, chunk_bytes), capacities, source)
+        predicted = estimate(trace, choices, depth, chunk_bytes) if trace.machine else None
+        return cls(units, depth, predicted, capacities, source)
 
     @classmethod
     def uniform(
@@ -121,6 +122,12 @@ class Plan:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         e = self.estimate
+        if e is None:
+            lines.append(
+                f"(manual placement, prefetch_depth={self.prefetch_depth}; "
+                "hetstore.plan() predicts peaks and step time)"
+            )
+            return "\n".join(lines)
         lines.append("")
         lines.append(f"{'tier':<7} {'predicted peak':>15} {'may use':>12}")
         for tier in ("device", "host", "disk"):
@@ -151,7 +158,7 @@ class Plan:
         return cls(
             units,
             data["prefetch_depth"],
-            Estimate(**data["estimate"]),
+            Estimate(**data["estimate"]) if data["estimate"] else None,
             Capacities(**data["capacities"]),
             data["source"],
         )

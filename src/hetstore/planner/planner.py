@@ -90,8 +90,10 @@ def _largest_true(predicate, low: int, high: int) -> int:
     return low
 
 
-def make_plan(trace: Trace, capacities: Capacities, config) -> Plan:
-    """The fastest predicted placement within ``capacities`` (see module doc)."""
+def make_plan(trace: Trace, capacities: Capacities, config, *, disk_optimizer: bool = True) -> Plan:
+    """The fastest predicted placement within ``capacities`` (see module doc).
+    ``disk_optimizer=False``: the optimizer cannot be streamed from disk (not Adam,
+    AdamW or SGD), so its states never spill there."""
     chunk = config.optimizer_chunk_size
     n = len(trace.units)
     everything = [UnitChoice()] * n
@@ -147,18 +149,20 @@ def make_plan(trace: Trace, capacities: Capacities, config) -> Plan:
                 k = _largest_true(within, 0, len(returns))
                 candidates.append(_apply(base, returns[: max(k, 0)]))
             for choices in candidates:
-                plan = _fit_host(trace, choices, depth, chunk, capacities)
+                plan = _fit_host(trace, choices, depth, chunk, capacities, disk_optimizer)
                 if plan is None:
                     continue
                 t = _time(trace, plan, depth)
                 if best is None or t < best[0] - 1e-12:
                     best = (t, plan, depth)
     if best is None:
-        raise _refusal(trace, capacities, config)
+        raise _refusal(trace, capacities, config, disk_optimizer)
     return Plan.build(trace, best[1], best[2], capacities, "auto", chunk)
 
 
-def _fit_host(trace, choices, depth, chunk, capacities) -> list[UnitChoice] | None:
+def _fit_host(
+    trace, choices, depth, chunk, capacities, disk_optimizer=True
+) -> list[UnitChoice] | None:
     """The fewest spills to disk that make host (and then disk) fit; None if none do."""
     spills = _order(
         trace,
@@ -167,7 +171,7 @@ def _fit_host(trace, choices, depth, chunk, capacities) -> list[UnitChoice] | No
             (i, field_, "disk")
             for i, c in enumerate(choices)
             for field_ in ("optimizer", "param", "activations")
-            if getattr(c, field_) == "cpu"
+            if getattr(c, field_) == "cpu" and (disk_optimizer or field_ != "optimizer")
         ],
         depth,
         chunk,
@@ -190,7 +194,7 @@ def _fit_host(trace, choices, depth, chunk, capacities) -> list[UnitChoice] | No
     return result
 
 
-def _refusal(trace: Trace, capacities: Capacities, config) -> OutOfTierMemory:
+def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) -> OutOfTierMemory:
     """Name every tier that is short, with the least capacity that would fit."""
     chunk = config.optimizer_chunk_size
     lean = [
@@ -199,7 +203,11 @@ def _refusal(trace: Trace, capacities: Capacities, config) -> OutOfTierMemory:
     ]
     device_need = memory(trace, lean, 0, chunk)[0]
     on_disk = [
-        UnitChoice(param="none" if u.is_root else "disk", optimizer="disk", activations="disk")
+        UnitChoice(
+            param="none" if u.is_root else "disk",
+            optimizer="disk" if disk_optimizer else "cpu",
+            activations="disk",
+        )
         for u in trace.units
     ]
     host_need = memory(trace, on_disk, 0, chunk)[1]
@@ -207,7 +215,7 @@ def _refusal(trace: Trace, capacities: Capacities, config) -> OutOfTierMemory:
     disk_need = memory(trace, on_disk, 0, chunk)[2]
     host_cap = capacities.host
     if host_cap is not None:
-        plan = _fit_host(trace, lean, 0, chunk, Capacities(None, host_cap, None))
+        plan = _fit_host(trace, lean, 0, chunk, Capacities(None, host_cap, None), disk_optimizer)
         if plan is not None:
             disk_need = memory(trace, plan, 0, chunk)[2]
     needs = {"device": device_need, "host": host_need, "disk": disk_need}

@@ -83,7 +83,7 @@ class Trace:
     """Everything one profiling step (or a meta-device dry run) learned."""
 
     units: tuple[UnitTrace, ...]
-    machine: MachineRates
+    machine: MachineRates | None  # None: model data only, no time can be predicted
     buffer_bytes: int = 0  # module buffers, always on the device
     overhead_s: float = 0.0  # per-step time not explained by the units (calibration)
     measured: bool = False  # times measured on the real model, not from FLOPs
@@ -111,7 +111,7 @@ class Trace:
         units = tuple(
             UnitTrace(**{k: v for k, v in u.items() if k in unit_keys}) for u in data["units"]
         )
-        machine = MachineRates(**data["machine"])
+        machine = MachineRates(**data["machine"]) if data.get("machine") else None
         shapes = tuple(tuple(s) for s in data.get("batch_shapes", ()))
         rest = {k: data[k] for k in ("buffer_bytes", "overhead_s", "measured") if k in data}
         return cls(units=units, machine=machine, batch_shapes=shapes, **rest)

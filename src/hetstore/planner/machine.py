@@ -1,0 +1,131 @@
+"""Measuring the machine the planner plans for: copy, disk, optimizer and FLOP rates.
+
+Short probes (about a second in all), each the median of a few runs: a 64 MiB copy
+(pinned host <-> device on CUDA, a memcpy on a CPU "device"), a 64 MiB write and read
+through the disk tier's own engine (O_DIRECT) under ``offload_path``, a fused AdamW step
+over 4M fp32 elements on host (and on the device), and a matmul for the FLOP rate.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from hetstore.planner.plan import Capacities
+from hetstore.planner.trace import MachineRates
+from hetstore.tiers._hostmem import MappedBlock
+from hetstore.tiers.aio import AsyncIOEngine, DiskFile
+
+__all__ = ["measure_machine", "machine_capacities"]
+
+_PROBE = 64 << 20
+
+
+def _median_rate(amount: float, run, repeats: int = 3, sync=lambda: None) -> float:
+    run()
+    sync()  # warm up
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        sync()
+        seconds.append(time.perf_counter() - start)
+    return amount / max(statistics.median(seconds), 1e-9)
+
+
+def _copy_rates(device: torch.device) -> tuple[float, float]:
+    if device.type == "cuda":
+        host = torch.empty(_PROBE, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(_PROBE, dtype=torch.uint8, device=device)
+        sync = torch.cuda.synchronize
+        to = _median_rate(_PROBE, lambda: dev.copy_(host, non_blocking=True), sync=sync)
+        back = _median_rate(_PROBE, lambda: host.copy_(dev, non_blocking=True), sync=sync)
+        return to, back
+    a = torch.empty(_PROBE, dtype=torch.uint8)
+    b = torch.empty(_PROBE, dtype=torch.uint8)
+    rate = _median_rate(_PROBE, lambda: b.copy_(a))
+    return rate, rate
+
+
+def _disk_rates(path: str) -> tuple[float, float]:
+    os.makedirs(path, exist_ok=True)
+    engine = AsyncIOEngine()
+    block = MappedBlock(_PROBE)
+    with tempfile.TemporaryDirectory(dir=path, prefix="hetstore-probe-") as folder:
+        file = DiskFile(os.path.join(folder, "probe"))
+        try:
+            buffer = block.tensor[:_PROBE]
+            buffer.fill_(1)
+            write = _median_rate(
+                _PROBE, lambda: engine.submit_write(file, 0, buffer).wait(), repeats=2
+            )
+            read = _median_rate(
+                _PROBE, lambda: engine.submit_read(file, 0, buffer).wait(), repeats=2
+            )
+        finally:
+            file.close()
+            engine.close()
+            block.release()
+    return read, write
+
+
+def _step_rate(device: torch.device, numel: int = 4 << 20) -> float:
+    param = torch.zeros(numel, device=device, requires_grad=True)
+    param.grad = torch.ones(numel, device=device)
+    opt = torch.optim.AdamW([param], lr=1e-3, fused=True)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    return _median_rate(numel, opt.step, sync=sync)
+
+
+def _flop_rate(device: torch.device) -> float:
+    n = 2048 if device.type == "cuda" else 512
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    return _median_rate(2 * n**3, lambda: a @ b, sync=sync)
+
+
+def measure_machine(device: torch.device | str, offload_path: str) -> MachineRates:
+    """Measure this machine's rates for ``device``, with disk probes under ``offload_path``."""
+    device = torch.device(device)
+    to_device, from_device = _copy_rates(device)
+    disk_read, disk_write = _disk_rates(offload_path)
+    host_step = _step_rate(torch.device("cpu"))
+    device_step = host_step if device.type == "cpu" else _step_rate(device)
+    return MachineRates(
+        to_device=to_device,
+        from_device=from_device,
+        disk_read=disk_read,
+        disk_write=disk_write,
+        host_step=host_step,
+        device_step=device_step,
+        flops=_flop_rate(device),
+        copies_overlap=device.type == "cuda",
+        device=device.type,
+    )
+
+
+def machine_capacities(config, device: torch.device | str) -> Capacities:
+    """The planner's limits on this machine: the configured capacities, else the device's
+    memory (CUDA), the physical RAM and the free space under ``offload_path``."""
+    from hetstore.tiers import _physical_memory
+
+    device = torch.device(device)
+    device_total = (
+        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    )
+    path = os.path.abspath(config.offload_path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return Capacities.from_config(
+        config,
+        device_total=device_total,
+        host_total=_physical_memory(),
+        disk_free=shutil.disk_usage(path).free,
+    )

@@ -1,0 +1,197 @@
+"""Tracing a model for the planner without running it: shapes, saved bytes and FLOPs.
+
+The model's forward runs once on fake tensors (``FakeTensorMode``: shapes and dtypes
+propagate, nothing is allocated or computed) -- or, for a model built under
+``torch.device("meta")``, on meta tensors -- under ``saved_tensors_hooks`` and
+``FlopCounterMode``. Each unit's forward hooks attribute what is saved and counted to
+the unit that runs; the rest (embeddings, head, loss) is the root's. Backward is not
+run: its FLOPs are taken as twice the forward's (two matmuls per forward matmul).
+
+Model data comes from the units themselves: elements, trainable elements (in the
+optimizer, or requiring grad when there is none), the compute dtype, and the optimizer
+state bytes per element (Adam 8, or 12 with amsgrad; SGD with momentum 4; without an
+optimizer AdamW is assumed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from hetstore.planner.trace import MachineRates, Trace, UnitTrace
+from hetstore.runtime.units import UnitSpec, find_units
+
+__all__ = ["trace_model", "model_data_trace", "state_itemsize"]
+
+
+def state_itemsize(optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None or isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        amsgrad = optimizer is not None and any(g.get("amsgrad") for g in optimizer.param_groups)
+        return 12 if amsgrad else 8
+    if isinstance(optimizer, torch.optim.SGD):
+        return 4 if any(g.get("momentum") for g in optimizer.param_groups) else 0
+    return 8  # unknown: assume two fp32 states, as most adaptive optimizers keep
+
+
+def _trainable(param: nn.Parameter, optimizer) -> bool:
+    if optimizer is None:
+        return param.requires_grad
+    return param.requires_grad and any(
+        param is p for g in optimizer.param_groups for p in g["params"]
+    )
+
+
+def model_data_trace(
+    model: nn.Module,
+    config,
+    machine: MachineRates,
+    *,
+    optimizer=None,
+    units: Sequence[nn.Module] | None = None,
+    specs: list[UnitSpec] | None = None,
+) -> Trace:
+    """A trace of model data only (no activations, no compute times)."""
+    specs = specs if specs is not None else find_units(model, units)
+    itemsize = config.torch_compute_dtype.itemsize
+    states = state_itemsize(optimizer)
+    traced = []
+    for spec in specs:
+        params = [module._parameters[attr] for module, attr, _ in spec.params]
+        traced.append(
+            UnitTrace(
+                name=spec.name,
+                numel=sum(p.numel() for p in params),
+                trainable_numel=sum(p.numel() for p in params if _trainable(p, optimizer)),
+                compute_itemsize=itemsize,
+                state_itemsize=states,
+                max_param_numel=max((p.numel() for p in params), default=0),
+                is_root=spec.is_root,
+            )
+        )
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return Trace(units=tuple(traced), machine=machine, buffer_bytes=buffers)
+
+
+def trace_model(
+    model: nn.Module,
+    example_inputs,
+    config,
+    machine: MachineRates,
+    *,
+    optimizer=None,
+    units: Sequence[nn.Module] | None = None,
+) -> Trace:
+    """Trace ``model(*example_inputs)`` on fake or meta tensors (see module doc).
+
+    ``example_inputs``: a tuple of arguments (a single tensor is one argument); tensors
+    may be real, meta, or given as ``torch.empty(shape, dtype=..., device="meta")``.
+    """
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    specs = find_units(model, units)
+    base = model_data_trace(model, config, machine, optimizer=optimizer, specs=specs)
+    on_meta = any(p.is_meta for p in model.parameters())
+    saved, kept, flops = _run(model, example_inputs, specs, config, on_meta)
+    traced = []
+    for index, unit in enumerate(base.units):
+        forward_flops = flops.get(index, 0.0)
+        forward_s = forward_flops / machine.flops if machine.flops else 0.0
+        traced.append(
+            UnitTrace(
+                **{
+                    **unit.__dict__,
+                    "saved_bytes": saved.get(index, 0),
+                    "kept_bytes": kept.get(index, 0),
+                    "flops": 3 * forward_flops,
+                    "forward_s": forward_s,
+                    "backward_s": 2 * forward_s,
+                }
+            )
+        )
+    shapes = tuple(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor))
+    return Trace(
+        units=tuple(traced),
+        machine=machine,
+        buffer_bytes=base.buffer_bytes,
+        batch_shapes=shapes,
+    )
+
+
+def _run(model, inputs, specs, config, on_meta):
+    """One forward; per unit index: offloadable saved bytes, kept bytes, forward FLOPs."""
+    root_index = next((i for i, s in enumerate(specs) if s.is_root), len(specs))
+    current = [root_index]
+    saved: dict[int, int] = {}
+    kept: dict[int, int] = {}
+    seen: dict = {}  # (storage, version) -> storage, held so addresses are not reused
+    handles = []
+    for index, spec in enumerate(specs):
+        if spec.module is None:
+            continue
+        handles.append(
+            spec.module.register_forward_pre_hook(lambda m, a, i=index: current.__setitem__(0, i))
+        )
+        handles.append(
+            spec.module.register_forward_hook(lambda m, a, o: current.__setitem__(0, root_index))
+        )
+    mode = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with mode:
+            named = dict(model.named_parameters(remove_duplicate=False))
+            named.update(dict(model.named_buffers(remove_duplicate=False)))
+            if on_meta:
+                swapped = named
+                args = tree_map(
+                    lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, inputs
+                )
+            else:
+                # run on fake copies of the parameters (held here, so their storages are
+                # recognized when saved, and no address is reused)
+                fakes: dict[int, torch.Tensor] = {}
+                swapped = {
+                    name: fakes.setdefault(id(t), mode.from_tensor(t)) for name, t in named.items()
+                }
+                args = tree_map(
+                    lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, inputs
+                )
+            model_storages = {StorageWeakRef(t.untyped_storage()).cdata for t in swapped.values()}
+
+            def pack(tensor):
+                if isinstance(tensor, nn.Parameter):
+                    return None
+                storage = tensor.untyped_storage()
+                cdata = StorageWeakRef(storage).cdata
+                key = (cdata, tensor._version)
+                if cdata in model_storages or key in seen:
+                    return None
+                seen[key] = storage
+                nbytes = storage.nbytes()
+                target = saved if nbytes >= config.activation_min_bytes else kept
+                target[current[0]] = target.get(current[0], 0) + nbytes
+                return None
+
+            with (
+                torch.enable_grad(),
+                FlopCounterMode(display=False) as counter,
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
+            ):
+                torch.func.functional_call(model, swapped, args, tie_weights=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    counts = counter.get_flop_counts()
+    prefix = type(model).__name__
+    flops: dict[int, float] = {}
+    total = float(sum(counts.get("Global", {}).values()))
+    for index, spec in enumerate(specs):
+        if spec.module is not None:
+            flops[index] = float(sum(counts.get(f"{prefix}.{spec.name}", {}).values()))
+    flops[root_index] = max(0.0, total - sum(flops.values()))
+    return saved, kept, flops
