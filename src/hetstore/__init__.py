@@ -6,6 +6,7 @@ cost least (device, pinned host memory, disk) and reach the device just before u
 
 from hetstore.api import offload
 from hetstore.config import OffloadConfig
+from hetstore.dry_run import plan
 from hetstore.errors import (
     ConfigError,
     DiskIOError,
@@ -13,6 +14,7 @@ from hetstore.errors import (
     OutOfDeviceMemory,
     OutOfTierMemory,
 )
+from hetstore.planner import Plan, Trace
 from hetstore.stats import memory_stats
 from hetstore.weights import load_weights
 
@@ -26,5 +28,8 @@ __all__ = [
     "HetstoreError",
     "memory_stats",
     "load_weights",
+    "plan",
+    "Plan",
+    "Trace",
 ]
 __version__ = "0.1.0"

@@ -9,7 +9,7 @@ Memory (peak bytes per tier, during a step)
   for the whole step once fetched); master, gradients and states of device-optimizer
   units (a fp32 model's parameters alias its master); one parameter's gradient in
   flight; saved activations (see ``_activation_peak``: kept ones, and offloaded ones
-  restored ``prefetch_depth`` units ahead) and those too small to offload; the largest
+  restored as they are needed) and those too small to offload; the largest
   unit's temporaries (CUDA only: the CPU device accounting counts model data and saved
   tensors, not temporaries).
   host: parameters homed on host (unless they alias a host master), host-optimizer
@@ -115,7 +115,8 @@ def memory(
         device += min(depth + 1, len(fetched_blocks)) * max(fetched_blocks)
     device += sum(u.kept_bytes for u in trace.units)
     device += _max(u.max_param_numel * u.compute_itemsize for u in trace.units)
-    device += _activation_peak(units, depth)
+    prefetched = trace.machine is not None and trace.machine.copies_overlap
+    device += _activation_peak(units, depth, prefetched)
     if trace.machine is not None and trace.machine.device != "cpu":
         device += _max(u.temp_bytes for u in trace.units)
     # host staging of the disk paths (runtime.staging, optim.streamed, activations)
@@ -136,18 +137,24 @@ def memory(
     return device, host, disk
 
 
-def _activation_peak(units, depth: int) -> int:
+def _activation_peak(units, depth: int, prefetched: bool) -> int:
     """Peak device bytes of saved activations. At the end of forward every kept group is
-    there; in the backward of unit k, the kept groups of units up to k and the restored
-    groups of units k-depth..k (units in execution order; the root's saved tensors, the
-    loss and head, count as last)."""
+    there. In the backward of unit k: the kept groups of units up to k (units in
+    execution order; the root's saved tensors, the loss and head, count as last), and of
+    the offloaded ones, with ``prefetched`` (CUDA: whole groups come back ahead) the
+    groups of units k-depth..k, else (a CPU device restores each tensor as autograd
+    unpacks it and drops it after its node) the largest saved tensor of unit k."""
     kept = [u.saved_bytes if c.activations == "none" else 0 for u, c in units]
     moved = [u.saved_bytes if c.activations != "none" else 0 for u, c in units]
     peak = sum(kept)
     prefix = 0
-    for k in range(len(units)):
+    for k, (u, c) in enumerate(units):
         prefix += kept[k]
-        peak = max(peak, prefix + sum(moved[max(0, k - depth) : k + 1]))
+        if prefetched:
+            restored = sum(moved[max(0, k - depth) : k + 1])
+        else:
+            restored = u.largest_saved_bytes if c.activations != "none" else 0
+        peak = max(peak, prefix + restored)
     return peak
 
 

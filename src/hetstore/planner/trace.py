@@ -54,6 +54,7 @@ class UnitTrace:
     state_itemsize: int  # optimizer-state bytes per trainable element (Adam: 8)
     saved_bytes: int = 0
     kept_bytes: int = 0  # saved, but below activation_min_bytes: never offloaded
+    largest_saved_bytes: int = 0  # its largest saved storage
     temp_bytes: int = 0
     max_param_numel: int = 0  # its largest parameter (one gradient in flight)
     forward_s: float = 0.0

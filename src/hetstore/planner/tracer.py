@@ -98,7 +98,7 @@ def trace_model(
     specs = find_units(model, units)
     base = model_data_trace(model, config, machine, optimizer=optimizer, specs=specs)
     on_meta = any(p.is_meta for p in model.parameters())
-    saved, kept, flops = _run(model, example_inputs, specs, config, on_meta)
+    saved, kept, largest, flops = _run(model, example_inputs, specs, config, on_meta)
     traced = []
     for index, unit in enumerate(base.units):
         forward_flops = flops.get(index, 0.0)
@@ -109,6 +109,7 @@ def trace_model(
                     **unit.__dict__,
                     "saved_bytes": saved.get(index, 0),
                     "kept_bytes": kept.get(index, 0),
+                    "largest_saved_bytes": largest.get(index, 0),
                     "flops": 3 * forward_flops,
                     "forward_s": forward_s,
                     "backward_s": 2 * forward_s,
@@ -130,6 +131,7 @@ def _run(model, inputs, specs, config, on_meta):
     current = [root_index]
     saved: dict[int, int] = {}
     kept: dict[int, int] = {}
+    largest: dict[int, int] = {}
     seen: dict = {}  # (storage, version) -> storage, held so addresses are not reused
     handles = []
     for index, spec in enumerate(specs):
@@ -175,6 +177,7 @@ def _run(model, inputs, specs, config, on_meta):
                 nbytes = storage.nbytes()
                 target = saved if nbytes >= config.activation_min_bytes else kept
                 target[current[0]] = target.get(current[0], 0) + nbytes
+                largest[current[0]] = max(largest.get(current[0], 0), nbytes)
                 return None
 
             with (
@@ -194,4 +197,4 @@ def _run(model, inputs, specs, config, on_meta):
         if spec.module is not None:
             flops[index] = float(sum(counts.get(f"{prefix}.{spec.name}", {}).values()))
     flops[root_index] = max(0.0, total - sum(flops.values()))
-    return saved, kept, flops
+    return saved, kept, largest, flops

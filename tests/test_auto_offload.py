@@ -1,0 +1,129 @@
+"""auto_offload end to end on CPU: the planner's placement trains like plain PyTorch,
+holds every tier's capacity, and its predicted peaks match the measured ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hetstore
+from hetstore import OffloadConfig, OutOfDeviceMemory
+from hetstore.planner import UnitChoice
+from hetstore.planner.tracer import trace_model
+from tests.models.gpt import GPT, batches
+from tests.test_config import SEED_AUTO
+from tests.test_host_offload import TIGHT, adamw, assert_same_weights, pair, run
+from tests.test_planner import CPU
+
+# Measured peaks against predicted ones: the cost model mirrors the runtime's accounting
+# but rounds some things (host slices to pages, the gradient in flight as the largest
+# parameter's); 20% (the issue's bar) with a 256 KiB floor for the small test tiers.
+PEAK_TOLERANCE = 0.2
+PEAK_FLOOR = 256 << 10
+
+
+def deep():
+    """Blocks hold most of the states (the root unit never leaves the device)."""
+    return GPT(width=64, depth=8)
+
+
+def auto_config(tmp_path, **kw):
+    return OffloadConfig(
+        auto_offload=True,
+        activation_min_bytes=0,
+        offload_path=str(tmp_path),
+        enable_pinned_mem=False,
+        device="cpu",
+        **kw,
+    )
+
+
+def states_bytes(model_fn, data):
+    model = model_fn()
+    return trace_model(model, data[0], OffloadConfig(device="cpu"), CPU).state_bytes
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.2])
+def test_auto_offload_trains_within_budget_and_as_predicted(tmp_path, fraction):
+    data = batches(3, batch=8)
+    budget = int(states_bytes(deep, data) * fraction)
+    ref, mine = pair(deep)
+    cfg = auto_config(tmp_path, max_device_memory=budget)
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg, example_inputs=data[0])
+    plan = mine._hetstore_runtime.plan
+    print(f"\n{fraction:.0%} of the states: budget {budget} bytes\n{plan}")
+    assert plan.source == "auto"
+    losses, _ = run(mine, opt, data)
+    ref_losses, _ = run(ref, adamw(ref.parameters()), data)
+    torch.testing.assert_close(losses, ref_losses, **TIGHT)
+    assert_same_weights(ref, mine)
+    stats = hetstore.memory_stats(mine)
+    assert stats["device"]["peak"] <= budget
+    for tier in ("device", "host", "disk"):
+        measured, predicted = stats[tier]["peak"], plan.estimate.peak(tier)
+        print(f"{tier}: measured peak {measured}, predicted {predicted}")
+        assert abs(measured - predicted) <= max(PEAK_TOLERANCE * predicted, PEAK_FLOOR), tier
+    if fraction < 1.0:
+        assert plan.offloads_anything
+
+
+def test_a_model_that_fits_is_left_on_the_device(tmp_path):
+    data = batches(2)
+    _, mine = pair(GPT)
+    mine, opt = hetstore.offload(
+        mine, adamw(mine.parameters()), auto_config(tmp_path), example_inputs=data[0]
+    )
+    assert {u.choice for u in mine._hetstore_runtime.plan.units} == {UnitChoice()}
+    run(mine, opt, data)
+
+
+def test_too_small_a_budget_is_refused_before_any_work(tmp_path):
+    data = batches(1)
+    _, mine = pair(GPT)
+    before = [p.detach().clone() for p in mine.parameters()]
+    with pytest.raises(OutOfDeviceMemory, match="device: needs at least"):
+        hetstore.offload(
+            mine,
+            adamw(mine.parameters()),
+            auto_config(tmp_path, max_device_memory=4096),
+            example_inputs=data[0],
+        )
+    assert getattr(mine, "_hetstore_runtime", None) is None
+    for p, b in zip(mine.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+
+
+def test_the_seeds_auto_config_works_verbatim(tmp_path):
+    seed = {**SEED_AUTO, "offload_path": str(tmp_path), "enable_pinned_mem": False}
+    data = batches(2)
+    budget = states_bytes(deep, data) // 3
+    config = OffloadConfig.from_mindspore(seed, max_device_memory=budget, device="cpu")
+    ref, mine = pair(deep)
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), config, example_inputs=data[0])
+    losses, _ = run(mine, opt, data)
+    ref_losses, _ = run(ref, adamw(ref.parameters()), data)
+    torch.testing.assert_close(losses, ref_losses, **TIGHT)
+    assert hetstore.memory_stats(mine)["device"]["peak"] <= budget
+
+
+def test_plan_dry_run_on_the_meta_device(tmp_path):
+    """A 7B-parameter GPT on the meta device: planned in seconds, nothing allocated."""
+    with torch.device("meta"):
+        model = GPT(width=4096, depth=32, heads=32, vocab=32000)
+    tokens = torch.empty(1, 2048, dtype=torch.long, device="meta")
+    cfg = OffloadConfig(
+        auto_offload=True,
+        max_device_memory="24GB",
+        offload_cpu_size="64GB",
+        offload_disk_size="2TB",
+        offload_path=str(tmp_path),
+        device="cpu",
+    )
+    plan = hetstore.plan(model, (tokens, tokens), cfg, machine=CPU)
+    assert sum(p.numel() for p in model.parameters()) > 6e9
+    assert plan.estimate.device <= 24 * 2**30 and plan.estimate.host <= 64 * 2**30
+    assert plan.offloads_anything
+    table = str(plan)
+    assert "blocks.31" in table and "predicted step" in table
+    plan.save(tmp_path / "plan.json")
+    assert hetstore.Plan.load(tmp_path / "plan.json") == plan
