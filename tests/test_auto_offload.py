@@ -127,3 +127,24 @@ def test_plan_dry_run_on_the_meta_device(tmp_path):
     assert "blocks.31" in table and "predicted step" in table
     plan.save(tmp_path / "plan.json")
     assert hetstore.Plan.load(tmp_path / "plan.json") == plan
+
+
+def test_cli_plan_prints_the_table_and_refuses_clearly(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "hetstore", "plan", "--device", "cpu", "--width", "256"]
+    base += ["--depth", "4", "--vocab", "1000", "--ctx", "128", "--path", str(tmp_path)]
+    out = tmp_path / "plan.json"
+    done = subprocess.run(
+        base + ["--device-memory", "24MB", "--json", str(out)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "blocks.3" in done.stdout and "predicted step" in done.stdout
+    assert json.loads(out.read_text())["source"] == "auto"
+    refused = subprocess.run(base + ["--device-memory", "64KB"], capture_output=True, text=True)
+    assert refused.returncode == 1
+    assert "device: needs at least" in refused.stderr and "Traceback" not in refused.stderr
+    bad = subprocess.run(base + ["--device-memory", "lots"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "max_device_memory" in bad.stderr

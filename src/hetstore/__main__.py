@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hetstore.cli_plan import add_plan_parser, run_plan
+
 __all__ = ["main"]
 
 
@@ -28,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep everything on the device: shows the out-of-memory report",
     )
+    add_plan_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return run_plan(args)
     if args.command == "demo":
         from hetstore.demo import DemoSettings, run_demo
 

@@ -1,0 +1,128 @@
+"""``hetstore plan``: can this machine train this GPT, where does everything go, how fast.
+
+The model is built on the meta device and traced on meta tensors: nothing is allocated,
+so a 70B model plans as quickly as a small one. ``--max-model`` walks a ladder of GPT
+shapes and reports the largest the capacities can hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["add_plan_parser", "run_plan"]
+
+# (width, depth) steps of the --max-model search, about 2x parameters per step
+LADDER = [
+    (768, 12),
+    (1024, 24),
+    (1536, 24),
+    (2048, 24),
+    (2560, 32),
+    (4096, 32),
+    (5120, 40),
+    (6144, 48),
+    (8192, 64),
+    (12288, 96),
+    (16384, 128),
+]
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="plan a GPT's placement on this machine without building it",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--width", type=int, default=4096, help="model width (default 4096)")
+    p.add_argument("--depth", type=int, default=32, help="number of blocks (default 32)")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
+    p.add_argument("--ctx", type=int, default=2048, help="sequence length (default 2048)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto (default)")
+    p.add_argument("--device-memory", help="max_device_memory, e.g. 24GB (default: all)")
+    p.add_argument("--host-memory", help="offload_cpu_size, e.g. 64GB (default: the RAM)")
+    p.add_argument("--disk", help="offload_disk_size, e.g. 1TB (default: free space)")
+    p.add_argument("--path", default="./offload", help="offload_path (default ./offload)")
+    p.add_argument("--dtype", default="fp32", help="compute dtype: fp32, bf16, fp16")
+    p.add_argument("--json", metavar="FILE", help="also save the plan as JSON")
+    p.add_argument(
+        "--max-model", action="store_true", help="find the largest GPT of the ladder that fits"
+    )
+
+
+def _gpt(width: int, depth: int, vocab: int, ctx: int):
+    import torch
+
+    from hetstore.demo.gpt import GPT
+
+    with torch.device("meta"):
+        return GPT(vocab=vocab, width=width, depth=depth, heads=max(1, width // 128), ctx=ctx)
+
+
+def run_plan(args) -> int:
+    import torch
+
+    import hetstore
+    from hetstore._sizes import format_size
+    from hetstore.errors import ConfigError, OutOfTierMemory
+    from hetstore.planner.machine import measure_machine
+
+    try:
+        config = hetstore.OffloadConfig(
+            auto_offload=True,
+            device=args.device,
+            max_device_memory=args.device_memory,
+            offload_cpu_size=args.host_memory,
+            offload_disk_size=args.disk,
+            offload_path=args.path,
+            compute_dtype=args.dtype,
+        )
+        machine = measure_machine(config.resolved_device(), config.offload_path)
+    except (ConfigError, OSError) as exc:
+        print(f"hetstore plan: {exc}", file=sys.stderr)
+        return 2
+    tokens = torch.empty(args.batch, args.ctx, dtype=torch.long, device="meta")
+
+    def plan_for(width, depth):
+        model = _gpt(width, depth, args.vocab, args.ctx)
+        numel = sum(p.numel() for p in model.parameters())
+        return numel, hetstore.plan(model, (tokens, tokens), config, machine=machine)
+
+    if args.max_model:
+        print(f"{'width':>6} {'depth':>5} {'params':>9}  result")
+        largest = None
+        for width, depth in LADDER:
+            try:
+                numel, plan = plan_for(width, depth)
+            except OutOfTierMemory as exc:
+                print(f"{width:>6} {depth:>5} {'':>9}  does not fit ({exc.tier} short)")
+                break
+            largest = (width, depth, numel, plan)
+            print(
+                f"{width:>6} {depth:>5} {numel / 1e9:>8.2f}B  fits, predicted step "
+                f"{plan.estimate.step_s:.2f} s"
+            )
+        if largest is None:
+            print("not even the smallest GPT of the ladder fits these capacities")
+            return 1
+        width, depth, numel, plan = largest
+        print(f"\nlargest: width {width}, depth {depth}, {numel / 1e9:.2f}B parameters\n")
+        print(plan)
+    else:
+        try:
+            numel, plan = plan_for(args.width, args.depth)
+        except OutOfTierMemory as exc:
+            print(f"hetstore plan: {exc}", file=sys.stderr)
+            return 1
+        print(
+            f"GPT width {args.width}, depth {args.depth}: {numel / 1e9:.2f}B parameters, "
+            f"batch {args.batch} x {args.ctx} tokens, model states "
+            f"{format_size(sum(u.param_bytes + u.optimizer_bytes for u in plan.units))}\n"
+        )
+        print(plan)
+    if args.json:
+        plan.save(args.json)
+        print(f"\nplan saved to {args.json}")
+    return 0
