@@ -87,8 +87,10 @@ class OffloadConfig:
     auto_offload: bool = field(
         default=False,
         metadata=_doc(
-            "Let the planner choose every unit's placement from a profiling step and the "
-            "tier capacities. The offload_* keys then only give initial placements. MindSpore key."
+            "Let the planner choose every unit's placement (parameters, optimizer states, "
+            "activations, prefetch depth) from a trace of the model and the tier capacities; "
+            "hetstore.offload(..., example_inputs=...) lets the trace include activations. "
+            "The offload_* keys are then not used. MindSpore key."
         ),
     )
     # --- capacities ---
