@@ -20,10 +20,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_map
-from torch.utils.flop_counter import FlopCounterMode
 
 from hetstore.planner.trace import MachineRates, Trace, UnitTrace
 from hetstore.runtime.units import UnitSpec, find_units
@@ -127,6 +125,11 @@ def trace_model(
 
 def _run(model, inputs, specs, config, on_meta):
     """One forward; per unit index: offloadable saved bytes, kept bytes, forward FLOPs."""
+    # imported here: they pull in sympy and dynamo (hundreds of MB of RSS), which a
+    # manually placed model never needs
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
     root_index = next((i for i, s in enumerate(specs) if s.is_root), len(specs))
     current = [root_index]
     saved: dict[int, int] = {}
