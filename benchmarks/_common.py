@@ -142,3 +142,74 @@ class Worker:
             except BrokenPipeError:
                 pass
             self.proc.wait(timeout=300)
+
+
+# ---------------------------------------------------------------- lockstep training runs
+SETTLE_S = 0.05  # pause before each timed step: the other workers' OpenMP threads spin down
+
+
+def start_worker(script: str, variant: str, argv: list[str]) -> Worker:
+    """Start ``script --worker variant`` with ``argv``; its ready message carries
+    ``params`` (and ``build_s``, the model set-up time)."""
+    worker = Worker(variant, [script, *argv, "--worker", variant])
+    worker.params = worker.ready["params"]
+    worker.build_s = worker.ready.get("build_s")
+    return worker
+
+
+def lockstep(
+    workers: list[Worker],
+    total: int,
+    *,
+    warmup: int = 0,
+    timed_extra: Callable[[], None] | None = None,
+    progress: bool = True,
+) -> dict[str, list[dict[str, Any]]]:
+    """Step i of every worker (and, in timed rounds, one call of ``timed_extra``), in a
+    fresh random order per round with ``SETTLE_S`` before each, then step i + 1. Returns
+    each worker's step replies."""
+    results: dict[str, list[dict[str, Any]]] = {w.variant: [] for w in workers}
+    order = random.Random(0)
+    for step in range(total):
+        t_round = time.perf_counter()
+        jobs: list[Worker | None] = list(workers)
+        if timed_extra is not None and step >= warmup:
+            jobs.append(None)
+        for job in order.sample(jobs, len(jobs)):
+            time.sleep(SETTLE_S)
+            if job is None:
+                timed_extra()
+            else:
+                results[job.variant].append(job.request({"op": "step", "step": step}))
+        if progress:
+            kind = "warm-up" if step < warmup else "timed"
+            print(
+                f"# round {step + 1}/{total} ({kind}) took {time.perf_counter() - t_round:.1f} s",
+                flush=True,
+            )
+    return results
+
+
+def loss_report(
+    results: dict[str, list[dict[str, Any]]], *, relative: bool = False, reference: str = "plain"
+) -> tuple[str, float]:
+    """Each variant's losses against ``reference``'s, step by step: the lines to print
+    and the largest (absolute, or relative) difference."""
+    ref = [s["loss"] for s in results[reference]]
+    lines = [f"losses, step 0 -> {len(ref) - 1}: {reference} {ref[0]:.6f} -> {ref[-1]:.6f}"]
+    worst = 0.0
+    kind = "relative" if relative else "absolute"
+    for variant, steps in results.items():
+        if variant == reference:
+            continue
+        losses = [s["loss"] for s in steps]
+        diff = max(
+            abs(a - b) / abs(b) if relative else abs(a - b)
+            for a, b in zip(losses, ref, strict=True)
+        )
+        worst = max(worst, diff)
+        lines.append(
+            f"  {variant}: {losses[0]:.6f} -> {losses[-1]:.6f}; "
+            f"max {kind} difference from {reference} = {diff:.2e}"
+        )
+    return "\n".join(lines), worst

@@ -45,7 +45,6 @@ import itertools
 import json
 import math
 import os
-import random
 import shlex
 import shutil
 import sys
@@ -59,19 +58,21 @@ from _common import (
     REPO,
     Worker,
     format_table,
+    lockstep,
+    loss_report,
     machine_line,
     median,
     peak_rss_bytes,
     reply,
     size,
     spread,
+    start_worker,
 )
 from hetstore._sizes import format_size, parse_size
 from hetstore.demo.gpt import GPT, batches
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1
-SETTLE_S = 0.05  # pause before each timed step: the other workers' OpenMP threads spin down
 LOSS_TOLERANCE = 1e-4  # largest absolute loss difference from plain accepted
 
 # variant -> offload_activations; None: plain PyTorch
@@ -202,29 +203,6 @@ def worker(variant: str, args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------- driver
-def start_worker(variant: str, argv: list[str]) -> Worker:
-    worker = Worker(variant, [__file__, *argv, "--worker", variant])
-    worker.params, worker.build_s = worker.ready["params"], worker.ready["build_s"]
-    return worker
-
-
-def lockstep(workers: list[Worker], warmup: int, total: int) -> dict[str, list]:
-    """Step i of every worker, in a random order per round, then step i + 1."""
-    results: dict[str, list[dict[str, float]]] = {w.variant: [] for w in workers}
-    order = random.Random(0)
-    for step in range(total):
-        t_round = time.perf_counter()
-        for job in order.sample(workers, len(workers)):
-            time.sleep(SETTLE_S)
-            results[job.variant].append(job.request({"op": "step", "step": step}))
-        kind = "warm-up" if step < warmup else "timed"
-        print(
-            f"# round {step + 1}/{total} ({kind}) took {time.perf_counter() - t_round:.1f} s",
-            flush=True,
-        )
-    return results
-
-
 def paired_ratio(times: list[float], reference: list[float]) -> float:
     return median([t / r for t, r in zip(times, reference, strict=True)])
 
@@ -260,23 +238,6 @@ def summarize(
     header += ["time / plain", "time / none", peak_source, "peak / none"]
     header += ["copied off device / step", "peak RSS", "hetstore host peak", "hetstore disk peak"]
     return format_table(header, rows)
-
-
-def loss_check(results: dict[str, list[dict[str, float]]]) -> tuple[str, float]:
-    plain = [s["loss"] for s in results["plain"]]
-    lines = [f"losses, step 0 -> {len(plain) - 1}: plain {plain[0]:.6f} -> {plain[-1]:.6f}"]
-    worst = 0.0
-    for variant, steps in results.items():
-        if variant == "plain":
-            continue
-        losses = [s["loss"] for s in steps]
-        diff = max(abs(a - b) for a, b in zip(losses, plain, strict=True))
-        worst = max(worst, diff)
-        lines.append(
-            f"  {variant}: {losses[0]:.6f} -> {losses[-1]:.6f}; "
-            f"max absolute difference from plain = {diff:.2e}"
-        )
-    return "\n".join(lines), worst
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -376,7 +337,7 @@ def main() -> None:
     workers: list[Worker] = []
     try:
         for v in VARIANTS:
-            workers.append(start_worker(v, worker_argv))
+            workers.append(start_worker(__file__, v, worker_argv))
         params = workers[0].params
         print(
             f"# GPT width {args.width}, depth {args.depth}, {args.heads} heads, vocab "
@@ -392,7 +353,7 @@ def main() -> None:
             f"{workdir}"
         )
         print("# build s: " + ", ".join(f"{w.variant} {w.build_s:.1f}" for w in workers))
-        results = lockstep(workers, args.warmup, args.warmup + args.steps)
+        results = lockstep(workers, args.warmup + args.steps, warmup=args.warmup)
         stats = {w.variant: w.request({"op": "stats"}) for w in workers}
         saved = results["plain"][0]["saved"]
         print(
@@ -424,7 +385,7 @@ def main() -> None:
     )
     print(summarize(results, stats, args.warmup, args.device))
     print()
-    text, worst = loss_check(results)
+    text, worst = loss_report(results)
     print(text)
     if not all(math.isfinite(s["loss"]) for r in results.values() for s in r):
         sys.exit("non-finite loss")

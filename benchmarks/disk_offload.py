@@ -48,7 +48,6 @@ import itertools
 import json
 import math
 import os
-import random
 import shlex
 import shutil
 import subprocess
@@ -63,12 +62,15 @@ from _common import (
     REPO,
     Worker,
     format_table,
+    lockstep,
+    loss_report,
     machine_line,
     median,
     peak_rss_bytes,
     reply,
     size,
     spread,
+    start_worker,
 )
 from disk_io import MiB, hetstore_pass, host_buffer, layout, machine_summary
 from hetstore._sizes import format_size, parse_size
@@ -76,7 +78,6 @@ from hetstore.demo.gpt import GPT, batches
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1
-SETTLE_S = 0.05  # pause before each timed step: the other workers' OpenMP threads spin down
 
 # variant -> (offload_param, offload_optimizer, offload_grad); None: plain PyTorch
 VARIANTS: dict[str, tuple[str, str, str | None] | None] = {
@@ -162,12 +163,6 @@ def worker(variant: str, args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------- driver
-def start_worker(variant: str, argv: list[str]) -> Worker:
-    worker = Worker(variant, [__file__, *argv, "--worker", variant])
-    worker.params, worker.build_s = worker.ready["params"], worker.ready["build_s"]
-    return worker
-
-
 def fio_bw(path: str, nbytes: int, write: bool, engine: str, numjobs: int, iodepth: int) -> float:
     """One sequential O_DIRECT pass of fio over ``path``: bytes/s. (disk_io.fio_pass with
     bs 8M, the disk tier's request size, instead of its 1M.)"""
@@ -225,32 +220,6 @@ class DiskBandwidth:
     def cell(self, name: str, direction: str) -> str:
         xs = self.samples[(name, direction)]
         return f"{gb_s(median(xs))} [{gb_s(min(xs))}..{gb_s(max(xs))}]"
-
-
-def lockstep(
-    workers: list[Worker], disk: DiskBandwidth, warmup: int, total: int
-) -> dict[str, list]:
-    """Step i of every worker (and, in timed rounds, one round of disk bandwidth
-    measurements), in a random order per round, then step i + 1."""
-    results: dict[str, list[dict[str, float]]] = {w.variant: [] for w in workers}
-    order = random.Random(0)
-    for step in range(total):
-        t_round = time.perf_counter()
-        jobs: list[Worker | DiskBandwidth] = list(workers)
-        if step >= warmup:
-            jobs.append(disk)
-        for job in order.sample(jobs, len(jobs)):
-            time.sleep(SETTLE_S)
-            if isinstance(job, DiskBandwidth):
-                job.round()
-            else:
-                results[job.variant].append(job.request({"op": "step", "step": step}))
-        kind = "warm-up" if step < warmup else "timed"
-        print(
-            f"# round {step + 1}/{total} ({kind}) took {time.perf_counter() - t_round:.1f} s",
-            flush=True,
-        )
-    return results
 
 
 def gb_s(bw: float) -> str:
@@ -314,23 +283,6 @@ def summarize(
     phase_header = ["variant", "phase", "s, median", "disk read", "disk written"]
     phase_header += ["t_disk s (fio)", "fraction (fio)", "t_disk s (engine)", "fraction (engine)"]
     return format_table(header, rows), format_table(phase_header, phase_rows)
-
-
-def loss_check(results: dict[str, list[dict[str, float]]]) -> tuple[str, float]:
-    plain = [s["loss"] for s in results["plain"]]
-    lines = [f"losses, step 0 -> {len(plain) - 1}: plain {plain[0]:.6f} -> {plain[-1]:.6f}"]
-    worst = 0.0
-    for variant, steps in results.items():
-        if variant == "plain":
-            continue
-        losses = [s["loss"] for s in steps]
-        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, plain, strict=True))
-        worst = max(worst, rel)
-        lines.append(
-            f"  {variant}: {losses[0]:.6f} -> {losses[-1]:.6f}; "
-            f"max relative difference from plain = {rel:.2e}"
-        )
-    return "\n".join(lines), worst
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -417,7 +369,7 @@ def main() -> None:
         layout(fio_file, disk_size)  # timed writes then overwrite written blocks, as the tier's
         disk = DiskBandwidth(fio_file, disk_size, fio=have_fio)
         for v in variants:
-            workers.append(start_worker(v, worker_argv))
+            workers.append(start_worker(__file__, v, worker_argv))
         params = workers[0].params
         print(
             f"# GPT width {args.width}, depth {args.depth}, {args.heads} heads, vocab "
@@ -430,7 +382,9 @@ def main() -> None:
             f"{args.steps} timed steps, lockstep; offload_path under {workdir}"
         )
         print("# build s: " + ", ".join(f"{w.variant} {w.build_s:.1f}" for w in workers))
-        results = lockstep(workers, disk, args.warmup, args.warmup + args.steps)
+        results = lockstep(
+            workers, args.warmup + args.steps, warmup=args.warmup, timed_extra=disk.round
+        )
         stats = {w.variant: w.request({"op": "stats"}) for w in workers}
     finally:
         for w in workers:
@@ -472,7 +426,7 @@ def main() -> None:
     print("Disk variants by phase (opt: optimizer.step() + zero_grad()):\n")
     print(phase_table)
     print()
-    text, worst = loss_check(results)
+    text, worst = loss_report(results, relative=True)
     print(text)
     if not all(math.isfinite(s["loss"]) for r in results.values() for s in r):
         sys.exit("non-finite loss")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -36,19 +35,20 @@ from torch import nn
 
 import hetstore
 from _common import (
-    Worker,
     format_table,
+    lockstep,
+    loss_report,
     machine_line,
     median,
     peak_rss_bytes,
     reply,
     size,
     spread,
+    start_worker,
 )
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1
-SETTLE_S = 0.05  # pause before each timed step: the other worker's OpenMP threads spin down
 
 
 # ---------------------------------------------------------------------------- model
@@ -187,24 +187,6 @@ def worker(variant: str, cfg: GPTConfig, max_device_memory: str) -> None:
 
 
 # ---------------------------------------------------------------------------- driver
-def start_worker(variant: str, size: str, max_device_memory: str) -> Worker:
-    argv = [__file__, "--worker", variant, "--size", size]
-    worker = Worker(variant, argv + ["--max-device-memory", max_device_memory])
-    worker.params = worker.ready["params"]
-    return worker
-
-
-def lockstep(workers: list[Worker], total: int) -> dict[str, list[dict[str, float]]]:
-    """Step i of every worker, in a random order per step, then step i + 1."""
-    results: dict[str, list[dict[str, float]]] = {w.variant: [] for w in workers}
-    order = random.Random(0)
-    for step in range(total):
-        for w in order.sample(workers, len(workers)):
-            time.sleep(SETTLE_S)
-            results[w.variant].append(w.request({"op": "step", "step": step}))
-    return results
-
-
 def summarize(results: dict[str, list[dict[str, float]]], stats: dict[str, dict], warmup: int):
     timed = {v: r[warmup:] for v, r in results.items()}
     plain = [s["time"] for s in timed["plain"]]
@@ -224,16 +206,6 @@ def summarize(results: dict[str, list[dict[str, float]]], stats: dict[str, dict]
     return format_table(header, rows)
 
 
-def loss_check(results: dict[str, list[dict[str, float]]]) -> str:
-    plain = [s["loss"] for s in results["plain"]]
-    offloaded = [s["loss"] for s in results["offloaded"]]
-    diff = max(abs(a - b) for a, b in zip(plain, offloaded, strict=True))
-    return (
-        f"losses, step 0 -> {len(plain) - 1}: plain {plain[0]:.4f} -> {plain[-1]:.4f}, "
-        f"offloaded {offloaded[0]:.4f} -> {offloaded[-1]:.4f}; max |difference| = {diff:.2e}"
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="100M", choices=sorted(PRESETS))
@@ -251,13 +223,14 @@ def main() -> None:
         return
 
     print(machine_line())
-    workers = [start_worker(v, args.size, args.max_device_memory) for v in ("plain", "offloaded")]
+    argv = ["--size", args.size, "--max-device-memory", args.max_device_memory]
+    workers = [start_worker(__file__, v, argv) for v in ("plain", "offloaded")]
     try:
         params = workers[0].params
         print(f"GPT {args.size}: {params / 1e6:.1f}M params, {asdict(cfg)}")
         print(f"AdamW(fused=True) lr={LR} wd={WEIGHT_DECAY}, fp32; ", end="")
         print(f"{args.warmup} warm-up + {args.steps} timed steps, lockstep")
-        results = lockstep(workers, args.warmup + args.steps)
+        results = lockstep(workers, args.warmup + args.steps, progress=False)
         stats = {w.variant: w.request({"op": "stats"}) for w in workers}
     finally:
         for w in workers:
@@ -265,7 +238,7 @@ def main() -> None:
     print()
     print(summarize(results, stats, args.warmup))
     print()
-    print(loss_check(results))
+    print(loss_report(results)[0])
     if not all(math.isfinite(s["loss"]) for r in results.values() for s in r):
         sys.exit("non-finite loss")
 

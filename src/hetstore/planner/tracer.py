@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -102,16 +103,14 @@ def trace_model(
         forward_flops = flops.get(index, 0.0)
         forward_s = forward_flops / machine.flops if machine.flops else 0.0
         traced.append(
-            UnitTrace(
-                **{
-                    **unit.__dict__,
-                    "saved_bytes": saved.get(index, 0),
-                    "kept_bytes": kept.get(index, 0),
-                    "largest_saved_bytes": largest.get(index, 0),
-                    "flops": 3 * forward_flops,
-                    "forward_s": forward_s,
-                    "backward_s": 2 * forward_s,
-                }
+            replace(
+                unit,
+                saved_bytes=saved.get(index, 0),
+                kept_bytes=kept.get(index, 0),
+                largest_saved_bytes=largest.get(index, 0),
+                flops=3 * forward_flops,
+                forward_s=forward_s,
+                backward_s=2 * forward_s,
             )
         )
     shapes = tuple(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor))
