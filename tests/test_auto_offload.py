@@ -148,3 +148,63 @@ def test_cli_plan_prints_the_table_and_refuses_clearly(tmp_path):
     assert "device: needs at least" in refused.stderr and "Traceback" not in refused.stderr
     bad = subprocess.run(base + ["--device-memory", "lots"], capture_output=True, text=True)
     assert bad.returncode == 2 and "max_device_memory" in bad.stderr
+
+
+def test_the_first_steps_are_profiled_and_recalibrate_the_prediction(tmp_path):
+    """After PROFILED_STEPS steps every unit's forward and backward time is known, the
+    labels add up to the step, and the calibrated plan predicts from them."""
+    from hetstore.api import PROFILED_STEPS
+
+    data = batches(PROFILED_STEPS + 1, batch=8)
+    _, mine = pair(deep)
+    cfg = auto_config(tmp_path, max_device_memory=states_bytes(deep, data) // 2)
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg, example_inputs=data[0])
+    runtime = mine._hetstore_runtime
+    run(mine, opt, data[:PROFILED_STEPS])
+    profile = runtime.profile
+    assert profile is not None and runtime.calibrated_plan is not None
+    for unit in runtime.plan.units:
+        if unit.name.startswith("blocks."):
+            assert profile.unit_s(unit.name, "forward") > 0, unit.name
+            assert profile.unit_s(unit.name, "backward") > 0, unit.name
+    assert profile.of("optimizer") > 0
+    assert sum(profile.seconds.values()) == pytest.approx(profile.total_s, rel=1e-6)
+    calibrated = runtime.calibrated_plan.estimate
+    compute = sum(v for k, v in profile.seconds.items() if isinstance(k, tuple))
+    assert calibrated.compute_s == pytest.approx(compute, rel=1e-9)
+    assert calibrated.overhead_s == pytest.approx(profile.of("other"))
+    # after profiling the hooks stop timing: a later step leaves the profile alone
+    run(mine, opt, data[PROFILED_STEPS:])
+    assert runtime.profile is profile and not runtime.profiler.active
+
+
+def test_a_larger_batch_than_traced_is_replanned_within_the_budget(tmp_path):
+    """Planned for batch 2 with the activations kept; batch 8 does not fit that way, so
+    the activations move to host before its forward: a warning, parity with plain
+    PyTorch, and the budget held. A batch no placement can hold is refused before its
+    forward, and training goes on afterwards."""
+    small = batches(1, batch=2)
+    big = batches(3, batch=8, seed=1)
+    model = deep()
+    trace = trace_model(model, small[0], OffloadConfig(device="cpu"), CPU)
+    budget = hetstore.planner.estimate(trace, [UnitChoice()] * len(trace.units), 1).device
+    budget += budget // 20
+    ref, mine = pair(deep)
+    cfg = auto_config(tmp_path, max_device_memory=budget)
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg, example_inputs=small[0])
+    runtime = mine._hetstore_runtime
+    assert not runtime.plan.offloads_anything
+    with pytest.warns(UserWarning, match="re-planned the activations"):
+        losses, _ = run(mine, opt, big)
+    assert {u.choice.activations for u in runtime.plan.units} != {"none"}
+    ref_losses, _ = run(ref, adamw(ref.parameters()), big)
+    torch.testing.assert_close(losses, ref_losses, **TIGHT)
+    assert_same_weights(ref, mine)
+    assert hetstore.memory_stats(mine)["device"]["peak"] <= budget
+
+    huge = batches(1, batch=4096, seed=2)[0]
+    with pytest.raises(OutOfDeviceMemory, match=r"a batch of shapes .* Lower the batch size"):
+        mine(*huge)
+    losses, _ = run(mine, opt, big[:1])
+    ref_losses, _ = run(ref, adamw(ref.parameters()), big[:1])
+    torch.testing.assert_close(losses, ref_losses, **TIGHT)

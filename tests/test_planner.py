@@ -210,3 +210,83 @@ def test_manual_settings_are_a_plan():
     plan = Plan.uniform(trace, UnitChoice("cpu", "cpu", "none"), 1, caps())
     assert plan.source == "manual"
     assert {u.choice for u in plan.units} == {UnitChoice("cpu", "cpu", "none")}
+
+
+# ---------------------------------------------------------------- larger batches later
+def test_a_larger_batch_moves_activations_off_the_device_and_keeps_the_rest():
+    """Traced at one batch, the plan keeps everything; at twice the batch the device is
+    short by some activations: only activation tiers change, and the new plan fits."""
+    from hetstore.planner.planner import refit_activations
+    from hetstore.planner.shapes import scaled_trace
+
+    trace = gpt_like()
+    plan = make_plan(trace, caps(device=all_none_peak(trace) + MiB), config())
+    assert not plan.offloads_anything
+    doubled = scaled_trace(trace, 2.0)
+    assert doubled.units[0].saved_bytes == 2 * trace.units[0].saved_bytes
+    replanned = refit_activations(doubled, plan, config())
+    changed = [
+        (old.choice, new.choice)
+        for old, new in zip(plan.units, replanned.units, strict=True)
+        if old.choice != new.choice
+    ]
+    assert changed and all(new == UnitChoice(activations="cpu") for _, new in changed)
+    assert replanned.estimate.device <= plan.capacities.device
+
+
+def test_a_larger_batch_spills_activations_to_disk_when_host_is_short():
+    from hetstore.planner.planner import refit_activations
+    from hetstore.planner.shapes import scaled_trace
+
+    trace = gpt_like()
+    device = all_none_peak(trace) + MiB
+    unlimited = make_plan(trace, caps(device=device), config())
+    on_host = refit_activations(scaled_trace(trace, 2.0), unlimited, config())
+    host = on_host.estimate.host - MiB  # one MiB short of keeping them all on host
+    plan = make_plan(trace, caps(device=device, host=host), config())
+    replanned = refit_activations(scaled_trace(trace, 2.0), plan, config())
+    assert "disk" in {u.choice.activations for u in replanned.units}
+    assert replanned.estimate.host <= host
+    assert [u.choice.param for u in replanned.units] == [u.choice.param for u in plan.units]
+
+
+def test_a_batch_too_large_for_any_placement_is_refused_with_figures():
+    from hetstore.planner.planner import refit_activations
+    from hetstore.planner.shapes import scaled_trace
+
+    trace = gpt_like()
+    plan = make_plan(trace, caps(device=all_none_peak(trace)), config())
+    with pytest.raises(OutOfDeviceMemory, match="the device would hold .* may use") as err:
+        refit_activations(scaled_trace(trace, 1000.0), plan, config(), batch="batch X")
+    assert str(err.value).startswith("batch X")
+    assert err.value.requested > err.value.capacity
+
+
+def test_calibration_puts_measured_times_into_the_trace():
+    """A profile's per-unit times and overhead replace the FLOP-based ones; transfers
+    and the optimizer stay modelled, so only compute and overhead move."""
+    from hetstore.planner.calibrate import calibrated_trace, steady_profile
+    from hetstore.runtime.profiler import StepProfile
+
+    trace = gpt_like(machine=CPU)
+    warmup = StepProfile({("blocks.0", "forward"): 9.0}, 9.0)
+    steady = [
+        StepProfile(
+            {
+                **{(u.name, "forward"): 0.1 * k for u in trace.units},
+                **{(u.name, "backward"): 0.2 * k for u in trace.units},
+                "other": 0.05,
+            },
+            1.0,
+        )  # fmt: skip
+        for k in (1, 2, 3)
+    ]
+    profile = steady_profile([warmup, *steady])  # the warm-up is left out; medians (k=2)
+    assert profile.unit_s("blocks.0", "forward") == pytest.approx(0.2)
+    measured = calibrated_trace(trace, profile)
+    assert measured.measured and measured.overhead_s == pytest.approx(0.05)
+    choices = [UnitChoice(param="cpu", optimizer="cpu")] * len(trace.units)
+    before, after = estimate(trace, choices, 1), estimate(measured, choices, 1)
+    assert after.compute_s == pytest.approx(len(trace.units) * 0.6)
+    assert (after.stall_s, after.optimizer_s) == (before.stall_s, before.optimizer_s)
+    assert after.overhead_s == pytest.approx(0.05)

@@ -14,12 +14,15 @@ from hetstore.config import OffloadConfig
 from hetstore.errors import ConfigError
 from hetstore.optim import DynamicLossScaler, OffloadedOptimizer
 from hetstore.planner import Capacities, Plan, UnitChoice, make_plan
+from hetstore.planner.calibrate import calibrated_trace, steady_profile
 from hetstore.planner.machine import machine_capacities, measure_machine
+from hetstore.planner.shapes import BatchGuard
 from hetstore.planner.tracer import model_data_trace, trace_model
 from hetstore.runtime.activations import ActivationHooks
 from hetstore.runtime.flat import DiskArray
 from hetstore.runtime.hooks import OffloadRuntime
 from hetstore.runtime.materialize import materialize_module, owns_meta
+from hetstore.runtime.profiler import StepProfiler
 from hetstore.runtime.staging import GradStager, ParamStager
 from hetstore.runtime.state_dict import install_state_dict_hooks
 from hetstore.runtime.unit import Placement, Unit
@@ -27,6 +30,10 @@ from hetstore.runtime.units import UnitSpec, find_units
 from hetstore.tiers import Tiers
 
 __all__ = ["offload"]
+
+# Steps timed per unit and phase after offload(); the first is a warm-up, the others'
+# medians calibrate the plan's prediction (runtime.profiler, planner.calibrate).
+PROFILED_STEPS = 3
 
 
 def offload(
@@ -68,7 +75,7 @@ def offload(
     device = config.resolved_device()
     groups_of = _group_index(model, optimizer)
     specs = find_units(model, units)
-    plan = _plan_for(model, optimizer, config, specs, device, units, example_inputs)
+    trace, plan = _plan_for(model, optimizer, config, specs, device, units, example_inputs)
     built: list[Unit | None] = [None] * len(specs)
 
     def advice(tier: str, nbytes: int) -> list[str]:
@@ -109,7 +116,13 @@ def offload(
     grad_stager = _attach_stagers(unit_list, tiers, plan.prefetch_depth)
     activations = None
     default_tier = "none" if plan.source == "auto" else config.offload_activations
-    if device.type == "cpu" or any(u.choice.activations != "none" for u in plan.units):
+    # a plan made for a traced batch may move activations later (a larger batch)
+    replannable = plan.source == "auto" and bool(trace.batch_shapes)
+    if (
+        device.type == "cpu"
+        or replannable
+        or any(u.choice.activations != "none" for u in plan.units)
+    ):
         activations = ActivationHooks(
             model,
             unit_list,
@@ -121,6 +134,7 @@ def offload(
         for unit_plan in plan.units:
             if unit_plan.choice.activations != default_tier:
                 activations.set_unit_tier(unit_plan.name, unit_plan.choice.activations)
+    profiler = StepProfiler(device, PROFILED_STEPS)
     runtime = OffloadRuntime(
         model,
         unit_list,
@@ -129,6 +143,8 @@ def offload(
         prefetch_depth=plan.prefetch_depth,
         grad_stager=grad_stager,
         activations=activations,
+        profiler=profiler,
+        batch_guard=_batch_guard(trace, plan, config, activations) if replannable else None,
     )
     unoptimized = [
         e.param for u in unit_list for e in u.entries if e.param.requires_grad and e.group is None
@@ -140,10 +156,23 @@ def offload(
             stacklevel=2,
         )
         runtime.drop_grads_of(unoptimized)
+    if runtime.batch_guard is not None:
+        runtime.batch_guard.on_replan = lambda new: setattr(runtime, "plan", new)
     runtime.adopt(install_state_dict_hooks(model, unit_list))
     model._hetstore_tiers = tiers
     model._hetstore_runtime = runtime
     runtime.plan = plan
+    runtime.trace = trace
+    runtime.profile = None  # the measured steps, once profiled
+    runtime.calibrated_plan = None  # the plan's prediction re-made from them
+
+    def profiled(profiles) -> None:
+        runtime.profile = steady_profile(profiles)
+        if trace.machine is not None:
+            measured = calibrated_trace(trace, runtime.profile)
+            runtime.calibrated_plan = plan.reestimated(measured, config.optimizer_chunk_size)
+
+    profiler.on_profiled = profiled
 
     wrapped = None
     if optimizer is not None:
@@ -154,6 +183,8 @@ def offload(
             loss_scaler=scaler,
             chunk_numel=config.optimizer_chunk_size // 4,
             param_order=list(model.parameters()),
+            on_step_begin=lambda: profiler.switch("optimizer"),
+            on_step=profiler.step_ends,
         )
         # the user's optimizer held the original parameters; its state is meaningless now
         optimizer.state.clear()
@@ -212,7 +243,7 @@ def _build_units(
         build_ready()
 
 
-def _plan_for(model, optimizer, config, specs, device, units, example_inputs) -> Plan:
+def _plan_for(model, optimizer, config, specs, device, units, example_inputs):
     """The placement of every unit: the offload_* keys for all (a manual plan), or the
     planner's choice from a trace (``auto_offload``); refused here, before any work,
     when nothing fits."""
@@ -221,7 +252,8 @@ def _plan_for(model, optimizer, config, specs, device, units, example_inputs) ->
         choice = UnitChoice(
             config.offload_param, config.offload_optimizer, config.offload_activations
         )
-        return Plan.uniform(trace, choice, config.prefetch_depth, Capacities(None, None, None))
+        plan = Plan.uniform(trace, choice, config.prefetch_depth, Capacities(None, None, None))
+        return trace, plan
     machine = measure_machine(device, config.offload_path)
     if example_inputs is not None:
         trace = trace_model(
@@ -230,7 +262,18 @@ def _plan_for(model, optimizer, config, specs, device, units, example_inputs) ->
     else:
         trace = model_data_trace(model, config, machine, optimizer=optimizer, specs=specs)
     streamable = optimizer is None or _streamable(optimizer)
-    return make_plan(trace, machine_capacities(config, device), config, disk_optimizer=streamable)
+    capacities = machine_capacities(config, device)
+    return trace, make_plan(trace, capacities, config, disk_optimizer=streamable)
+
+
+def _batch_guard(trace, plan, config, activations: ActivationHooks) -> BatchGuard:
+    """Re-plans the activations when a batch outgrows the traced one (planner.shapes)."""
+
+    def apply(new_plan: Plan) -> None:
+        for unit_plan in new_plan.units:
+            activations.set_unit_tier(unit_plan.name, unit_plan.choice.activations)
+
+    return BatchGuard(trace, plan, config, apply)
 
 
 def _attach_stagers(units: list[Unit], tiers: Tiers, prefetch_depth: int) -> GradStager | None:

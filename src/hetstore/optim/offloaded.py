@@ -58,6 +58,7 @@ class OffloadedOptimizer(Optimizer):
         *,
         loss_scaler: DynamicLossScaler | None = None,
         on_step: Callable[[], None] | None = None,
+        on_step_begin: Callable[[], None] | None = None,
         chunk_numel: int = 2**24,
         param_order: list | None = None,
     ):
@@ -69,6 +70,7 @@ class OffloadedOptimizer(Optimizer):
         self.units = units
         self.loss_scaler = loss_scaler
         self._on_step = on_step
+        self._on_step_begin = on_step_begin
         self._flat = isinstance(original, _FUSED_FLAT) and not any(
             g.get("differentiable") for g in groups
         )
@@ -280,6 +282,8 @@ class OffloadedOptimizer(Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("OffloadedOptimizer.step does not take a closure")
+        if self._on_step_begin is not None:
+            self._on_step_begin()
         if self._resume_at == 0:
             found_inf = self._unscale()
             if self.loss_scaler is not None:

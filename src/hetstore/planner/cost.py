@@ -159,7 +159,7 @@ def _activation_peak(units, depth: int, prefetched: bool) -> int:
 
 
 def _compute_s(u: UnitTrace, trace: Trace) -> float:
-    if u.forward_s or u.backward_s:
+    if trace.measured or u.forward_s or u.backward_s:
         return u.forward_s + u.backward_s
     return u.flops / trace.machine.flops if trace.machine.flops else 0.0
 

@@ -5,7 +5,7 @@ cost model predicts for it. Manual settings are a plan too (:meth:`Plan.uniform`
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from hetstore._sizes import format_size
@@ -89,6 +89,13 @@ class Plan:
     ) -> Plan:
         """The manual plan: the same choice for every unit."""
         return cls.build(trace, [choice] * len(trace.units), depth, capacities, "manual", **kw)
+
+    def reestimated(self, trace: Trace, chunk_bytes: int = 32 << 20) -> Plan:
+        """The same placement, its prediction re-made from ``trace`` (e.g. calibrated
+        with measured steps, see :mod:`hetstore.planner.calibrate`)."""
+        choices = [u.choice for u in self.units]
+        predicted = estimate(trace, choices, self.prefetch_depth, chunk_bytes)
+        return replace(self, estimate=predicted if trace.machine else None)
 
     def choice_of(self, name: str) -> UnitChoice:
         for unit in self.units:

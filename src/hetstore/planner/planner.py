@@ -244,3 +244,69 @@ def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) 
     tier = short[0]
     cls = OutOfDeviceMemory if tier == "device" else OutOfTierMemory
     return cls(message, tier=tier, requested=needs[tier], capacity=capacities.of(tier))
+
+
+def refit_activations(trace: Trace, plan: Plan, config, *, batch: str = "this batch") -> Plan:
+    """``plan`` for a trace whose activations grew (a larger batch): parameters and
+    optimizer states stay where they were built; activations kept on the device move to
+    host, cheapest per byte first, until the device fits, then from host to disk until
+    the host does. Raises ``OutOfDeviceMemory`` / ``OutOfTierMemory`` with the figures
+    when even that cannot fit."""
+    chunk = config.optimizer_chunk_size
+    depth = plan.prefetch_depth
+    capacities = plan.capacities
+    choices = [u.choice for u in plan.units]
+    moves = _order(
+        trace,
+        choices,
+        [
+            (i, "activations", "cpu")
+            for i, (u, c) in enumerate(zip(trace.units, choices, strict=True))
+            if c.activations == "none" and u.saved_bytes
+        ],
+        depth,
+        chunk,
+        0,
+    )
+
+    def device_fits(j: int) -> bool:
+        return _fits(memory(trace, _apply(choices, moves[:j]), depth, chunk)[0], capacities.device)
+
+    first_fit = next((j for j in range(len(moves) + 1) if device_fits(j)), None)
+    if first_fit is None:
+        lean = _apply(choices, moves)
+        need = memory(trace, lean, depth, chunk)[0]
+        raise OutOfDeviceMemory(
+            f"{batch} needs more device memory than the plan allows: with every unit's "
+            f"activations ({format_size(sum(u.saved_bytes for u in trace.units))} saved for "
+            f"backward) offloaded the device would hold {format_size(need)}, and it may use "
+            f"{format_size(capacities.device)}. Lower the batch size, or pass the largest "
+            "batch as example_inputs to hetstore.offload() so the plan is made for it",
+            tier="device",
+            requested=need,
+            capacity=capacities.device,
+        )
+    grown = _apply(choices, moves[:first_fit])
+    spills = _order(
+        trace,
+        grown,
+        [(i, "activations", "disk") for i, c in enumerate(grown) if c.activations == "cpu"],
+        depth,
+        chunk,
+        1,
+    )
+    for s in range(len(spills) + 1):
+        candidate = _spill(grown, spills, s)
+        host, disk = memory(trace, candidate, depth, chunk)[1:]
+        if _fits(host, capacities.host) and _fits(disk, capacities.disk):
+            return Plan.build(trace, candidate, depth, capacities, plan.source, chunk)
+    tier = "host" if not _fits(host, capacities.host) else "disk"
+    need = host if tier == "host" else disk
+    raise OutOfTierMemory(
+        f"{batch}: its activations do not fit the {tier} tier: it would hold "
+        f"{format_size(need)} and may use {format_size(capacities.of(tier))} ({_KEYS[tier]}). "
+        "Lower the batch size or raise " + _KEYS[tier],
+        tier=tier,
+        requested=need,
+        capacity=capacities.of(tier),
+    )

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from hetstore.runtime.profiler import StepProfiler
 from hetstore.runtime.unit import Unit
 
 __all__ = ["OffloadRuntime"]
@@ -40,6 +41,8 @@ class OffloadRuntime:
         prefetch_depth: int,
         grad_stager=None,
         activations=None,
+        profiler: StepProfiler | None = None,
+        batch_guard=None,
     ):
         self.model = model
         self.units = units
@@ -47,6 +50,10 @@ class OffloadRuntime:
         self.block_units = [u for u in units if u is not root]
         self.prefetch_depth = prefetch_depth
         self.grad_stager = grad_stager
+        self.profiler = profiler
+        # checks each forward's inputs against the batch the plan was made for
+        self.batch_guard = batch_guard
+        self._root_name = root.name if root is not None else "root"
         device = units[0].device if units else torch.device("cpu")
         # Why a side stream: host-to-device copies of the next unit overlap this unit's
         # compute. Lives as long as the runtime.
@@ -57,6 +64,8 @@ class OffloadRuntime:
         self._handles: list = []
         self._untracked_params: list[nn.Parameter] = []
 
+        if batch_guard is not None:  # first: it may change where activations go
+            self._handles.append(model.register_forward_pre_hook(self._check_batch))
         self.activations = activations
         if activations is not None:
             # first in, last out: the saved-tensor hooks cover the root's work too, and
@@ -97,6 +106,10 @@ class OffloadRuntime:
         param.grad = None
 
     # ------------------------------------------------------------------ forward
+    def _check_batch(self, module, args) -> None:
+        if torch.is_grad_enabled() and not _in_backward():
+            self.batch_guard(args)
+
     def _enter_activations(self, module, args) -> None:
         if torch.is_grad_enabled() and not _in_backward():
             self.activations.enter()
@@ -104,12 +117,22 @@ class OffloadRuntime:
     def _exit_activations(self, module, args, output) -> None:
         self.activations.exit()
 
+    def _mark(self, label) -> None:
+        """Tell the profiler (while it runs) what the time from here on is spent on."""
+        if self.profiler is not None and self.profiler.active:
+            self.profiler.switch(label)
+
     def _model_pre_forward(self, module, args) -> None:
         if not _in_backward():
+            if self.profiler is not None:
+                self.profiler.step_begins()
+            self._mark("transfer")
             self._prefetch_edge(first=True)  # the first blocks' reads overlap the root's
         if self.root is not None:
             self._fetch(self.root)
             self.root.wait_ready()
+        if not _in_backward():
+            self._mark((self._root_name, "forward"))
 
     def _model_post_forward(self, module, args, output) -> None:
         if not _in_backward():
@@ -121,20 +144,30 @@ class OffloadRuntime:
             self.root.release()
         if needs_grad and not _in_backward():
             self._prefetch_edge(first=False)  # backward starts with the last blocks
+            # the loss and the head's backward (the root's) come next
+            self._mark((self._root_name, "backward"))
+        elif not _in_backward():
+            self._mark("other")
 
     def _pre_forward(self, unit: Unit) -> None:
         if not self._order_done and not _in_backward() and unit not in self.order:
             self.order.append(unit)
+        forward = not _in_backward()  # else a checkpoint's recompute, inside backward
+        if forward:
+            self._mark("transfer")
         self._fetch(unit)
-        if not _in_backward():
+        if forward:
             self._prefetch_after(unit, step=1)
             if self.activations is not None:
                 self.activations.enter_unit(unit.name)
         unit.wait_ready()
+        if forward:
+            self._mark((unit.name, "forward"))
 
     def _post_forward(self, unit: Unit, output) -> None:
         if _in_backward():
             return  # checkpoint recompute: the backward that follows needs the parameters
+        self._mark((self._root_name, "forward"))
         if self.activations is not None:
             self.activations.exit_unit(unit.name)
         if torch.is_grad_enabled():
@@ -146,9 +179,11 @@ class OffloadRuntime:
     # ------------------------------------------------------------------ backward
     def _pre_backward(self, unit: Unit) -> None:
         self._ensure_end_of_backward_callback()
+        self._mark("transfer")
         self._fetch(unit)
         self._prefetch_after(unit, step=-1)
         unit.wait_ready()
+        self._mark((unit.name, "backward"))
 
     def _grad_ready(self, unit: Unit, entry) -> None:
         self._ensure_end_of_backward_callback()
@@ -171,6 +206,7 @@ class OffloadRuntime:
                 self.grad_stager.flush(unit)  # the write overlaps the next unit's backward
             if unit is not self.root:
                 unit.release()
+                self._mark((self._root_name, "backward"))
 
     def _ensure_end_of_backward_callback(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -187,6 +223,7 @@ class OffloadRuntime:
             self.grad_stager.flush_all()
         for unit in self.units:
             unit.release()
+        self._mark("other")
 
     # ------------------------------------------------------------------ prefetch
     def _fetch(self, unit: Unit) -> None:

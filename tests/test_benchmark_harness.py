@@ -1,0 +1,23 @@
+"""The benchmarks' harnesses run (at a tiny size) and print their tables; their timings
+are not asserted here (benchmarks measure speed, tests do not)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_planner_benchmark_prints_predictions_and_measurements(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "planner.py"), "--tiny", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "predicted (calibrated)" in done.stdout
+    for budget in ("100%", "50%", "20%"):
+        assert f"| {budget} | device |" in done.stdout
