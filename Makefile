@@ -17,7 +17,7 @@ $(VENV)/.ready: pyproject.toml Makefile
 		$(PY) -m pip install -q --upgrade pip; \
 		$(PY) -m pip install -q "torch==2.13.0"; \
 	fi
-	$(PY) -m pip install -q -e ".[test]" || $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PY) -m pip install -q -e ".[test,demo]" || $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	@touch $@
 
 demo: $(VENV)/.ready

@@ -1,4 +1,13 @@
-"""The ``hetstore`` command line."""
+"""The ``hetstore`` command line (also ``python -m hetstore``).
+
+    hetstore demo      train a GPT under a device budget its training states exceed
+    hetstore plan      plan a GPT's placement on this machine without building it
+    hetstore bench     this machine's tier rates: copies, disk, optimizer, FLOPs
+    hetstore report    draw the per-tier memory timeline of a saved timeline.json
+
+Errors are one line with what to change, and a non-zero exit code: 1 for out of memory,
+2 for bad flags, files or directories.
+"""
 
 from __future__ import annotations
 
@@ -10,42 +19,160 @@ from hetstore.cli_plan import add_plan_parser, run_plan
 __all__ = ["main"]
 
 
+def _demo_parser(sub) -> None:
+    from hetstore.demo import DemoSettings
+
+    d = DemoSettings()
+    p = sub.add_parser(
+        "demo",
+        help="train the demo GPT under a device budget its training states exceed",
+        description=(
+            "Train a small byte-level GPT on a text shipped with hetstore, with "
+            "auto_offload under a device budget smaller than its training states. Shows "
+            "progress, a summary, and writes memory_timeline.png, loss.png and "
+            "timeline.json."
+        ),
+    )
+    p.add_argument("--steps", type=int, default=d.steps, help=f"training steps ({d.steps})")
+    p.add_argument("--width", type=int, default=d.width, help=f"model width ({d.width})")
+    p.add_argument("--depth", type=int, default=d.depth, help=f"number of blocks ({d.depth})")
+    p.add_argument("--batch", type=int, default=d.batch, help=f"sequences per step ({d.batch})")
+    p.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=d.budget_fraction,
+        help=f"device budget as a share of the training states ({d.budget_fraction})",
+    )
+    p.add_argument(
+        "--device", default=d.device, help="cuda, cpu or auto (default: cuda if present)"
+    )
+    p.add_argument("--out", default=d.out, help="directory for the PNGs and timeline.json (.)")
+    p.add_argument("--offload-path", help="directory for the disk tier (default ./offload)")
+    p.add_argument("--config", help="an OffloadConfig file (.yaml/.json/.toml) to start from")
+    p.add_argument(
+        "--compare", action="store_true", help="also train plain PyTorch and compare losses"
+    )
+    p.add_argument(
+        "--no-offload",
+        action="store_true",
+        help="keep everything on the device: shows the out-of-memory report, exits 1",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _bench_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure this machine's tiers: copy and disk bandwidth, optimizer and FLOP rates",
+        description="The probes the planner plans with (about a second), as a table.",
+    )
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto (default)")
+    p.add_argument("--path", default="./offload", help="directory probed for the disk tier")
+
+
+def _report_parser(sub) -> None:
+    p = sub.add_parser(
+        "report",
+        help="draw the per-tier memory timeline of a saved timeline.json",
+        description="Draw a memory timeline saved by `hetstore demo` (timeline.json) or "
+        "by hetstore.timeline.TimelineRecorder as a PNG.",
+    )
+    p.add_argument("timeline", help="the timeline JSON file")
+    p.add_argument("--out", help="the PNG to write (default: next to the JSON)")
+
+
+def run_bench(args) -> int:
+    import hetstore
+    from hetstore.errors import ConfigError
+    from hetstore.planner.machine import measure_machine
+
+    try:
+        device = hetstore.OffloadConfig(
+            device=args.device, offload_path=args.path
+        ).resolved_device()
+        rates = measure_machine(device, args.path)
+    except (ConfigError, OSError) as exc:
+        print(f"hetstore bench: {exc}; pass --path DIR on a writable local disk", file=sys.stderr)
+        return 2
+    link = "pinned host <-> CUDA" if device.type == "cuda" else "memcpy (CPU device)"
+    rows = [
+        ("host -> device copy", f"{rates.to_device / 1e9:.2f} GB/s", link),
+        ("device -> host copy", f"{rates.from_device / 1e9:.2f} GB/s", link),
+        ("disk read", f"{rates.disk_read / 1e9:.2f} GB/s", f"O_DIRECT under {args.path}"),
+        ("disk write", f"{rates.disk_write / 1e9:.2f} GB/s", f"O_DIRECT under {args.path}"),
+        ("host optimizer", f"{rates.host_step / 1e9:.2f} G elem/s", "fused AdamW, fp32"),
+        ("device optimizer", f"{rates.device_step / 1e9:.2f} G elem/s", f"fused AdamW on {device}"),
+        ("device FLOP rate", f"{rates.flops / 1e12:.3f} TFLOP/s", "one matmul"),
+    ]
+    print(f"hetstore bench: {device}\n")
+    width = max(len(r[0]) for r in rows)
+    for name, value, how in rows:
+        print(f"  {name:<{width}}  {value:>16}   {how}")
+    return 0
+
+
+def run_report(args) -> int:
+    from pathlib import Path
+
+    from hetstore.errors import ConfigError
+    from hetstore.report import plot_timeline
+    from hetstore.timeline import MemoryTimeline
+
+    try:
+        timeline = MemoryTimeline.load(args.timeline)
+        out = Path(args.out) if args.out else Path(args.timeline).with_suffix(".png")
+        written = plot_timeline(timeline, out)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        print(f"hetstore report: cannot draw {args.timeline!r}: {reason}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"hetstore report: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {written}")
+    return 0
+
+
+def run_demo_command(args) -> int:
+    from hetstore.demo import DemoSettings, run_demo
+
+    settings = DemoSettings(
+        steps=args.steps,
+        width=args.width,
+        depth=args.depth,
+        batch=args.batch,
+        budget_fraction=args.budget_fraction,
+        device=args.device,
+        out=args.out,
+        offload_path=args.offload_path,
+        config_file=args.config,
+        compare=args.compare,
+        no_offload=args.no_offload,
+        progress=not args.no_progress,
+    )
+    return run_demo(settings)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hetstore",
-        description="Train PyTorch models larger than device memory.",
+        description="Train PyTorch models larger than device memory: parameters, gradients, "
+        "optimizer states and activations placed across device, host memory and disk.",
+        epilog="Run `hetstore COMMAND --help` for a command's options.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo", help="train the demo GPT under a device budget its training states exceed"
-    )
-    demo.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
-    demo.add_argument("--width", type=int, default=256, help="model width (default 256)")
-    demo.add_argument("--depth", type=int, default=6, help="number of blocks (default 6)")
-    demo.add_argument(
-        "--compare", action="store_true", help="also train plain PyTorch and compare losses"
-    )
-    demo.add_argument(
-        "--no-offload",
-        action="store_true",
-        help="keep everything on the device: shows the out-of-memory report",
-    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _demo_parser(sub)
     add_plan_parser(sub)
+    _bench_parser(sub)
+    _report_parser(sub)
     args = parser.parse_args(argv)
-    if args.command == "plan":
-        return run_plan(args)
-    if args.command == "demo":
-        from hetstore.demo import DemoSettings, run_demo
-
-        settings = DemoSettings(
-            steps=args.steps,
-            width=args.width,
-            depth=args.depth,
-            compare=args.compare,
-            no_offload=args.no_offload,
-        )
-        return run_demo(settings)
-    return 2
+    commands = {
+        "demo": run_demo_command,
+        "plan": run_plan,
+        "bench": run_bench,
+        "report": run_report,
+    }
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

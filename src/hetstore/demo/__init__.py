@@ -1,10 +1,15 @@
 """``hetstore demo``: a GPT whose training states exceed the device budget trains anyway.
 
-Trains a small GPT on a text shipped with the package, byte-level, with parameters and
-optimizer states offloaded to host memory under a device budget smaller than the
-states; prints the loss as it goes and the per-tier peaks at the end. ``compare`` also
-trains plain PyTorch on the same batches and shows the losses agree; ``no_offload``
-shows the failure the budget causes without offload.
+Trains a small byte-level GPT on a text shipped with the package, with
+``auto_offload=True`` under a device budget smaller than its training states: the
+planner decides where every unit's parameters, optimizer states and activations live.
+Shows a progress bar (step, loss, tokens/s, each tier's use), then a summary (sizes,
+budget, per-tier peaks, placement, predicted and measured step time) and writes two
+pictures: the per-tier memory timeline of one step (``memory_timeline.png``, its data in
+``timeline.json`` for ``hetstore report``) and the loss curve (``loss.png``).
+``compare`` also trains plain PyTorch on the same batches and shows the losses agree;
+``no_offload`` keeps everything on the device and shows the out-of-memory report the
+budget causes.
 """
 
 from __future__ import annotations
@@ -14,14 +19,18 @@ import sys
 import time
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 import torch
 
 import hetstore
 from hetstore._sizes import format_size
 from hetstore.demo.gpt import GPT
+from hetstore.errors import ConfigError, OutOfTierMemory
 
 __all__ = ["DemoSettings", "run_demo", "load_corpus"]
+
+BYTES_PER_PARAM = 16  # fp32 weights + gradients + two Adam moments
 
 
 @dataclass(frozen=True)
@@ -32,25 +41,51 @@ class DemoSettings:
     batch: int = 8
     steps: int = 40
     lr: float = 3e-3
-    budget_fraction: float = 0.2  # device budget as a share of the training states
+    budget_fraction: float = 0.25  # device budget as a share of the training states
     seed: int = 0
+    device: str = "auto"
+    out: str = "."
+    offload_path: str | None = None  # None: the config file's, else OffloadConfig's default
+    config_file: str | None = None  # an OffloadConfig file; the demo's keys override it
     compare: bool = False
     no_offload: bool = False
+    progress: bool = True
+
+    def check(self) -> None:
+        for key in ("width", "depth", "context", "batch", "steps"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key} must be at least 1, got {getattr(self, key)}")
+        if not 0 < self.budget_fraction <= 10:
+            raise ConfigError(f"--budget-fraction must be in (0, 10], got {self.budget_fraction}")
+
+
+def _check_extras() -> None:
+    """The progress bar and the pictures need the ``demo`` extra: say so before training."""
+    import importlib.util
+
+    missing = [m for m in ("tqdm", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(
+            f"hetstore demo needs {' and '.join(missing)}: pip install 'hetstore[demo]'"
+        )
 
 
 def load_corpus() -> torch.Tensor:
+    """The demo's training text as byte ids (0..255)."""
     text = resources.files("hetstore.demo").joinpath("corpus.txt").read_bytes()
     return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
 
 
 def _batches(data: torch.Tensor, settings: DemoSettings):
     g = torch.Generator().manual_seed(settings.seed)
+    out = []
     for _ in range(settings.steps):
         starts = torch.randint(
             0, data.numel() - settings.context - 1, (settings.batch,), generator=g
         )
         chunk = torch.stack([data[s : s + settings.context + 1] for s in starts.tolist()])
-        yield chunk[:, :-1], chunk[:, 1:]
+        out.append((chunk[:, :-1], chunk[:, 1:]))
+    return out
 
 
 def _model(settings: DemoSettings) -> GPT:
@@ -61,71 +96,221 @@ def _model(settings: DemoSettings) -> GPT:
     )
 
 
-def run_demo(settings: DemoSettings = DemoSettings(), out=sys.stdout) -> int:
+def _config(settings: DemoSettings, budget: int) -> hetstore.OffloadConfig:
+    if settings.no_offload:  # the seed's failure case: everything stays on the device
+        placement = dict(offload_param="none", offload_optimizer="none")
+    else:
+        placement = dict(auto_offload=True)
+    demo_keys = dict(
+        **placement,
+        max_device_memory=budget,
+        device=settings.device,
+    )
+    if settings.offload_path is not None:
+        demo_keys["offload_path"] = settings.offload_path
+    if settings.config_file is not None:
+        config = hetstore.OffloadConfig.from_file(settings.config_file).replace(**demo_keys)
+    else:
+        # the demo's activations are small: let the planner move them
+        config = hetstore.OffloadConfig(activation_min_bytes="64KB", **demo_keys)
+    # pinning only speeds up copies to an accelerator
+    return config.replace(enable_pinned_mem=config.resolved_device().type == "cuda")
+
+
+def run_demo(settings: DemoSettings = DemoSettings(), out=sys.stdout, err=sys.stderr) -> int:
+    """Run the demo; returns the exit code (0 trained within budget, 1 out of memory or
+    budget passed, 2 bad settings or an unwritable output/offload directory)."""
+    out_dir = Path(settings.out)
+    try:
+        _check_extras()
+        settings.check()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".hetstore-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except ConfigError as exc:
+        print(f"hetstore demo: {exc}", file=err)
+        return 2
+    except OSError as exc:
+        print(
+            f"hetstore demo: cannot write the pictures under --out {out_dir}: "
+            f"{exc.strerror or exc}; pass --out DIR with a writable directory",
+            file=err,
+        )
+        return 2
     data = load_corpus()
     model = _model(settings)
     n_params = sum(p.numel() for p in model.parameters())
-    states = 16 * n_params  # fp32 params + grads + two Adam moments
+    states = BYTES_PER_PARAM * n_params
     budget = int(states * settings.budget_fraction)
-    reference = copy.deepcopy(model) if settings.compare else None
-    place = "none" if settings.no_offload else "cpu"
-    config = hetstore.OffloadConfig(
-        offload_param=place,
-        offload_optimizer=place,
-        offload_activations=place,
-        activation_min_bytes="64KB",  # the demo's activations are small
-        max_device_memory=budget,
-        offload_cpu_size="4GB",
-    )
+    try:
+        config = _config(settings, budget)
+    except ConfigError as exc:
+        print(f"hetstore demo: {exc}", file=err)
+        return 2
     device = config.resolved_device()
+    batches = _batches(data, settings)
+    reference = copy.deepcopy(model) if settings.compare else None
     print(
-        f"hetstore demo: GPT {settings.depth} layers x width {settings.width}, "
-        f"{n_params / 1e6:.2f}M parameters on {device}\n"
-        f"  training states (fp32 params + grads + Adam moments): {format_size(states)}\n"
-        f"  device budget (max_device_memory):                   {format_size(budget)}\n"
-        f"  placement: parameters, optimizer states, activations -> {place}",
+        f"hetstore demo: GPT, {settings.depth} blocks x width {settings.width}, "
+        f"{n_params / 1e6:.2f}M parameters, on {device}\n"
+        f"  training states (fp32 weights + grads + Adam moments): {format_size(states)}\n"
+        f"  device budget (max_device_memory):                     {format_size(budget)}"
+        f"  ({settings.budget_fraction:.0%} of the states)\n"
+        f"  placement: {'everything on the device (--no-offload)' if settings.no_offload else 'auto_offload (the planner decides)'}",
         file=out,
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
     try:
-        model, optimizer = hetstore.offload(model, optimizer, config)
-        losses = _train(model, optimizer, data, settings, device, out, label="hetstore")
-    except hetstore.OutOfDeviceMemory as exc:
-        print(f"\n{exc}", file=sys.stderr)
+        model, optimizer = hetstore.offload(model, optimizer, config, example_inputs=batches[0])
+        if not settings.no_offload:
+            print(f"\nthe plan:\n{model._hetstore_runtime.plan}\n", file=out)
+        losses, timeline = _train(model, optimizer, batches, settings, device, err)
+    except OutOfTierMemory as exc:
+        print(f"\nhetstore demo: {exc}", file=err)
+        if settings.no_offload:
+            print(
+                "\nThis is what --no-offload shows: the training states do not fit the "
+                "device budget. Run without --no-offload to train anyway.",
+                file=err,
+            )
         return 1
+    except ConfigError as exc:
+        print(f"hetstore demo: {exc}", file=err)
+        return 2
+    except OSError as exc:
+        print(
+            f"hetstore demo: cannot use offload_path {config.offload_path!r}: "
+            f"{exc.strerror or exc}; pass --offload-path DIR on a writable local disk",
+            file=err,
+        )
+        return 2
     stats = hetstore.memory_stats(model)
-    print("\nper-tier peak (bytes hetstore accounted):", file=out)
-    for tier, s in stats.items():
-        print(
-            f"  {tier:>6}: peak {format_size(s['peak']):>12}  of {format_size(s['capacity'])}",
-            file=out,
-        )
-    within = stats["device"]["peak"] <= budget
-    print(f"  device peak within budget: {'yes' if within else 'NO'}", file=out)
+    curves = {"hetstore": losses}
     if reference is not None:
-        ref_opt = torch.optim.AdamW(reference.parameters(), lr=settings.lr, fused=True)
-        ref_losses = _train(reference.to(device), ref_opt, data, settings, device, None, "plain")
-        diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
-        print(
-            f"\nplain PyTorch (no budget) final loss {ref_losses[-1]:.4f}; "
-            f"max |loss difference| over {len(losses)} steps: {diff:.2e}",
-            file=out,
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=settings.lr)
+        curves["plain PyTorch"], _ = _train(
+            reference.to(device), ref_opt, batches, settings, device, err, label="plain"
         )
-    return 0 if within else 1
+    _summary(model, settings, n_params, states, budget, stats, losses, curves, out)
+    _pictures(timeline, curves, settings, out_dir, out)
+    return 0 if stats["device"]["peak"] <= budget else 1
 
 
-def _train(model, optimizer, data, settings, device, out, label) -> list[float]:
+def _train(model, optimizer, batches, settings, device, err, label="hetstore"):
+    """Train on ``batches``; returns the losses and the memory timeline of one steady
+    step (after the profiled ones), or None for a model hetstore does not manage."""
+    from tqdm import tqdm
+
+    from hetstore.api import PROFILED_STEPS
+    from hetstore.timeline import TimelineRecorder
+
+    managed = hasattr(model, "_hetstore_tiers")
+    recorded = min(PROFILED_STEPS, len(batches) - 1)
+    recorder = None
     losses = []
     start = time.perf_counter()
-    for step, (x, y) in enumerate(_batches(data, settings), 1):
+    bar = tqdm(
+        total=len(batches),
+        desc=f"{label:>8}",
+        file=err,
+        disable=not settings.progress,
+        mininterval=0.5,
+        dynamic_ncols=True,
+    )
+    for step, (x, y) in enumerate(batches):
+        if managed and step == recorded:
+            recorder = TimelineRecorder(model, title=_timeline_title(settings, step + 1))
+            recorder.__enter__()
+        mark = recorder.phase if recorder is not None else (lambda name: None)
+        mark("forward")
         loss = model(x.to(device), y.to(device))
+        mark("backward")
         loss.backward()
+        mark("step")
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-        if out is not None and (step % 5 == 0 or step == 1):
-            rate = step * settings.batch * settings.context / (time.perf_counter() - start)
-            print(
-                f"  [{label}] step {step:3d}  loss {losses[-1]:.4f}  {rate:8.0f} tokens/s", file=out
-            )
-    return losses
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+            timeline, recorder = recorder.timeline, None
+        tokens = (step + 1) * settings.batch * settings.context
+        postfix = {
+            "loss": f"{losses[-1]:.3f}",
+            "tok/s": f"{tokens / (time.perf_counter() - start):.0f}",
+        }
+        if managed:
+            for tier, s in hetstore.memory_stats(model).items():
+                postfix[tier] = format_size(s["current"])
+        bar.set_postfix(postfix, refresh=False)
+        bar.update(1)
+    bar.close()
+    return losses, (timeline if managed else None)
+
+
+def _timeline_title(settings: DemoSettings, step: int) -> str:
+    return (
+        f"hetstore demo: memory per tier during step {step} "
+        f"(GPT {settings.depth} x {settings.width}, auto_offload)"
+    )
+
+
+def _summary(model, settings, n_params, states, budget, stats, losses, curves, out) -> None:
+    runtime = model._hetstore_runtime
+    plan = runtime.plan
+    moved = {"parameters": "param", "optimizer states": "optimizer", "activations": "activations"}
+    where = {"none": "device", "cpu": "host", "disk": "disk"}
+    lines = [
+        "",
+        "summary",
+        f"  model                {n_params / 1e6:.2f}M parameters ({format_size(4 * n_params)} fp32)",
+        f"  training states      {format_size(states)}",
+        f"  device budget        {format_size(budget)}",
+    ]
+    for tier, s in stats.items():
+        cap = "no limit" if s["capacity"] is None else format_size(s["capacity"])
+        lines.append(f"  {tier + ' peak':<20} {format_size(s['peak']):>11}   (may use {cap})")
+    for label, field in moved.items():
+        counts: dict[str, int] = {}
+        for unit in plan.units:
+            tier = where[getattr(unit.choice, field)]
+            counts[tier] = counts.get(tier, 0) + 1
+        text = ", ".join(f"{n} unit{'s' if n > 1 else ''} on {t}" for t, n in counts.items())
+        lines.append(f"  {label:<20} {text}")
+    calibrated = runtime.calibrated_plan
+    if calibrated is not None and calibrated.estimate is not None:
+        lines.append(
+            f"  step time            predicted {plan.estimate.step_s * 1e3:.0f} ms before "
+            f"training, {calibrated.estimate.step_s * 1e3:.0f} ms after profiling"
+        )
+    within = stats["device"]["peak"] <= budget
+    lines.append(f"  device peak within budget: {'yes' if within else 'NO'}")
+    lines.append(f"  loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}")
+    if "plain PyTorch" in curves:
+        plain = curves["plain PyTorch"]
+        diff = max(abs(a - b) for a, b in zip(losses, plain, strict=True))
+        lines.append(
+            f"  plain PyTorch (no budget): last loss {plain[-1]:.4f}; "
+            f"max |loss difference| over {len(losses)} steps: {diff:.2e}"
+        )
+    print("\n".join(lines), file=out)
+
+
+def _pictures(timeline, curves, settings, out_dir: Path, out) -> None:
+    from hetstore.report import plot_losses, plot_timeline
+
+    if timeline is None:
+        return
+    timeline.save(out_dir / "timeline.json")
+    written = [
+        plot_timeline(timeline, out_dir / "memory_timeline.png"),
+        plot_losses(
+            curves,
+            out_dir / "loss.png",
+            title=f"hetstore demo: GPT {settings.depth} x {settings.width}, training loss",
+        ),
+    ]
+    print(
+        "\nwrote " + ", ".join(str(p) for p in written) + f" and {out_dir / 'timeline.json'}",
+        file=out,
+    )

@@ -43,8 +43,14 @@ def scaled_trace(trace: Trace, scale: float) -> Trace:
     return replace(trace, units=units)
 
 
-def _elements(shapes) -> int:
-    return sum(math.prod(s) for s in shapes)
+def _growth(shapes, traced) -> float:
+    """How many times more elements the batch has than the traced one: the largest
+    ratio over the traced arguments' positions (arguments the trace did not see, such as
+    targets passed only in training, are left out)."""
+    ratios = [
+        math.prod(s) / math.prod(t) for s, t in zip(shapes, traced, strict=False) if math.prod(t)
+    ]
+    return max(ratios, default=1.0)
 
 
 class BatchGuard:
@@ -58,15 +64,13 @@ class BatchGuard:
         self.config = config
         self.apply = apply
         self.on_replan: Callable[[Plan], None] | None = None
-        self.traced = _elements(trace.batch_shapes)
-        self.allowed = self.traced  # the most input elements the plan in effect covers
+        self.allowed = 1.0  # the growth over the traced batch the plan in effect covers
 
     def __call__(self, args) -> None:
         shapes = [tuple(t.shape) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
-        elements = _elements(shapes)
-        if not self.traced or elements <= self.allowed:
+        scale = _growth(shapes, self.trace.batch_shapes)
+        if scale <= self.allowed:
             return
-        scale = elements / self.traced
         batch = (
             f"a batch of shapes {shapes} ({scale:.2f}x the traced {list(self.trace.batch_shapes)})"
         )
@@ -87,4 +91,4 @@ class BatchGuard:
             if self.on_replan is not None:
                 self.on_replan(plan)
         self.plan = plan
-        self.allowed = elements
+        self.allowed = scale

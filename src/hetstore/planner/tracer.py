@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from hetstore.planner.trace import MachineRates, Trace, UnitTrace
 from hetstore.runtime.units import UnitSpec, find_units
@@ -113,7 +113,8 @@ def trace_model(
                 backward_s=2 * forward_s,
             )
         )
-    shapes = tuple(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor))
+    leaves = tree_flatten(example_inputs)[0]
+    shapes = tuple(tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor))
     return Trace(
         units=tuple(traced),
         machine=machine,

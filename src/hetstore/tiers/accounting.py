@@ -65,6 +65,8 @@ class MemoryAccount:
         self._peak = 0
         self._holders: dict[str, int] = {}
         self._context = context
+        # called after every change while set (hetstore.timeline records with it)
+        self.observer: Callable[[], None] | None = None
 
     @property
     def current(self) -> int:
@@ -93,6 +95,8 @@ class MemoryAccount:
         self._current += nbytes
         self._peak = max(self._peak, self._current)
         self._holders[label] = self._holders.get(label, 0) + nbytes
+        if self.observer is not None:
+            self.observer()
 
     def release(self, nbytes: int, label: str) -> None:
         held = self._holders.get(label, 0)
@@ -105,6 +109,8 @@ class MemoryAccount:
         else:
             self._holders[label] = held - nbytes
         self._current -= nbytes
+        if self.observer is not None:
+            self.observer()
 
     def reset_peak(self) -> None:
         self._peak = self._current
