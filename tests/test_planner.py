@@ -290,3 +290,43 @@ def test_calibration_puts_measured_times_into_the_trace():
     assert after.compute_s == pytest.approx(len(trace.units) * 0.6)
     assert (after.stall_s, after.optimizer_s) == (before.stall_s, before.optimizer_s)
     assert after.overhead_s == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_nothing_is_offloaded_that_buys_nothing(seed):
+    """In the plan, no parameter or activation can come one tier closer to the device
+    (and no optimizer state from disk to host) while every tier still fits and the
+    predicted step is no slower: the search's fixed move orders may take moves along
+    that the budget did not need, and the planner takes them back."""
+    from dataclasses import replace
+
+    from hetstore.planner.cost import memory
+
+    rng = random.Random(100 + seed)
+    trace = random_trace(rng, GPU if seed % 2 else CPU)
+    top = all_none_peak(trace)
+    cfg = config(gpu_margin_mem_ratio=1.0)
+    limits = caps(device=int(top * 0.5), host=trace.state_bytes)
+    try:
+        plan = make_plan(trace, limits, cfg)
+    except OutOfTierMemory:
+        pytest.skip("this random trace does not fit at all")
+    choices = [u.choice for u in plan.units]
+    step = plan.estimate.step_s
+    closer = {"disk": "cpu", "cpu": "none"}
+    for i, c in enumerate(choices):
+        for field_ in ("param", "activations", "optimizer"):
+            target = closer.get(getattr(c, field_))
+            if target is None or (field_ == "param" and trace.units[i].is_root):
+                continue
+            if field_ == "optimizer" and target == "none":
+                continue
+            trial = list(choices)
+            trial[i] = replace(c, **{field_: target})
+            used = memory(trace, trial, plan.prefetch_depth, cfg.optimizer_chunk_size)
+            fits = all(
+                cap is None or v <= cap
+                for v, cap in zip(used, (limits.device, limits.host, limits.disk), strict=True)
+            )
+            faster_or_equal = estimate(trace, trial, plan.prefetch_depth).step_s <= step
+            assert not (fits and faster_or_equal), (i, field_, target)

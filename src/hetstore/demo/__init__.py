@@ -15,6 +15,7 @@ budget causes.
 from __future__ import annotations
 
 import copy
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class DemoSettings:
     steps: int = 40
     lr: float = 3e-3
     budget_fraction: float = 0.25  # device budget as a share of the training states
+    host_fraction: float | None = 1.0  # host budget likewise (None: the machine's RAM)
     seed: int = 0
     device: str = "auto"
     out: str = "."
@@ -96,7 +98,7 @@ def _model(settings: DemoSettings) -> GPT:
     )
 
 
-def _config(settings: DemoSettings, budget: int) -> hetstore.OffloadConfig:
+def _config(settings: DemoSettings, budget: int, states: int) -> hetstore.OffloadConfig:
     if settings.no_offload:  # the seed's failure case: everything stays on the device
         placement = dict(offload_param="none", offload_optimizer="none")
     else:
@@ -106,6 +108,8 @@ def _config(settings: DemoSettings, budget: int) -> hetstore.OffloadConfig:
         max_device_memory=budget,
         device=settings.device,
     )
+    if settings.host_fraction is not None:
+        demo_keys["offload_cpu_size"] = int(states * settings.host_fraction)
     if settings.offload_path is not None:
         demo_keys["offload_path"] = settings.offload_path
     if settings.config_file is not None:
@@ -144,7 +148,7 @@ def run_demo(settings: DemoSettings = DemoSettings(), out=sys.stdout, err=sys.st
     states = BYTES_PER_PARAM * n_params
     budget = int(states * settings.budget_fraction)
     try:
-        config = _config(settings, budget)
+        config = _config(settings, budget, states)
     except ConfigError as exc:
         print(f"hetstore demo: {exc}", file=err)
         return 2
@@ -208,7 +212,7 @@ def _train(model, optimizer, batches, settings, device, err, label="hetstore"):
     managed = hasattr(model, "_hetstore_tiers")
     recorded = min(PROFILED_STEPS, len(batches) - 1)
     recorder = None
-    losses = []
+    losses, step_times = [], []
     start = time.perf_counter()
     bar = tqdm(
         total=len(batches),
@@ -219,6 +223,7 @@ def _train(model, optimizer, batches, settings, device, err, label="hetstore"):
         dynamic_ncols=True,
     )
     for step, (x, y) in enumerate(batches):
+        step_start = time.perf_counter()
         if managed and step == recorded:
             recorder = TimelineRecorder(model, title=_timeline_title(settings, step + 1))
             recorder.__enter__()
@@ -231,6 +236,8 @@ def _train(model, optimizer, batches, settings, device, err, label="hetstore"):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        if step >= PROFILED_STEPS and step != recorded:
+            step_times.append(time.perf_counter() - step_start)
         if recorder is not None:
             recorder.__exit__(None, None, None)
             timeline, recorder = recorder.timeline, None
@@ -245,6 +252,8 @@ def _train(model, optimizer, batches, settings, device, err, label="hetstore"):
         bar.set_postfix(postfix, refresh=False)
         bar.update(1)
     bar.close()
+    if managed:
+        model._hetstore_demo_step_times = step_times  # read by _summary
     return losses, (timeline if managed else None)
 
 
@@ -279,9 +288,11 @@ def _summary(model, settings, n_params, states, budget, stats, losses, curves, o
         lines.append(f"  {label:<20} {text}")
     calibrated = runtime.calibrated_plan
     if calibrated is not None and calibrated.estimate is not None:
+        times = getattr(model, "_hetstore_demo_step_times", [])
+        measured = f", measured {statistics.median(times) * 1e3:.0f} ms (median)" if times else ""
         lines.append(
             f"  step time            predicted {plan.estimate.step_s * 1e3:.0f} ms before "
-            f"training, {calibrated.estimate.step_s * 1e3:.0f} ms after profiling"
+            f"training, {calibrated.estimate.step_s * 1e3:.0f} ms after profiling{measured}"
         )
     within = stats["device"]["peak"] <= budget
     lines.append(f"  device peak within budget: {'yes' if within else 'NO'}")

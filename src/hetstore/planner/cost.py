@@ -13,9 +13,10 @@ Memory (peak bytes per tier, during a step)
   unit's temporaries (CUDA only: the CPU device accounting counts model data and saved
   tensors, not temporaries).
   host: parameters homed on host (unless they alias a host master), host-optimizer
-  master/states/gradients, activations sent to host, and the staging the disk paths use
-  (parameters ``depth + 1`` units, gradients 3 units, the streamed step 3 chunks per
-  array, activations 2 units).
+  master/states/gradients, and the staging the disk paths use (parameters ``depth + 1``
+  units, gradients 3 units); plus the larger of two phases: forward/backward
+  (activations sent to host, and 2 units of activations on their way to disk) and the
+  optimizer step (the streamed step's chunk buffers: up to 3 sets of one chunk per array).
   disk: everything homed on disk, activations sent to disk, and one unit's shadow of its
   optimizer state (the all-or-nothing step writes the new state beside the old one).
 
@@ -108,7 +109,6 @@ def memory(
         device += opt if c.optimizer == "none" else 0
         host += opt if c.optimizer == "cpu" else 0
         disk += opt if c.optimizer == "disk" else 0
-        host += u.saved_bytes if c.activations == "cpu" else 0
         disk += u.saved_bytes if c.activations == "disk" else 0
     units = list(zip(trace.units, choices, strict=True))
     if fetched_blocks:
@@ -119,21 +119,29 @@ def memory(
     device += _activation_peak(units, depth, prefetched)
     if trace.machine is not None and trace.machine.device != "cpu":
         device += _max(u.temp_bytes for u in trace.units)
-    # host staging of the disk paths (runtime.staging, optim.streamed, activations)
+    # host staging of the disk paths (runtime.staging, optim.streamed, activations).
+    # Activations on host and the activations' write staging exist during forward and
+    # backward only; the streamed step's chunk buffers during the optimizer step only.
+    persistent = forward_backward = step = 0
     disk_params = [
         u.param_bytes for u, c in units if c.param == "disk" and not _aliases_master(u, c)
     ]
     if disk_params:
-        host += (depth + 1) * max(disk_params)
+        persistent += (depth + 1) * max(disk_params)
     disk_opt = [u for u, c in units if c.optimizer == "disk"]
     if disk_opt:
-        host += 3 * _max(u.grad_bytes for u in disk_opt)
-        arrays = 2 + _max(u.state_itemsize // 4 for u in disk_opt)
-        host += 3 * arrays * min(chunk_bytes, _max(u.master_bytes for u in disk_opt))
+        persistent += 3 * _max(u.grad_bytes for u in disk_opt)
+        largest = max(disk_opt, key=lambda u: u.master_bytes)
+        arrays = 2 + largest.state_itemsize // 4
+        chunk = min(chunk_bytes, largest.master_bytes)
+        sets = min(3, -(-largest.master_bytes // max(chunk, 1)))
+        step += sets * arrays * chunk
         disk += _max(u.master_bytes + u.state_bytes for u in disk_opt)  # the shadow
+    forward_backward += sum(u.saved_bytes for u, c in units if c.activations == "cpu")
     disk_saved = [u.saved_bytes for u, c in units if c.activations == "disk"]
     if disk_saved:
-        host += 2 * max(disk_saved)
+        forward_backward += 2 * max(disk_saved)
+    host += persistent + max(forward_backward, step)
     return device, host, disk
 
 
