@@ -35,7 +35,14 @@ from hetstore.api import PROFILED_STEPS
 from hetstore.demo.gpt import GPT, batches
 from hetstore.planner import UnitChoice
 
-FRACTIONS = (1.0, 0.5, 0.2)
+# (device budget, host budget) as shares of the model states; None: the machine's RAM.
+# The last one makes the host short too, so the plan spills to disk.
+BUDGETS = ((1.0, None), (0.5, None), (0.2, None), (0.2, 1.0))
+
+
+def label(budget) -> str:
+    device, host = budget
+    return f"{device:.0%}" + ("" if host is None else f", host {host:.0%}")
 
 
 def main() -> None:
@@ -72,18 +79,20 @@ def main() -> None:
     plain, plain_opt = build()
     plain.to(device)
     variants["plain"] = (plain, plain_opt)
-    for fraction in FRACTIONS:
+    for budget in BUDGETS:
+        fraction, host_fraction = budget
         model, opt = build()
         config = OffloadConfig(
             auto_offload=True,
             device=args.device,
             offload_path=folder,
             max_device_memory=int(states_bytes * fraction),
+            offload_cpu_size=None if host_fraction is None else int(states_bytes * host_fraction),
             enable_pinned_mem=device.type == "cuda",
             # the tiny model's saved tensors are all small: let every one move
             activation_min_bytes=0 if args.tiny else OffloadConfig().activation_min_bytes,
         )
-        variants[fraction] = hetstore.offload(model, opt, config, example_inputs=data[0][0])
+        variants[budget] = hetstore.offload(model, opt, config, example_inputs=data[0][0])
     cursor = dict.fromkeys(variants, 0)
 
     def one_step(name):
@@ -111,15 +120,15 @@ def main() -> None:
         f"model states {size(states_bytes)}; plain PyTorch step {median(samples['plain']) * 1e3:.0f} ms\n"
     )
     rows, peaks = [], []
-    for fraction in FRACTIONS:
-        model, _ = variants[fraction]
+    for budget in BUDGETS:
+        model, _ = variants[budget]
         runtime = model._hetstore_runtime
         planned, calibrated = runtime.plan.estimate, runtime.calibrated_plan.estimate
-        measured = median(samples[fraction])
+        measured = median(samples[budget])
         moved = sum(u.choice != UnitChoice() for u in runtime.plan.units)
         rows.append(
             [
-                f"{fraction:.0%}",
+                label(budget),
                 f"{moved}/{len(runtime.plan.units)} units",
                 f"{planned.step_s * 1e3:.0f} ms",
                 f"{calibrated.step_s * 1e3:.0f} ms",
@@ -133,7 +142,7 @@ def main() -> None:
         for tier in ("device", "host", "disk"):
             predicted, got = calibrated.peak(tier), stats[tier]["peak"]
             ratio = f"{got / predicted:.2f}" if predicted else "-"
-            peaks.append([f"{fraction:.0%}", tier, size(predicted), size(got), ratio])
+            peaks.append([label(budget), tier, size(predicted), size(got), ratio])
     print(
         format_table(
             [

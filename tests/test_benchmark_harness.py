@@ -19,5 +19,5 @@ def test_planner_benchmark_prints_predictions_and_measurements(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "predicted (calibrated)" in done.stdout
-    for budget in ("100%", "50%", "20%"):
+    for budget in ("100%", "50%", "20%", "20%, host 100%"):
         assert f"| {budget} | device |" in done.stdout
