@@ -1,0 +1,172 @@
+"""Hugging Face transformers models under hetstore: the parts that differ from our own test
+models (rotary-embedding buffers, tied or untied heads, keyword-only calls with labels and
+attention masks, HF's own gradient checkpointing, meta-device creation, save_pretrained)
+train and save like plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hetstore
+
+transformers = pytest.importorskip("transformers")
+
+# exact in fp32 on CPU except AdamW's flat fused step (a few ulps, see DESIGN.md)
+LOSS_TOL = dict(rtol=0, atol=1e-6)
+WEIGHT_TOL = dict(rtol=0, atol=1e-5)
+
+
+def llama(tie: bool = False):
+    return transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=tie,
+    )
+
+
+def gpt2(tie: bool = True):
+    return transformers.GPT2Config(
+        vocab_size=256,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=tie,
+    )
+
+
+def build(config):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def data(steps=3):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, 256, (2, 16), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, :4] = 0  # left padding in one row
+        out.append((ids, mask))
+    return out
+
+
+def train(model, optimizer, batches):
+    losses = []
+    for ids, mask in batches:
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        if hasattr(optimizer, "clip_grad_norm_"):
+            optimizer.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def config_for(tmp_path, **kw):
+    return hetstore.OffloadConfig(
+        offload_path=str(tmp_path), enable_pinned_mem=False, activation_min_bytes=0, **kw
+    )
+
+
+PLACEMENTS = {
+    "disk": dict(offload_param="disk", offload_optimizer="disk"),
+    "cpu+activations": dict(
+        offload_param="cpu", offload_optimizer="cpu", offload_activations="disk"
+    ),
+}
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+@pytest.mark.parametrize(
+    "make", [llama, lambda: llama(tie=True), gpt2], ids=["llama", "llama-tied", "gpt2"]
+)
+def test_trains_like_plain_pytorch(tmp_path, make, placement):
+    model = build(make())
+    reference = copy.deepcopy(model)
+    model, optimizer = hetstore.offload(
+        model, adamw(model.parameters()), config_for(tmp_path, **PLACEMENTS[placement])
+    )
+    # one unit per decoder layer, the rest (embeddings, final norm, head) in the root
+    layers = "transformer.h" if isinstance(model, transformers.GPT2LMHeadModel) else "model.layers"
+    names = [u.name for u in model._hetstore_runtime.units]
+    assert names == [f"{layers}.0", f"{layers}.1", "root"]
+    batches = data()
+    losses = train(model, optimizer, batches)
+    torch.testing.assert_close(
+        losses, train(reference, adamw(reference.parameters()), batches), **LOSS_TOL
+    )
+    mine, theirs = model.state_dict(), reference.state_dict()
+    assert list(mine) == list(theirs)
+    for key in theirs:
+        torch.testing.assert_close(mine[key], theirs[key], **WEIGHT_TOL, msg=key)
+
+
+def test_hf_gradient_checkpointing_with_activation_offload(tmp_path):
+    model = build(llama())
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+            m.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            m.gradient_checkpointing_enable({"use_reentrant": False})
+    model, optimizer = hetstore.offload(
+        model, adamw(model.parameters()), config_for(tmp_path, **PLACEMENTS["cpu+activations"])
+    )
+    batches = data()
+    torch.testing.assert_close(
+        train(model, optimizer, batches),
+        train(reference, adamw(reference.parameters()), batches),
+        **LOSS_TOL,
+    )
+
+
+def test_meta_built_model_loads_save_pretrained_weights(tmp_path):
+    """Built on the meta device, materialized with HF's own init (which also recomputes
+    the rotary inv_freq buffers, not saved in the checkpoint), then loaded from
+    save_pretrained's safetensors: same logits as the saved model."""
+    saved = build(llama())
+    saved.save_pretrained(tmp_path / "ckpt")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(llama())
+    model, _ = hetstore.offload(
+        model,
+        None,
+        config_for(tmp_path, offload_param="cpu"),
+        init_fn=model._init_weights,
+    )
+    hetstore.load_weights(model, tmp_path / "ckpt")
+    ids = data(1)[0][0]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, saved(ids).logits, rtol=0, atol=0)
+
+
+def test_save_pretrained_from_disk_placement_round_trips(tmp_path):
+    model = build(gpt2())
+    model, optimizer = hetstore.offload(
+        model, adamw(model.parameters()), config_for(tmp_path, **PLACEMENTS["disk"])
+    )
+    train(model, optimizer, data(1))
+    model.save_pretrained(tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    mine = model.state_dict()
+    for key, value in back.state_dict().items():
+        torch.testing.assert_close(value, mine[key], rtol=0, atol=0, msg=key)
