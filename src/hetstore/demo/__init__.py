@@ -40,8 +40,8 @@ class DemoSettings:
     depth: int = 6
     context: int = 64
     batch: int = 8
-    steps: int = 40
-    lr: float = 3e-3
+    steps: int = 100
+    lr: float = 5e-4
     budget_fraction: float = 0.25  # device budget as a share of the training states
     host_fraction: float | None = 1.0  # host budget likewise (None: the machine's RAM)
     seed: int = 0
