@@ -169,7 +169,7 @@ def run_demo(settings: DemoSettings = DemoSettings(), out=sys.stdout, err=sys.st
         model, optimizer = hetstore.offload(model, optimizer, config, example_inputs=batches[0])
         if not settings.no_offload:
             print(f"\nthe plan:\n{model._hetstore_runtime.plan}\n", file=out)
-        losses, timeline = _train(model, optimizer, batches, settings, device, err)
+        losses, timeline, step_times = _train(model, optimizer, batches, settings, device, err)
     except OutOfTierMemory as exc:
         print(f"\nhetstore demo: {exc}", file=err)
         if settings.no_offload:
@@ -193,17 +193,18 @@ def run_demo(settings: DemoSettings = DemoSettings(), out=sys.stdout, err=sys.st
     curves = {"hetstore": losses}
     if reference is not None:
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=settings.lr)
-        curves["plain PyTorch"], _ = _train(
+        curves["plain PyTorch"], _, _ = _train(
             reference.to(device), ref_opt, batches, settings, device, err, label="plain"
         )
-    _summary(model, settings, n_params, states, budget, stats, losses, curves, out)
+    _summary(model, n_params, states, budget, stats, losses, step_times, curves, out)
     _pictures(timeline, curves, settings, out_dir, out)
     return 0 if stats["device"]["peak"] <= budget else 1
 
 
 def _train(model, optimizer, batches, settings, device, err, label="hetstore"):
-    """Train on ``batches``; returns the losses and the memory timeline of one steady
-    step (after the profiled ones), or None for a model hetstore does not manage."""
+    """Train on ``batches``; returns the losses, the memory timeline of one steady step
+    (after the profiled ones; None for a model hetstore does not manage) and the times of
+    the steady steps not recorded."""
     from tqdm import tqdm
 
     from hetstore.api import PROFILED_STEPS
@@ -252,9 +253,7 @@ def _train(model, optimizer, batches, settings, device, err, label="hetstore"):
         bar.set_postfix(postfix, refresh=False)
         bar.update(1)
     bar.close()
-    if managed:
-        model._hetstore_demo_step_times = step_times  # read by _summary
-    return losses, (timeline if managed else None)
+    return losses, (timeline if managed else None), step_times
 
 
 def _timeline_title(settings: DemoSettings, step: int) -> str:
@@ -264,7 +263,7 @@ def _timeline_title(settings: DemoSettings, step: int) -> str:
     )
 
 
-def _summary(model, settings, n_params, states, budget, stats, losses, curves, out) -> None:
+def _summary(model, n_params, states, budget, stats, losses, step_times, curves, out) -> None:
     runtime = model._hetstore_runtime
     plan = runtime.plan
     moved = {"parameters": "param", "optimizer states": "optimizer", "activations": "activations"}
@@ -288,8 +287,11 @@ def _summary(model, settings, n_params, states, budget, stats, losses, curves, o
         lines.append(f"  {label:<20} {text}")
     calibrated = runtime.calibrated_plan
     if calibrated is not None and calibrated.estimate is not None:
-        times = getattr(model, "_hetstore_demo_step_times", [])
-        measured = f", measured {statistics.median(times) * 1e3:.0f} ms (median)" if times else ""
+        measured = (
+            f", measured {statistics.median(step_times) * 1e3:.0f} ms (median)"
+            if step_times
+            else ""
+        )
         lines.append(
             f"  step time            predicted {plan.estimate.step_s * 1e3:.0f} ms before "
             f"training, {calibrated.estimate.step_s * 1e3:.0f} ms after profiling{measured}"
