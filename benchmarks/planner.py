@@ -34,6 +34,7 @@ from hetstore import OffloadConfig
 from hetstore.api import PROFILED_STEPS
 from hetstore.demo.gpt import GPT, batches
 from hetstore.planner import UnitChoice
+from hetstore.planner.tracer import model_data_trace
 
 # (device budget, host budget) as shares of the model states; None: the machine's RAM.
 # The last one makes the host short too, so the plan spills to disk.
@@ -71,10 +72,10 @@ def main() -> None:
         model = GPT(**shape)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    states = hetstore.plan(
-        GPT(**shape), data[0][0], OffloadConfig(device=args.device, offload_path=folder)
-    ).units
-    states_bytes = sum(u.param_bytes + u.optimizer_bytes for u in states)
+    # the model states alone: no trace of the forward, no machine probe
+    states_bytes = model_data_trace(
+        GPT(**shape), OffloadConfig(device=args.device), None
+    ).state_bytes
     variants = {}
     plain, plain_opt = build()
     plain.to(device)

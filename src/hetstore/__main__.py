@@ -122,12 +122,12 @@ def run_report(args) -> int:
         timeline = MemoryTimeline.load(args.timeline)
         out = Path(args.out) if args.out else Path(args.timeline).with_suffix(".png")
         written = plot_timeline(timeline, out)
+    except ConfigError as exc:  # matplotlib missing; a ValueError, so caught first
+        print(f"hetstore report: {exc}", file=sys.stderr)
+        return 2
     except (OSError, ValueError, KeyError, TypeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         print(f"hetstore report: cannot draw {args.timeline!r}: {reason}", file=sys.stderr)
-        return 2
-    except ConfigError as exc:
-        print(f"hetstore report: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {written}")
     return 0

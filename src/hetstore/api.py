@@ -135,6 +135,13 @@ def offload(
             if unit_plan.choice.activations != default_tier:
                 activations.set_unit_tier(unit_plan.name, unit_plan.choice.activations)
     profiler = StepProfiler(device, PROFILED_STEPS)
+
+    def replan(new_plan: Plan) -> None:
+        """A larger batch moved activations (planner.shapes): put the new plan in effect."""
+        for unit_plan in new_plan.units:
+            activations.set_unit_tier(unit_plan.name, unit_plan.choice.activations)
+        runtime.plan = new_plan  # bound below, before any forward can run
+
     runtime = OffloadRuntime(
         model,
         unit_list,
@@ -144,7 +151,7 @@ def offload(
         grad_stager=grad_stager,
         activations=activations,
         profiler=profiler,
-        batch_guard=_batch_guard(trace, plan, config, activations) if replannable else None,
+        batch_guard=BatchGuard(trace, plan, config, replan) if replannable else None,
     )
     unoptimized = [
         e.param for u in unit_list for e in u.entries if e.param.requires_grad and e.group is None
@@ -156,8 +163,6 @@ def offload(
             stacklevel=2,
         )
         runtime.drop_grads_of(unoptimized)
-    if runtime.batch_guard is not None:
-        runtime.batch_guard.on_replan = lambda new: setattr(runtime, "plan", new)
     runtime.adopt(install_state_dict_hooks(model, unit_list))
     model._hetstore_tiers = tiers
     model._hetstore_runtime = runtime
@@ -264,16 +269,6 @@ def _plan_for(model, optimizer, config, specs, device, units, example_inputs):
     streamable = optimizer is None or _streamable(optimizer)
     capacities = machine_capacities(config, device)
     return trace, make_plan(trace, capacities, config, disk_optimizer=streamable)
-
-
-def _batch_guard(trace, plan, config, activations: ActivationHooks) -> BatchGuard:
-    """Re-plans the activations when a batch outgrows the traced one (planner.shapes)."""
-
-    def apply(new_plan: Plan) -> None:
-        for unit_plan in new_plan.units:
-            activations.set_unit_tier(unit_plan.name, unit_plan.choice.activations)
-
-    return BatchGuard(trace, plan, config, apply)
 
 
 def _attach_stagers(units: list[Unit], tiers: Tiers, prefetch_depth: int) -> GradStager | None:

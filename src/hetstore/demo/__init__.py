@@ -14,6 +14,7 @@ budget causes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import sys
@@ -212,7 +213,7 @@ def _train(model, optimizer, batches, settings, device, err, label="hetstore"):
 
     managed = hasattr(model, "_hetstore_tiers")
     recorded = min(PROFILED_STEPS, len(batches) - 1)
-    recorder = None
+    timeline = None
     losses, step_times = [], []
     start = time.perf_counter()
     bar = tqdm(
@@ -225,23 +226,22 @@ def _train(model, optimizer, batches, settings, device, err, label="hetstore"):
     )
     for step, (x, y) in enumerate(batches):
         step_start = time.perf_counter()
+        recorder = None
         if managed and step == recorded:
             recorder = TimelineRecorder(model, title=_timeline_title(settings, step + 1))
-            recorder.__enter__()
+            timeline = recorder.timeline
         mark = recorder.phase if recorder is not None else (lambda name: None)
-        mark("forward")
-        loss = model(x.to(device), y.to(device))
-        mark("backward")
-        loss.backward()
-        mark("step")
-        optimizer.step()
-        optimizer.zero_grad()
+        with recorder or contextlib.nullcontext():
+            mark("forward")
+            loss = model(x.to(device), y.to(device))
+            mark("backward")
+            loss.backward()
+            mark("step")
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append(loss.item())
-        if step >= PROFILED_STEPS and step != recorded:
+        if step >= PROFILED_STEPS and recorder is None:
             step_times.append(time.perf_counter() - step_start)
-        if recorder is not None:
-            recorder.__exit__(None, None, None)
-            timeline, recorder = recorder.timeline, None
         tokens = (step + 1) * settings.batch * settings.context
         postfix = {
             "loss": f"{losses[-1]:.3f}",
@@ -253,7 +253,7 @@ def _train(model, optimizer, batches, settings, device, err, label="hetstore"):
         bar.set_postfix(postfix, refresh=False)
         bar.update(1)
     bar.close()
-    return losses, (timeline if managed else None), step_times
+    return losses, timeline, step_times
 
 
 def _timeline_title(settings: DemoSettings, step: int) -> str:

@@ -55,15 +55,13 @@ def _growth(shapes, traced) -> float:
 
 class BatchGuard:
     """Called with each forward's positional arguments (see module doc). ``apply(plan)``
-    puts a re-made plan into effect, then ``on_replan(plan)`` is told; ``plan`` is the
-    one in effect."""
+    puts a re-made plan into effect; ``plan`` is the one in effect."""
 
     def __init__(self, trace: Trace, plan: Plan, config, apply: Callable[[Plan], None]):
         self.trace = trace
         self.plan = plan
         self.config = config
         self.apply = apply
-        self.on_replan: Callable[[Plan], None] | None = None
         self.allowed = 1.0  # the growth over the traced batch the plan in effect covers
 
     def __call__(self, args) -> None:
@@ -88,7 +86,5 @@ class BatchGuard:
                 stacklevel=2,
             )
             self.apply(plan)
-            if self.on_replan is not None:
-                self.on_replan(plan)
         self.plan = plan
         self.allowed = scale
