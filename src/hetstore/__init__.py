@@ -5,6 +5,7 @@ cost least (device, pinned host memory, disk) and reach the device just before u
 """
 
 from hetstore.api import offload
+from hetstore.checkpoint import CheckpointError, load, save
 from hetstore.config import OffloadConfig
 from hetstore.dry_run import plan
 from hetstore.errors import (
@@ -28,6 +29,9 @@ __all__ = [
     "HetstoreError",
     "memory_stats",
     "load_weights",
+    "save",
+    "load",
+    "CheckpointError",
     "plan",
     "Plan",
     "Trace",

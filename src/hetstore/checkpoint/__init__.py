@@ -1,5 +1,10 @@
-"""Checkpoints of offloaded training state (issue 9; the file layer first)."""
+"""Checkpoints: the training state saved and restored across tiers, and weights exported.
+
+``hetstore.save`` / ``hetstore.load`` (:mod:`.training`) on top of atomic, verified files
+(:mod:`.files`) written as streamed safetensors (:mod:`.safetensors_stream`).
+"""
 
 from hetstore.checkpoint.files import CheckpointError, CheckpointReader, CheckpointWriter
+from hetstore.checkpoint.training import load, save
 
-__all__ = ["CheckpointError", "CheckpointReader", "CheckpointWriter"]
+__all__ = ["CheckpointError", "CheckpointReader", "CheckpointWriter", "save", "load"]

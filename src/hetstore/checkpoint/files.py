@@ -18,23 +18,30 @@ after. Leftover partial versions are removed by the next save.
 Reading checks each file's size when it is opened and its SHA-256 when it is read, so a
 truncated or corrupted file is refused with its name instead of being loaded as garbage.
 Tensors are stored as safetensors (no pickle: nothing executable is loaded from a file),
-other data as JSON. Files are written one at a time from tensors the caller hands over,
-so a caller streaming unit by unit never holds more than one unit in memory.
+other data as JSON. A tensor file can be streamed (:meth:`CheckpointWriter.stream_tensors`:
+header first, then the data in pieces, hashed as it goes), so a caller moving a unit's
+states from disk never holds more than its own buffers in memory; reading is streamed the
+same way (:meth:`CheckpointReader.open_tensors`, after :meth:`CheckpointReader.verify`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
+from hetstore.checkpoint.safetensors_stream import (
+    SafetensorsFile,
+    SafetensorsStreamWriter,
+    TensorSpec,
+)
 from hetstore.errors import HetstoreError
 
 __all__ = ["CheckpointError", "CheckpointWriter", "CheckpointReader"]
@@ -42,6 +49,7 @@ __all__ = ["CheckpointError", "CheckpointWriter", "CheckpointReader"]
 FORMAT = "hetstore-checkpoint"
 FORMAT_VERSION = 1
 _VERSION = re.compile(r"^v(\d{6})$")
+_READ_BLOCK = 8 * 2**20  # bytes hashed per read when verifying
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -62,6 +70,20 @@ def _write_durable(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+class _HashingFile:
+    """A file being written that counts and hashes every byte on the way."""
+
+    def __init__(self, f):
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data) -> None:
+        self.f.write(data)
+        self.sha.update(data)
+        self.bytes += len(data)
 
 
 def _check_name(name: str) -> None:
@@ -110,17 +132,40 @@ class CheckpointWriter:
         if exc_type is not None and not self.committed:
             self.abort()
 
-    def _add(self, name: str, data: bytes) -> None:
+    @contextlib.contextmanager
+    def _durable_file(self, name: str) -> Iterator[_HashingFile]:
+        """A new file of this version, hashed as written, flushed and fsynced on exit."""
         _check_name(name)
         if name in self.files:
             raise ValueError(f"checkpoint file {name!r} written twice")
-        _write_durable(self.dir / name, data)
-        self.files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        with open(self.dir / name, "wb") as f:
+            out = _HashingFile(f)
+            yield out
+            f.flush()
+            os.fsync(f.fileno())
+        self.files[name] = {"bytes": out.bytes, "sha256": out.sha.hexdigest()}
+
+    def _add(self, name: str, data: bytes) -> None:
+        with self._durable_file(name) as out:
+            out.write(data)
+
+    @contextlib.contextmanager
+    def stream_tensors(
+        self, name: str, specs: list[TensorSpec], metadata: dict[str, str] | None = None
+    ) -> Iterator[SafetensorsStreamWriter]:
+        """A safetensors file whose data the caller writes piece by piece, in the order of
+        ``specs``; it must write every announced byte before the block ends."""
+        with self._durable_file(name) as out:
+            writer = SafetensorsStreamWriter(out, specs, metadata)
+            yield writer
+            writer.finish()
 
     def write_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        """One safetensors file of ``tensors`` (copied to contiguous CPU memory)."""
-        plain = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
-        self._add(name, save_safetensors(plain))
+        """One safetensors file of ``tensors`` (small ones: each is written whole)."""
+        specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+        with self.stream_tensors(name, specs) as writer:
+            for tensor in tensors.values():
+                writer.write(tensor)
 
     def write_json(self, name: str, value) -> None:
         self._add(name, json.dumps(value, sort_keys=True).encode())
@@ -196,20 +241,52 @@ class CheckpointReader:
     def names(self) -> list[str]:
         return list(self.files)
 
-    def _read(self, name: str) -> bytes:
+    def _file(self, name: str) -> Path:
         if name not in self.files:
             raise CheckpointError(f"checkpoint {str(self.dir)!r} has no file {name!r}")
-        file = self.dir / name
-        data = file.read_bytes()
+        return self.dir / name
+
+    def _corrupted(self, name: str) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint file {str(self.dir / name)!r} is corrupted: its SHA-256 does not "
+            "match the index"
+        )
+
+    def verify(self, names: list[str] | None = None) -> None:
+        """Hash every file (or ``names``) in blocks and compare with the index; a
+        mismatch raises :class:`CheckpointError` naming the file. Nothing is kept in
+        memory but one block."""
+        block = bytearray(_READ_BLOCK)
+        view = memoryview(block)
+        for name in self.names() if names is None else names:
+            sha = hashlib.sha256()
+            with open(self._file(name), "rb", buffering=0) as f:
+                while n := f.readinto(block):
+                    sha.update(view[:n])
+            if sha.hexdigest() != self.files[name]["sha256"]:
+                raise self._corrupted(name)
+
+    def _read(self, name: str) -> bytes:
+        data = self._file(name).read_bytes()
         entry = self.files[name]
         if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise CheckpointError(
-                f"checkpoint file {str(file)!r} is corrupted: its SHA-256 does not match the index"
-            )
+            raise self._corrupted(name)
         return data
 
     def read_tensors(self, name: str) -> dict[str, torch.Tensor]:
-        return load_safetensors(self._read(name))
+        """A small safetensors file whole (checked against its hash first)."""
+        self.verify([name])
+        with self.open_tensors(name) as f:
+            return {key: f.read(key) for key in f.keys()}
+
+    def open_tensors(self, name: str) -> SafetensorsFile:
+        """A safetensors file to read in pieces. Its size was checked when the reader
+        opened; call :meth:`verify` first for the content."""
+        file = self._file(name)
+        try:
+            return SafetensorsFile(file)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint file {str(file)!r} is unreadable: {exc}") from exc
 
     def read_json(self, name: str):
         return json.loads(self._read(name))

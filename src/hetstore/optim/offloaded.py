@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.streamed import StreamedUnitStep, state_keys_for
-from hetstore.runtime.flat import DiskArray
+from hetstore.runtime.flat import DiskArray, DiskSlice
 from hetstore.runtime.unit import ParamEntry, Unit
 
 __all__ = ["OffloadedOptimizer"]
@@ -450,6 +450,70 @@ class OffloadedOptimizer(Optimizer):
                 self._import_param_state(param, values)
         for unit_step, (slices, steps) in streamed.items():
             unit_step.write_states(slices, max(steps) if steps else None)
+
+    # ------------------------------------------------------------------ checkpoint access
+    # hetstore.save / hetstore.load stream states unit by unit through these, without the
+    # copies state_dict() makes (see hetstore.checkpoint.training).
+    def check_between_steps(self) -> None:
+        """Refuse to checkpoint in the middle of a step that failed part-way."""
+        if self._resume_at:
+            raise RuntimeError(
+                "a step() failed part-way (some units are stepped, others not): call step() "
+                "again to finish it before saving a checkpoint"
+            )
+
+    def streamed_step_of(self, unit: Unit) -> StreamedUnitStep | None:
+        """The step that owns ``unit``'s states when they are on disk, else None."""
+        for unit_step in self._unit_steps:
+            if unit_step.unit is unit:
+                return unit_step if isinstance(unit_step, StreamedUnitStep) else None
+        return None
+
+    def export_param_state(self, param) -> dict:
+        """``param``'s state without copies: per-element states as views of the flat
+        buffers (memory) or :class:`DiskSlice` (disk), the rest as torch keeps it. Empty
+        before the parameter's first step, as in torch."""
+        unit_step, start, tensor, entry = self._locate(param)
+        if isinstance(unit_step, StreamedUnitStep):
+            if not unit_step.stepped:
+                return {}
+            segment = next(
+                i for i, s in enumerate(unit_step.unit.segments) if s.start <= entry.offset < s.end
+            )
+            out: dict = {"step": unit_step.steps[segment]} if unit_step.has_step else {}
+            for key, array in unit_step.states.items():
+                out[key] = DiskSlice(array, entry.offset, entry.numel, entry.param.shape)
+            return out
+        inner_state = unit_step.optimizer.state.get(tensor)
+        if not inner_state or not self._has_started(inner_state):
+            return {}
+        out = {}
+        for key, value in inner_state.items():
+            if self._flat and isinstance(value, torch.Tensor) and value.dim() > 0:
+                value = value[start : start + entry.numel].view(entry.shape)
+            out[key] = value
+        return out
+
+    @torch.no_grad()
+    def reset_unit_state(self, unit: Unit) -> None:
+        """Make the in-memory states of ``unit`` fresh (as before any step) before a
+        checkpoint's are imported; states on disk are rewritten whole by the loader."""
+        for unit_step in self._unit_steps:
+            if unit_step.unit is not unit or isinstance(unit_step, StreamedUnitStep):
+                continue
+            for tensor in unit_step.tensors:
+                state = unit_step.optimizer.state.get(tensor)
+                if not state:
+                    continue
+                if self._flat and self.optimizer_class is not torch.optim.SGD:
+                    for value in state.values():  # preallocated: keep the buffers
+                        value.zero_()
+                else:
+                    state.clear()
+
+    def import_param_state(self, param, values: dict) -> None:
+        """Set ``param``'s state from ``values`` (torch's keys; tensors copied in)."""
+        self._import_param_state(param, values)
 
     @torch.no_grad()
     def _import_param_state(self, param, values: dict) -> None:

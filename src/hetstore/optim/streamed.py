@@ -288,6 +288,18 @@ class StreamedUnitStep:
             unit.tiers.host.free(scratch)
 
     # ------------------------------------------------------------------ state dict
+    def mark_loaded(self, segment_steps: list[float] | None) -> None:
+        """After a checkpoint rewrote the state arrays: each segment's step counter, or
+        ``None`` for states that are fresh (never stepped)."""
+        if segment_steps is None:
+            for counter in self.steps:
+                counter.zero_()
+            self.stepped = False
+            return
+        for counter, value in zip(self.steps, segment_steps, strict=True):
+            counter.fill_(float(value))
+        self.stepped = True
+
     def read_state(self, key: str, start: int, numel: int) -> torch.Tensor | None:
         """Elements ``[start, start+numel)`` of state ``key`` (None before the first step)."""
         if not self.stepped:

@@ -21,12 +21,14 @@ starts at such a multiple.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hetstore.tiers.aio import IOHandle
 from hetstore.tiers.disk import DiskRegion, DiskTier
 
-__all__ = ["ALIGN_ELEMENTS", "DiskArray", "Done", "wait_all", "wait_all_quiet"]
+__all__ = ["ALIGN_ELEMENTS", "DiskArray", "DiskSlice", "Done", "wait_all", "wait_all_quiet"]
 
 # 4096 bytes of the narrowest dtype a unit stores (2-byte compute dtypes)
 ALIGN_ELEMENTS = 2048
@@ -171,3 +173,19 @@ class DiskArray:
 
     def __repr__(self) -> str:
         return f"DiskArray({self.label!r}, {self.numel} x {self.dtype}, {self.region!r})"
+
+
+@dataclass(frozen=True)
+class DiskSlice:
+    """Elements ``[start, start + numel)`` of a ``DiskArray``, seen as a tensor of ``shape``:
+    how a parameter's state on disk is handed out without reading it (checkpoints
+    stream it in pieces)."""
+
+    array: DiskArray
+    start: int
+    numel: int
+    shape: torch.Size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.array.dtype
