@@ -327,3 +327,56 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_resuming(tmp_path,
         assert resumed.train(M) == expected
     else:  # killed after LATEST was replaced: the new one, complete
         assert resumed.scheduler.last_epoch == K + 2
+
+
+# ---------------------------------------------------------------------- export_weights
+def test_exported_weights_load_into_plain_pytorch_strictly(tmp_path):
+    from safetensors.torch import load_file
+
+    run = Run(tmp_path, "disk")
+    run.train(2)
+    files = hetstore.export_weights(tmp_path / "out", run.model)
+    assert [f.name for f in files] == ["model.safetensors"]
+    plain = model_factory()
+    plain.load_state_dict(load_file(files[0]), strict=True)  # tied names included
+    assert_bitwise(run.weights(), plain.state_dict())
+    assert not list((tmp_path / "out").glob(".*tmp*"))  # no temporaries left
+
+
+def test_export_in_bf16_and_in_shards(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    run = Run(tmp_path, "cpu")
+    run.train(1)
+    weights = run.weights()
+    files = hetstore.export_weights(
+        tmp_path / "out", run.model, dtype=torch.bfloat16, max_shard_size="20KB"
+    )
+    assert len(files) > 2 and files[-1].name == "model.safetensors.index.json"
+    index = json.loads(files[-1].read_text())
+    found = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        found.update(load_file(tmp_path / "out" / shard))
+    assert found.keys() == weights.keys() == index["weight_map"].keys()
+    for key, value in weights.items():
+        assert found[key].dtype == torch.bfloat16
+        assert torch.equal(found[key], value.to(torch.bfloat16)), key
+    # hetstore's own loader reads the sharded export back into an offloaded model
+    torch.manual_seed(1)
+    other, _ = hetstore.offload(model_factory(), None, make_config(tmp_path / "b", "disk"))
+    hetstore.load_weights(other, tmp_path / "out")
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, weights[key].to(torch.bfloat16).float()), key
+
+
+def test_export_refuses_bad_arguments(tmp_path):
+    run = Run(tmp_path, "cpu")
+    with pytest.raises(ConfigError, match="dtype=torch.int8"):
+        hetstore.export_weights(tmp_path / "out", run.model, dtype=torch.int8)
+    with pytest.raises(ConfigError, match="max_shard_size='lots'"):
+        hetstore.export_weights(tmp_path / "out", run.model, max_shard_size="lots")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="not a directory"):
+        hetstore.export_weights(tmp_path / "file", run.model)

@@ -170,3 +170,24 @@ def test_save_pretrained_from_disk_placement_round_trips(tmp_path):
     mine = model.state_dict()
     for key, value in back.state_dict().items():
         torch.testing.assert_close(value, mine[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2-tied", "llama"])
+def test_export_weights_loads_with_from_pretrained(tmp_path, make):
+    config = make()
+    model = build(config)
+    model, optimizer = hetstore.offload(
+        model, adamw(model.parameters()), config_for(tmp_path / "swap", **PLACEMENTS["disk"])
+    )
+    batches = data(2)
+    train(model, optimizer, batches)
+    out = tmp_path / "export"
+    hetstore.export_weights(out, model)
+    config.save_pretrained(out)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa")
+    ids, mask = batches[0]
+    model.eval(), loaded.eval()
+    with torch.no_grad():
+        mine = model(input_ids=ids, attention_mask=mask).logits
+        theirs = loaded(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(mine, theirs)  # the same fp32 weights, the same kernels

@@ -5,7 +5,7 @@ cost least (device, pinned host memory, disk) and reach the device just before u
 """
 
 from hetstore.api import offload
-from hetstore.checkpoint import CheckpointError, load, save
+from hetstore.checkpoint import CheckpointError, export_weights, load, save
 from hetstore.config import OffloadConfig
 from hetstore.dry_run import plan
 from hetstore.errors import (
@@ -31,6 +31,7 @@ __all__ = [
     "load_weights",
     "save",
     "load",
+    "export_weights",
     "CheckpointError",
     "plan",
     "Plan",

@@ -1,0 +1,196 @@
+"""``hetstore.export_weights``: the model's weights as consolidated safetensors, streamed.
+
+The output is what ``transformers``' ``save_pretrained`` writes and what plain PyTorch
+reads with ``safetensors.torch.load_file``: ``model.safetensors``, or when the weights
+exceed ``max_shard_size``, ``model-00001-of-0000N.safetensors`` ... plus
+``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map"}``).
+Keys are ``model.state_dict()``'s: every name of a tied parameter is written (so
+``load_state_dict(strict=True)`` accepts the file), persistent buffers included.
+
+Streaming: the fp32 masters are read unit by unit from their tier in chunks, cast to the
+requested dtype chunk by chunk and appended to the file, so the host memory in use is a
+few chunk buffers whatever the model's size. Each file is written under a temporary
+name, fsynced and renamed into place; the index is renamed last, so a reader never sees
+an index naming a file that is not complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hetstore._sizes import parse_size
+from hetstore.checkpoint.files import _fsync_dir
+from hetstore.checkpoint.safetensors_stream import SafetensorsStreamWriter, TensorSpec
+from hetstore.checkpoint.training import (
+    CHUNK_ELEMENTS,
+    _Buffers,
+    _buffers,
+    _host,
+    _Item,
+    _master_of,
+    _runtime,
+    _stream,
+)
+from hetstore.errors import ConfigError
+from hetstore.runtime.flat import DiskSlice
+
+__all__ = ["export_weights"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def export_weights(
+    path: str | os.PathLike,
+    model: nn.Module,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    max_shard_size: int | str = "5GB",
+) -> list[Path]:
+    """Write ``model``'s weights to the directory ``path`` as safetensors.
+
+    ``dtype``: ``torch.float32`` (default, the fp32 masters), a floating dtype such as
+    ``torch.bfloat16``, or ``"compute"`` for the offload config's compute dtype. Buffers
+    keep their own dtype. ``max_shard_size`` (bytes or a string like ``"2GB"``) splits
+    the weights into shards with a Hugging Face index. With a model's config saved
+    beside (``model.config.save_pretrained(path)``), ``from_pretrained(path)`` loads it.
+    Returns the files written.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"export_weights() takes an nn.Module, got {type(model).__name__}")
+    dtype = _export_dtype(model, dtype)
+    try:
+        shard_bytes = parse_size(max_shard_size)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"export_weights: max_shard_size={max_shard_size!r}: {exc}") from None
+    if shard_bytes <= 0:
+        raise ConfigError(f"export_weights: max_shard_size={max_shard_size!r} must be positive")
+    root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"export_weights: {str(root)!r} exists and is not a directory")
+
+    shards: list[list[_Tensor]] = [[]]
+    size = 0
+    for tensor in _tensors(model, dtype):
+        nbytes = len(tensor.names) * _numel(tensor.source) * tensor.dtype.itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += nbytes
+    count = len(shards)
+    file_names = (
+        [SINGLE_FILE]
+        if count == 1
+        else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    )
+
+    root.mkdir(parents=True, exist_ok=True)
+    temps: list[tuple[Path, Path]] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    buffers = _Buffers(_host(model))
+    try:
+        for file_name, shard in zip(file_names, shards, strict=True):
+            temp = root / f".{file_name}.tmp-{os.getpid()}"
+            temps.append((temp, root / file_name))
+            total += _write_shard(temp, shard, buffers)
+            for tensor in shard:
+                weight_map.update(dict.fromkeys(tensor.names, file_name))
+        if count > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            temp = root / f".{INDEX_FILE}.tmp-{os.getpid()}"
+            with open(temp, "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            temps.append((temp, root / INDEX_FILE))
+        for temp, final in temps:
+            os.replace(temp, final)
+        _fsync_dir(root)
+    except BaseException:
+        for temp, _ in temps:
+            temp.unlink(missing_ok=True)
+        raise
+    return [final for _, final in temps]
+
+
+def _export_dtype(model: nn.Module, dtype) -> torch.dtype:
+    if dtype == "compute":
+        runtime = _runtime(model)
+        units = runtime.units if runtime is not None else []
+        return units[0].compute_dtype if units else torch.float32
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(
+            f"export_weights: dtype={dtype!r}; use a floating torch dtype or 'compute'"
+        )
+    return dtype
+
+
+@dataclass
+class _Tensor:
+    names: list[str]  # every state_dict name it has (tied parameters: several)
+    source: torch.Tensor | DiskSlice  # a parameter's fp32 master, or a buffer
+    dtype: torch.dtype  # as written
+
+
+def _tensors(model: nn.Module, dtype: torch.dtype) -> list[_Tensor]:
+    """Every distinct parameter and persistent buffer with all its state_dict names;
+    parameters in the runtime's unit order, so disk is read front to back. Parameters
+    are written in ``dtype``, buffers (integer counters too) in their own."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    out = []
+    runtime = _runtime(model)
+    if runtime is not None:
+        for unit in runtime.units:
+            for entry in unit.entries:
+                out.append(_Tensor(names[id(entry.param)], _master_of(unit, entry), dtype))
+    else:
+        for param in dict.fromkeys(model.parameters()):
+            out.append(_Tensor(names[id(param)], param.detach(), dtype))
+    by_buffer: dict[int, _Tensor] = {}
+    for name, buffer in _buffers(model).items():
+        if buffer.is_meta:
+            continue
+        if id(buffer) in by_buffer:
+            by_buffer[id(buffer)].names.append(name)
+            continue
+        by_buffer[id(buffer)] = _Tensor([name], buffer, buffer.dtype)
+        out.append(by_buffer[id(buffer)])
+    return out
+
+
+def _numel(source) -> int:
+    return source.numel() if isinstance(source, torch.Tensor) else source.numel
+
+
+def _write_shard(temp: Path, shard: list[_Tensor], buffers: _Buffers) -> int:
+    specs = [TensorSpec(n, t.dtype, tuple(t.source.shape)) for t in shard for n in t.names]
+    with open(temp, "wb") as f:
+        writer = SafetensorsStreamWriter(f, specs, {"format": "pt"})
+        for tensor in shard:
+            for _ in tensor.names:  # a tied parameter's bytes once per name
+                for piece in _pieces(tensor.source, buffers):
+                    writer.write(piece if piece.dtype == tensor.dtype else piece.to(tensor.dtype))
+        writer.finish()
+        f.flush()
+        os.fsync(f.fileno())
+    return writer.total
+
+
+def _pieces(source, buffers: _Buffers):
+    """A source's flat elements in pieces of at most a chunk (memory ones are views)."""
+    if isinstance(source, torch.Tensor):
+        flat = source.detach().reshape(-1)
+        for a in range(0, max(flat.numel(), 1), CHUNK_ELEMENTS):
+            yield flat[a : a + CHUNK_ELEMENTS]
+        return
+    yield from _stream([_Item("", source)], buffers)
