@@ -1,11 +1,17 @@
 """Run by test_rss: create a GPT whose fp32 training states exceed 3 GiB on the meta
-device, train it with everything on disk, print peak RSS and the figures as JSON."""
+device, train it with everything on disk, print peak RSS and the figures as JSON.
+
+With a checkpoint directory it then saves the whole training state (``hetstore.save``),
+takes one more step, loads the checkpoint back and repeats that step: the peak resident
+set of the save and of the load are measured on their own (Linux resets the peak, VmHWM,
+when 5 is written to /proc/self/clear_refs) besides the whole run's ``ru_maxrss``."""
 
 from __future__ import annotations
 
 import json
 import resource
 import sys
+import time
 
 import torch
 
@@ -13,7 +19,54 @@ import hetstore
 from hetstore.demo.gpt import GPT
 
 
-def main(path: str, depth: int, steps: int) -> None:
+def reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_since(reset: bool) -> int:
+    """VmHWM after a reset; without one, the whole run's peak (an upper bound)."""
+    if reset:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def step(model, optimizer, x, y) -> float:
+    loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def checkpoint_round_trip(model, optimizer, x, y, directory: str) -> dict:
+    out = {}
+    measured = reset_peak_rss()
+    start = time.perf_counter()
+    saved = hetstore.save(directory, model, optimizer)
+    out["save_s"] = time.perf_counter() - start
+    out["save_peak_rss"] = peak_rss_since(measured)
+    out["checkpoint_bytes"] = sum(f.stat().st_size for f in saved.iterdir())
+    out["next_loss"] = step(model, optimizer, x, y)
+    out["after_next_loss"] = step(model, optimizer, x, y)
+    measured = reset_peak_rss()
+    start = time.perf_counter()
+    hetstore.load(directory, model, optimizer)
+    out["load_s"] = time.perf_counter() - start
+    out["load_peak_rss"] = peak_rss_since(measured)
+    out["resumed_loss"] = step(model, optimizer, x, y)
+    out["resumed_after_loss"] = step(model, optimizer, x, y)
+    return out
+
+
+def main(path: str, depth: int, steps: int, checkpoint: str | None = None) -> None:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(vocab=256, width=1024, depth=depth, heads=16, ctx=64)
@@ -31,14 +84,9 @@ def main(path: str, depth: int, steps: int) -> None:
     model, optimizer = hetstore.offload(model, optimizer, config, init_fn=GPT._init_weights)
     idx = torch.randint(0, 256, (1, 65), generator=torch.Generator().manual_seed(0))
     x, y = idx[:, :-1], idx[:, 1:]
-    losses = []
-    for _ in range(steps):
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = [step(model, optimizer, x, y) for _ in range(steps)]
     stats = hetstore.memory_stats(model)
+    figures = checkpoint_round_trip(model, optimizer, x, y, checkpoint) if checkpoint else {}
     print(
         json.dumps(
             {
@@ -48,10 +96,11 @@ def main(path: str, depth: int, steps: int) -> None:
                 "device_peak": stats["device"]["peak"],
                 "disk_peak": stats["disk"]["peak"],
                 "losses": losses,
+                **figures,
             }
         )
     )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])
