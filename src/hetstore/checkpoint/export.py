@@ -118,6 +118,8 @@ def export_weights(
         for temp, _ in temps:
             temp.unlink(missing_ok=True)
         raise
+    finally:
+        buffers.close()
     return [final for _, final in temps]
 
 

@@ -5,7 +5,7 @@ A checkpoint at ``path`` is a directory of *versions* and one pointer file:
     path/
       LATEST                 the name of the complete version ("v000002"), replaced atomically
       v000002/
-        index.json           every file with its size and SHA-256, written last
+        index.json           every file with its size and CRC-32, written last
         unit-blocks.0.safetensors, optimizer.json, ...
 
 A save writes a new version directory next to the old one: every file is written,
@@ -15,8 +15,14 @@ old version is deleted after that. A crash or SIGKILL at any moment therefore le
 ``LATEST`` naming a complete version: the previous one until the replace, the new one
 after. Leftover partial versions are removed by the next save.
 
-Reading checks each file's size when it is opened and its SHA-256 when it is read, so a
+Reading checks each file's size when it is opened and its CRC-32 when it is read, so a
 truncated or corrupted file is refused with its name instead of being loaded as garbage.
+Files are written with O_DIRECT from page-aligned staging blocks, several in flight on
+the disk tier's IO engine (buffered writes into the page cache ran at ~0.85 GB/s here,
+a quarter of the disk), and fsynced. CRC-32 rather than SHA-256: it catches any flipped
+byte or burst and ran at 6.2 GB/s against SHA-256's 1.7 on this machine; a checkpoint's
+safety against a malicious file comes from never unpickling, not from the checksum.
+
 Tensors are stored as safetensors (no pickle: nothing executable is loaded from a file),
 other data as JSON. A tensor file can be streamed (:meth:`CheckpointWriter.stream_tensors`:
 header first, then the data in pieces, hashed as it goes), so a caller moving a unit's
@@ -27,11 +33,12 @@ same way (:meth:`CheckpointReader.open_tensors`, after :meth:`CheckpointReader.v
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
 import shutil
+import warnings
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,13 +50,17 @@ from hetstore.checkpoint.safetensors_stream import (
     TensorSpec,
 )
 from hetstore.errors import HetstoreError
+from hetstore.tiers._hostmem import aligned_empty
+from hetstore.tiers.aio import ALIGNMENT, AsyncIOEngine, DiskFile
 
 __all__ = ["CheckpointError", "CheckpointWriter", "CheckpointReader"]
 
 FORMAT = "hetstore-checkpoint"
 FORMAT_VERSION = 1
 _VERSION = re.compile(r"^v(\d{6})$")
-_READ_BLOCK = 8 * 2**20  # bytes hashed per read when verifying
+_READ_BLOCK = 8 * 2**20  # bytes checked per read when verifying
+_STAGING_BLOCK = 16 * 2**20  # bytes per O_DIRECT write; 3 in flight reach the disk's ceiling
+_STAGING_DEPTH = 3
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -72,18 +83,78 @@ def _write_durable(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-class _HashingFile:
-    """A file being written that counts and hashes every byte on the way."""
+class _Staging:
+    """Page-aligned blocks shared by the files of one save (written one at a time)."""
 
-    def __init__(self, f):
-        self.f = f
-        self.sha = hashlib.sha256()
+    def __init__(self):
+        self.blocks = [aligned_empty(_STAGING_BLOCK) for _ in range(_STAGING_DEPTH)]
+        self.arrays = [memoryview(b.numpy()) for b in self.blocks]
+        self.engine = AsyncIOEngine(block_size=4 * 2**20, queue_depth=16)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class _DirectFile:
+    """A new file filled by appending: bytes are copied into staging blocks, each full
+    block is written with O_DIRECT while the next fills, and a CRC-32 is kept.
+    :meth:`finish` writes the last block padded to a page, truncates the file to its
+    real size and fsyncs it. (Where O_DIRECT is refused, tmpfs say, the same writes go
+    through the page cache.)"""
+
+    def __init__(self, path: Path, staging: _Staging):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the buffered fallback is fine
+            self.file = DiskFile(path, direct=True, create=True, mode=0o644)
+        self.staging = staging
+        self.handles: list = [None] * _STAGING_DEPTH
+        self.current = 0  # staging block being filled
+        self.fill = 0  # bytes in it
+        self.offset = 0  # file offset of its first byte
+        self.crc = 0
         self.bytes = 0
 
     def write(self, data) -> None:
-        self.f.write(data)
-        self.sha.update(data)
-        self.bytes += len(data)
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.bytes += len(view)
+        while len(view):
+            n = min(len(view), _STAGING_BLOCK - self.fill)
+            self.staging.arrays[self.current][self.fill : self.fill + n] = view[:n]
+            self.fill += n
+            view = view[n:]
+            if self.fill == _STAGING_BLOCK:
+                self._submit(_STAGING_BLOCK)
+
+    def _submit(self, length: int) -> None:
+        block = self.staging.blocks[self.current][:length]
+        self.handles[self.current] = self.staging.engine.submit_write(self.file, self.offset, block)
+        self.offset += length
+        self.current = (self.current + 1) % _STAGING_DEPTH
+        self.fill = 0
+        self._wait(self.current)  # the next block to fill must be written out first
+
+    def _wait(self, index: int) -> None:
+        handle, self.handles[index] = self.handles[index], None
+        if handle is not None:
+            handle.wait()
+
+    def finish(self) -> None:
+        if self.fill:
+            padded = self.fill + (-self.fill % ALIGNMENT)
+            self.staging.blocks[self.current][self.fill : padded].zero_()
+            self._submit(padded)
+        for index in range(_STAGING_DEPTH):
+            self._wait(index)
+        os.ftruncate(self.file.fd, self.bytes)
+        os.fsync(self.file.fd)
+        self.file.close()
+
+    def abort(self) -> None:
+        for index in range(_STAGING_DEPTH):
+            with contextlib.suppress(BaseException):
+                self._wait(index)
+        self.file.close()
 
 
 def _check_name(name: str) -> None:
@@ -124,26 +195,39 @@ class CheckpointWriter:
         self.dir.mkdir()
         self.files: dict[str, dict] = {}
         self.committed = False
+        self._staging: _Staging | None = None
 
     def __enter__(self) -> CheckpointWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and not self.committed:
-            self.abort()
+        try:
+            if exc_type is not None and not self.committed:
+                self.abort()
+        finally:
+            self._close_staging()
+
+    def _close_staging(self) -> None:
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
 
     @contextlib.contextmanager
-    def _durable_file(self, name: str) -> Iterator[_HashingFile]:
-        """A new file of this version, hashed as written, flushed and fsynced on exit."""
+    def _durable_file(self, name: str) -> Iterator[_DirectFile]:
+        """A new file of this version, checksummed as written, fsynced on exit."""
         _check_name(name)
         if name in self.files:
             raise ValueError(f"checkpoint file {name!r} written twice")
-        with open(self.dir / name, "wb") as f:
-            out = _HashingFile(f)
+        if self._staging is None:
+            self._staging = _Staging()
+        out = _DirectFile(self.dir / name, self._staging)
+        try:
             yield out
-            f.flush()
-            os.fsync(f.fileno())
-        self.files[name] = {"bytes": out.bytes, "sha256": out.sha.hexdigest()}
+            out.finish()
+        except BaseException:
+            out.abort()
+            raise
+        self.files[name] = {"bytes": out.bytes, "crc32": out.crc}
 
     def _add(self, name: str, data: bytes) -> None:
         with self._durable_file(name) as out:
@@ -178,6 +262,7 @@ class CheckpointWriter:
             "files": self.files,
             "meta": meta or {},
         }
+        self._close_staging()
         _write_durable(
             self.dir / "index.json", json.dumps(index, sort_keys=True, indent=1).encode()
         )
@@ -248,28 +333,28 @@ class CheckpointReader:
 
     def _corrupted(self, name: str) -> CheckpointError:
         return CheckpointError(
-            f"checkpoint file {str(self.dir / name)!r} is corrupted: its SHA-256 does not "
+            f"checkpoint file {str(self.dir / name)!r} is corrupted: its CRC-32 does not "
             "match the index"
         )
 
     def verify(self, names: list[str] | None = None) -> None:
-        """Hash every file (or ``names``) in blocks and compare with the index; a
+        """Checksum every file (or ``names``) in blocks and compare with the index; a
         mismatch raises :class:`CheckpointError` naming the file. Nothing is kept in
         memory but one block."""
         block = bytearray(_READ_BLOCK)
         view = memoryview(block)
         for name in self.names() if names is None else names:
-            sha = hashlib.sha256()
+            crc = 0
             with open(self._file(name), "rb", buffering=0) as f:
                 while n := f.readinto(block):
-                    sha.update(view[:n])
-            if sha.hexdigest() != self.files[name]["sha256"]:
+                    crc = zlib.crc32(view[:n], crc)
+            if crc != self.files[name]["crc32"]:
                 raise self._corrupted(name)
 
     def _read(self, name: str) -> bytes:
         data = self._file(name).read_bytes()
         entry = self.files[name]
-        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        if len(data) != entry["bytes"] or zlib.crc32(data) != entry["crc32"]:
             raise self._corrupted(name)
         return data
 
