@@ -21,3 +21,22 @@ def test_planner_benchmark_prints_predictions_and_measurements(tmp_path):
     assert "predicted (calibrated)" in done.stdout
     for budget in ("100%", "50%", "20%", "20%, host 100%"):
         assert f"| {budget} | device |" in done.stdout
+
+
+def test_checkpoint_benchmark_prints_its_table(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "checkpoint.py"),
+            "--tiny",
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for row in ("hetstore.save", "hetstore.load", "hetstore.export_weights", "dcp.save"):
+        assert f"| {row}" in out.stdout, out.stdout
+    assert not list(tmp_path.iterdir())  # its files are removed

@@ -28,7 +28,6 @@ from hetstore._sizes import parse_size
 from hetstore.checkpoint.files import _fsync_dir
 from hetstore.checkpoint.safetensors_stream import SafetensorsStreamWriter, TensorSpec
 from hetstore.checkpoint.training import (
-    CHUNK_ELEMENTS,
     _Buffers,
     _buffers,
     _host,
@@ -175,24 +174,19 @@ def _numel(source) -> int:
 
 
 def _write_shard(temp: Path, shard: list[_Tensor], buffers: _Buffers) -> int:
-    specs = [TensorSpec(n, t.dtype, tuple(t.source.shape)) for t in shard for n in t.names]
+    # a tied parameter's bytes once per name; one stream, so disk reads run ahead
+    items, dtypes = [], {}
+    for tensor in shard:
+        for name in tensor.names:
+            items.append(_Item(name, tensor.source))
+            dtypes[name] = tensor.dtype
+    specs = [TensorSpec(i.key, dtypes[i.key], tuple(i.data.shape)) for i in items]
     with open(temp, "wb") as f:
         writer = SafetensorsStreamWriter(f, specs, {"format": "pt"})
-        for tensor in shard:
-            for _ in tensor.names:  # a tied parameter's bytes once per name
-                for piece in _pieces(tensor.source, buffers):
-                    writer.write(piece if piece.dtype == tensor.dtype else piece.to(tensor.dtype))
+        for item, piece in _stream(items, buffers):
+            dtype = dtypes[item.key]
+            writer.write(piece if piece.dtype == dtype else piece.to(dtype))
         writer.finish()
         f.flush()
         os.fsync(f.fileno())
     return writer.total
-
-
-def _pieces(source, buffers: _Buffers):
-    """A source's flat elements in pieces of at most a chunk (memory ones are views)."""
-    if isinstance(source, torch.Tensor):
-        flat = source.detach().reshape(-1)
-        for a in range(0, max(flat.numel(), 1), CHUNK_ELEMENTS):
-            yield flat[a : a + CHUNK_ELEMENTS]
-        return
-    yield from _stream([_Item("", source)], buffers)

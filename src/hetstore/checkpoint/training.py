@@ -205,7 +205,7 @@ def save(
                     tagged.encode(state_values, groups_tensors, f"state of {name}")
                 )
             with writer.stream_tensors(file_name, [item.spec for item in items]) as out:
-                for piece in _stream(items, buffers):
+                for _, piece in _stream(items, buffers):
                     out.write(piece)
         writer.write_tensors(
             "buffers.safetensors", {k: v for k, v in _buffers(model).items() if not v.is_meta}
@@ -286,41 +286,44 @@ def _param_state(optimizer, param) -> dict:
     return optimizer.state.get(param, {})
 
 
-def _stream(items: list[_Item], buffers: _Buffers) -> Iterator[torch.Tensor]:
-    """Each item's data in order, in pieces; disk pieces are read one ahead into two
-    alternating chunk buffers (a piece is valid until the next one is asked for)."""
-    jobs: list[torch.Tensor | tuple[DiskArray, int, int]] = []
+def _stream(items: list[_Item], buffers: _Buffers) -> Iterator[tuple[_Item, torch.Tensor]]:
+    """Each item's data in order, in pieces of at most a chunk, with the item it belongs
+    to. Memory pieces are views; disk pieces are read one ahead into two alternating
+    chunk buffers (a piece is valid until the next one is asked for)."""
+    jobs: list[tuple[_Item, torch.Tensor | tuple[DiskArray, int, int]]] = []
     for item in items:
         data = item.data
         if isinstance(data, DiskSlice):
             for a in range(0, data.numel, CHUNK_ELEMENTS):
-                jobs.append((data.array, data.start + a, min(CHUNK_ELEMENTS, data.numel - a)))
+                n = min(CHUNK_ELEMENTS, data.numel - a)
+                jobs.append((item, (data.array, data.start + a, n)))
         else:
-            jobs.append(data)
-    disk_jobs = [i for i, job in enumerate(jobs) if isinstance(job, tuple)]
-    if not disk_jobs:
+            flat = data.detach().reshape(-1)
+            for a in range(0, max(flat.numel(), 1), CHUNK_ELEMENTS):
+                jobs.append((item, flat[a : a + CHUNK_ELEMENTS]))
+    disk = [job for _, job in jobs if isinstance(job, tuple)]
+    if not disk:
         yield from jobs
         return
-    numel = max(jobs[i][2] for i in disk_jobs)
+    numel = max(n for _, _, n in disk)
     taken = [buffers.take(numel, torch.float32, f"checkpoint chunk {k}") for k in range(2)]
-    flats = [t for _, t in taken]
     pending: dict[int, object] = {}
 
     def issue(k: int) -> None:
-        array, start, n = jobs[disk_jobs[k]]
-        pending[k] = array.read(flats[k % 2][:n], start)
+        array, start, n = disk[k]
+        pending[k] = array.read(taken[k % 2][1][:n], start)
 
     try:
         issue(0)
         k = 0
-        for job in jobs:
+        for item, job in jobs:
             if not isinstance(job, tuple):
-                yield job
+                yield item, job
                 continue
             pending.pop(k).wait()
-            if k + 1 < len(disk_jobs):
+            if k + 1 < len(disk):
                 issue(k + 1)
-            yield flats[k % 2][: job[2]]
+            yield item, taken[k % 2][1][: job[2]]
             k += 1
     finally:
         wait_all_quiet(list(pending.values()))
