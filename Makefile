@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint format clean
+.PHONY: demo test lint format clean bench-deepspeed
 
 $(VENV)/.ready: pyproject.toml Makefile
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -20,13 +20,23 @@ $(VENV)/.ready: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test,demo]" || $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	@touch $@
 
+# DeepSpeed (the bench extra), for benchmarks/vs_deepspeed.py and its test. Not fatal:
+# without it tests/test_vs_deepspeed_harness.py skips and says why.
+$(VENV)/.bench: $(VENV)/.ready
+	@if $(PY) -m pip install -q -e ".[bench]"; then touch $@; \
+	else echo "deepspeed not installed: tests/test_vs_deepspeed_harness.py will skip"; fi
+
 demo: $(VENV)/.ready
 	$(PY) -m hetstore demo --compare
 
-test: $(VENV)/.ready
+test: $(VENV)/.ready $(VENV)/.bench
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
+
+# hetstore against DeepSpeed ZeRO-3 offload, side by side: make bench-deepspeed ARGS="--sizes 100M"
+bench-deepspeed: $(VENV)/.bench
+	$(PY) benchmarks/vs_deepspeed.py $(ARGS)
 
 lint: $(VENV)/.ready
 	$(PY) -m ruff check --fix .
