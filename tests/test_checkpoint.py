@@ -380,3 +380,23 @@ def test_export_refuses_bad_arguments(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="not a directory"):
         hetstore.export_weights(tmp_path / "file", run.model)
+
+
+def test_a_disk_that_fills_during_a_save_raises_and_keeps_the_previous_checkpoint(tmp_path):
+    from tests import disk_helpers
+
+    run = Run(tmp_path / "a", "disk")
+    run.train(K)
+    with disk_helpers.small_tmpfs(tmp_path, "600k") as mnt:  # a 350 KB version fits, two do not
+        run.save(mnt / "ck")
+        expected = run.train(M)
+        with pytest.raises(
+            OSError,
+            match=r"unit-\d+\.safetensors' failed: No space left.*"
+            "previous checkpoint .* is unchanged",
+        ):
+            run.save(mnt / "ck")
+        assert sorted(p.name for p in (mnt / "ck").iterdir()) == ["LATEST", "v000001"]
+        resumed = Run(tmp_path / "b", "cpu", seed=1)
+        resumed.load(mnt / "ck")
+        assert resumed.train(M) == expected

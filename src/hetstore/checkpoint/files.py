@@ -49,7 +49,7 @@ from hetstore.checkpoint.safetensors_stream import (
     SafetensorsStreamWriter,
     TensorSpec,
 )
-from hetstore.errors import HetstoreError
+from hetstore.errors import DiskIOError, HetstoreError
 from hetstore.tiers._hostmem import aligned_empty
 from hetstore.tiers.aio import ALIGNMENT, AsyncIOEngine, DiskFile
 
@@ -224,6 +224,17 @@ class CheckpointWriter:
         try:
             yield out
             out.finish()
+        except OSError as exc:
+            out.abort()
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise DiskIOError(
+                f"saving checkpoint file {str(self.dir / name)!r} failed: {reason}. The "
+                f"previous checkpoint at {str(self.root)!r} is unchanged; free space there "
+                "or save somewhere else",
+                path=str(self.dir / name),
+                offset=getattr(exc, "offset", 0),
+                errno=exc.errno,
+            ) from exc
         except BaseException:
             out.abort()
             raise
