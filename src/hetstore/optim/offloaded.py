@@ -358,7 +358,8 @@ class OffloadedOptimizer(Optimizer):
                         if seg.start <= entry.offset < seg.end:
                             return unit_step, entry.offset - seg.start, tensor, entry
                 else:
-                    view_index = unit.trainable_entries.index(entry)
+                    # by identity: dataclass == would compare the parameters (storage-less)
+                    view_index = next(i for i, e in enumerate(unit.trainable_entries) if e is entry)
                     return unit_step, 0, unit_step.tensors[view_index], entry
         raise KeyError(f"parameter {entry.name!r} is not stepped by this optimizer")
 
