@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from hetstore._sizes import parse_size
-from hetstore.checkpoint.files import _fsync_dir
+from hetstore.checkpoint.files import _DirectFile, _fsync_dir, _Staging
 from hetstore.checkpoint.safetensors_stream import SafetensorsStreamWriter, TensorSpec
 from hetstore.checkpoint.training import (
     _Buffers,
@@ -95,11 +95,12 @@ def export_weights(
     weight_map: dict[str, str] = {}
     total = 0
     buffers = _Buffers(_host(model))
+    staging = _Staging()
     try:
         for file_name, shard in zip(file_names, shards, strict=True):
             temp = root / f".{file_name}.tmp-{os.getpid()}"
             temps.append((temp, root / file_name))
-            total += _write_shard(temp, shard, buffers)
+            total += _write_shard(temp, shard, buffers, staging)
             for tensor in shard:
                 weight_map.update(dict.fromkeys(tensor.names, file_name))
         if count > 1:
@@ -118,6 +119,7 @@ def export_weights(
             temp.unlink(missing_ok=True)
         raise
     finally:
+        staging.close()
         buffers.close()
     return [final for _, final in temps]
 
@@ -173,7 +175,7 @@ def _numel(source) -> int:
     return source.numel() if isinstance(source, torch.Tensor) else source.numel
 
 
-def _write_shard(temp: Path, shard: list[_Tensor], buffers: _Buffers) -> int:
+def _write_shard(temp: Path, shard: list[_Tensor], buffers: _Buffers, staging: _Staging) -> int:
     # a tied parameter's bytes once per name; one stream, so disk reads run ahead
     items, dtypes = [], {}
     for tensor in shard:
@@ -181,12 +183,15 @@ def _write_shard(temp: Path, shard: list[_Tensor], buffers: _Buffers) -> int:
             items.append(_Item(name, tensor.source))
             dtypes[name] = tensor.dtype
     specs = [TensorSpec(i.key, dtypes[i.key], tuple(i.data.shape)) for i in items]
-    with open(temp, "wb") as f:
-        writer = SafetensorsStreamWriter(f, specs, {"format": "pt"})
+    out = _DirectFile(temp, staging)  # O_DIRECT from staging blocks, as checkpoints
+    try:
+        writer = SafetensorsStreamWriter(out, specs, {"format": "pt"})
         for item, piece in _stream(items, buffers):
             dtype = dtypes[item.key]
             writer.write(piece if piece.dtype == dtype else piece.to(dtype))
         writer.finish()
-        f.flush()
-        os.fsync(f.fileno())
+        out.finish()
+    except BaseException:
+        out.abort()
+        raise
     return writer.total
