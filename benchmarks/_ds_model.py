@@ -98,9 +98,19 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def build_model(cfg: GPTConfig) -> GPT:
+def build_model(cfg: GPTConfig, dtype: str = "fp32") -> GPT:
+    """The model in fp32. For a bf16 run its weights are rounded to bf16 values first:
+    DeepSpeed casts the model to bf16 and builds its fp32 master from that cast, while
+    hetstore (like torch mixed precision) keeps the fp32 weights it was given as master.
+    Starting both from bf16-representable weights removes that known difference, so the
+    losses can be compared closely (vs_deepspeed.md shows its size without this)."""
     torch.manual_seed(SEED)
-    return GPT(cfg)
+    model = GPT(cfg)
+    if dtype == "bf16":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16())
+    return model
 
 
 def weights_digest(model: nn.Module) -> str:
