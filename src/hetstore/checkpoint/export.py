@@ -29,7 +29,6 @@ from hetstore.checkpoint.files import _DirectFile, _fsync_dir, _Staging
 from hetstore.checkpoint.safetensors_stream import SafetensorsStreamWriter, TensorSpec
 from hetstore.checkpoint.training import (
     _Buffers,
-    _buffers,
     _host,
     _Item,
     _master_of,
@@ -38,6 +37,7 @@ from hetstore.checkpoint.training import (
 )
 from hetstore.errors import ConfigError
 from hetstore.runtime.flat import DiskSlice
+from hetstore.weights import _targets
 
 __all__ = ["export_weights"]
 
@@ -144,30 +144,26 @@ class _Tensor:
 
 
 def _tensors(model: nn.Module, dtype: torch.dtype) -> list[_Tensor]:
-    """Every distinct parameter and persistent buffer with all its state_dict names;
-    parameters in the runtime's unit order, so disk is read front to back. Parameters
-    are written in ``dtype``, buffers (integer counters too) in their own."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    out = []
+    """Every distinct parameter and persistent buffer with all its state_dict names
+    (``load_weights``' walk of the model); parameters in the runtime's unit order, so
+    disk is read front to back. Parameters are written in ``dtype``, buffers (integer
+    counters too) in their own."""
+    targets = _targets(model)
+    names = {id(t.tensor): t.names for t in targets}
     runtime = _runtime(model)
     if runtime is not None:
-        for unit in runtime.units:
-            for entry in unit.entries:
-                out.append(_Tensor(names[id(entry.param)], _master_of(unit, entry), dtype))
+        out = [
+            _Tensor(names[id(e.param)], _master_of(unit, e), dtype)
+            for unit in runtime.units
+            for e in unit.entries
+        ]
     else:
-        for param in dict.fromkeys(model.parameters()):
-            out.append(_Tensor(names[id(param)], param.detach(), dtype))
-    by_buffer: dict[int, _Tensor] = {}
-    for name, buffer in _buffers(model).items():
-        if buffer.is_meta:
-            continue
-        if id(buffer) in by_buffer:
-            by_buffer[id(buffer)].names.append(name)
-            continue
-        by_buffer[id(buffer)] = _Tensor([name], buffer, buffer.dtype)
-        out.append(by_buffer[id(buffer)])
+        out = [_Tensor(t.names, t.tensor.detach(), dtype) for t in targets if t.is_param]
+    out += [
+        _Tensor(t.names, t.tensor, t.tensor.dtype)
+        for t in targets
+        if not t.is_param and not t.tensor.is_meta
+    ]
     return out
 
 

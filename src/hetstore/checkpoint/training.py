@@ -632,14 +632,10 @@ def _segment_steps(unit: Unit, entries, ckpt: _Checkpoint) -> list[float] | None
     for segment in unit.segments:
         best = 0.0
         for name, e in entries:
-            if segment.start <= e.offset < segment.end and ckpt.has(name, "step"):
+            if not segment.start <= e.offset < segment.end or not ckpt.has(name):
+                continue
+            any_state = any_state or bool(ckpt.params[name]["states"])
+            if ckpt.has(name, "step"):
                 best = max(best, float(ckpt.read(name, "step")))
-                any_state = True
-            elif (
-                segment.start <= e.offset < segment.end
-                and ckpt.has(name)
-                and (ckpt.params[name]["states"])
-            ):
-                any_state = True
         steps.append(best)
     return steps if any_state else None
