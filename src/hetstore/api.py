@@ -23,6 +23,7 @@ from hetstore.runtime.flat import DiskArray
 from hetstore.runtime.hooks import OffloadRuntime
 from hetstore.runtime.materialize import materialize_module, owns_meta
 from hetstore.runtime.profiler import StepProfiler
+from hetstore.runtime.sharding import rank_device, resolve_process_group
 from hetstore.runtime.staging import GradStager, ParamStager
 from hetstore.runtime.state_dict import install_state_dict_hooks
 from hetstore.runtime.unit import Placement, Unit
@@ -44,6 +45,7 @@ def offload(
     units: Sequence[nn.Module] | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     example_inputs=None,
+    process_group=None,
 ) -> tuple[nn.Module, OffloadedOptimizer | None]:
     """Offload ``model``'s parameters, gradients and optimizer states per ``config``.
 
@@ -62,6 +64,14 @@ def offload(
     meta tensors) lets it trace the activations too, on fake tensors, before anything
     moves. The plan used is ``model._hetstore_runtime.plan``.
 
+    Under ``torchrun`` (any initialized default process group with more than one rank),
+    or with ``process_group=`` (a ``ProcessGroup`` or one-dimensional ``DeviceMesh``),
+    every unit is sharded over the ranks (ZeRO-3, :mod:`hetstore.runtime.sharding`):
+    each rank keeps 1/N of the master weights, gradients and optimizer states in its own
+    tiers, and N ranks with batch b train like one process with batch N*b (gradients are
+    averaged, as DDP does). ``process_group=False`` turns sharding off. Every rank must
+    call ``offload`` with the same model and configuration; capacities are per rank.
+
     Raises ``ConfigError`` for a bad configuration and ``OutOfDeviceMemory`` /
     ``OutOfTierMemory`` when the model states cannot be placed, before any training.
     """
@@ -73,6 +83,15 @@ def offload(
     if optimizer is not None and config.offload_optimizer == "disk" and not config.auto_offload:
         _check_streamable(optimizer)
     device = config.resolved_device()
+    shards = resolve_process_group(process_group, device)
+    if shards is not None:
+        device = rank_device(device)
+        if optimizer is not None and not _streamable(optimizer):
+            raise ConfigError(
+                f"sharded over {shards.world_size} ranks, hetstore steps flat shards of "
+                "torch.optim.Adam, AdamW and SGD (non-differentiable); got "
+                f"{type(optimizer).__name__}. Use one of those, or process_group=False"
+            )
     groups_of = _group_index(model, optimizer)
     specs = find_units(model, units)
     trace, plan = _plan_for(model, optimizer, config, specs, device, units, example_inputs)
@@ -81,7 +100,14 @@ def offload(
     def advice(tier: str, nbytes: int) -> list[str]:
         return _placement_advice(config, [u for u in built if u is not None], tier)
 
-    tiers = Tiers(config, device=device, advice=advice)
+    tiers = Tiers(
+        config,
+        device=device,
+        rank=shards.rank if shards else 0,
+        world_size=shards.world_size if shards else 1,
+        ranks_on_host=_ranks_on_host() if shards else 1,
+        advice=advice,
+    )
     compute_dtype = config.torch_compute_dtype
 
     def build(index: int) -> None:
@@ -98,7 +124,9 @@ def offload(
         choice = plan.choice_of(spec.name)
         grad = choice.optimizer if plan.source == "auto" else config.grad_tier
         placement = Placement(param=choice.param, optimizer=choice.optimizer, grad=grad)
-        built[index] = Unit(index, spec.name, params, placement, tiers, compute_dtype)
+        built[index] = Unit(
+            index, spec.name, params, placement, tiers, compute_dtype, shards=shards
+        )
 
     try:
         _build_units(model, specs, built, build, init_fn)
@@ -165,6 +193,7 @@ def offload(
         runtime.drop_grads_of(unoptimized)
     runtime.adopt(install_state_dict_hooks(model, unit_list))
     model._hetstore_tiers = tiers
+    model._hetstore_shards = shards
     model._hetstore_runtime = runtime
     runtime.plan = plan
     runtime.trace = trace
@@ -188,12 +217,20 @@ def offload(
             loss_scaler=scaler,
             chunk_numel=config.optimizer_chunk_size // 4,
             param_order=list(model.parameters()),
+            shards=shards,
             on_step_begin=lambda: profiler.switch("optimizer"),
             on_step=profiler.step_ends,
         )
         # the user's optimizer held the original parameters; its state is meaningless now
         optimizer.state.clear()
     return model, wrapped
+
+
+def _ranks_on_host() -> int:
+    """Ranks sharing this machine (torchrun's LOCAL_WORLD_SIZE), to split its memory."""
+    import os
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def _streamable(optimizer: Optimizer) -> bool:
@@ -275,7 +312,7 @@ def _attach_stagers(units: list[Unit], tiers: Tiers, prefetch_depth: int) -> Gra
     """Give disk-resident units their bounded host staging (see runtime.staging)."""
     disk_home = [u for u in units if isinstance(u.home, DiskArray)]
     if disk_home:
-        stager = ParamStager(tiers.host, max(u.device_bytes for u in disk_home), prefetch_depth + 1)
+        stager = ParamStager(tiers.host, max(u.home_bytes for u in disk_home), prefetch_depth + 1)
         for unit in disk_home:
             unit.param_stager = stager
     disk_grad = [u for u in units if isinstance(u.grad, DiskArray)]

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HetstoreError", "ConfigError", "OutOfTierMemory", "OutOfDeviceMemory", "DiskIOError"]
+__all__ = [
+    "HetstoreError",
+    "ConfigError",
+    "OutOfTierMemory",
+    "OutOfDeviceMemory",
+    "DiskIOError",
+    "DistributedError",
+]
 
 
 class HetstoreError(Exception):
@@ -46,3 +53,9 @@ class DiskIOError(HetstoreError, OSError):
 
     def __str__(self) -> str:  # OSError's __str__ would print the args tuple
         return self.args[0]
+
+
+class DistributedError(HetstoreError, RuntimeError):
+    """A collective across ranks failed: another rank died, hung past the process
+    group's timeout, or called a different collective. The message names this rank,
+    the operation and the unit, and how to lengthen the timeout."""

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.streamed import StreamedUnitStep, state_keys_for
 from hetstore.runtime.flat import DiskArray, DiskSlice
+from hetstore.runtime.sharding import ShardGroup
 from hetstore.runtime.unit import ParamEntry, Unit
 
 __all__ = ["OffloadedOptimizer"]
@@ -61,6 +62,7 @@ class OffloadedOptimizer(Optimizer):
         on_step_begin: Callable[[], None] | None = None,
         chunk_numel: int = 2**24,
         param_order: list | None = None,
+        shards: ShardGroup | None = None,
     ):
         # Optimizer.__init__ gives us live param_groups over the original parameters,
         # which LR schedulers and user code read and edit.
@@ -68,6 +70,7 @@ class OffloadedOptimizer(Optimizer):
         super().__init__(groups, dict(original.defaults))
         self.optimizer_class = type(original)
         self.units = units
+        self.shards = shards  # sharded over ranks: every unit holds this rank's shard only
         self.loss_scaler = loss_scaler
         self._on_step = on_step
         self._on_step_begin = on_step_begin
@@ -159,6 +162,15 @@ class OffloadedOptimizer(Optimizer):
                     views[id(entry.param)] = unit.grad[entry.offset : entry.offset + entry.numel]
         return views
 
+    def _grad_shards(self) -> list[torch.Tensor]:
+        """Sharded: the in-memory gradient shards of units that have gradients (whole
+        flat buffers; their padding is zero)."""
+        return [
+            u.grad
+            for u in self.units
+            if isinstance(u.grad, torch.Tensor) and u.trainable_numel and u.any_grad()
+        ]
+
     def _disk_units(self) -> list[StreamedUnitStep]:
         return [
             us
@@ -187,7 +199,10 @@ class OffloadedOptimizer(Optimizer):
             return False
         self._unscaled = True
         inv = 1.0 / self.loss_scaler.scale
-        views = list(self._memory_grad_views().values())
+        if self.shards is not None:
+            views = self._grad_shards()
+        else:
+            views = list(self._memory_grad_views().values())
         found = False
         if views:
             torch._foreach_mul_(views, inv)
@@ -203,7 +218,12 @@ class OffloadedOptimizer(Optimizer):
             if found or not finite[0]:
                 break
             unit_step.scan_grads(self._disk_grad_factors, check)
-        return found or not finite[0]
+        found = found or not finite[0]
+        if self.shards is not None:  # every rank skips the step, or none does
+            flag = torch.tensor(float(found), device=self.units[0].device)
+            self.shards.all_reduce(flag, "max", "the fp16 overflow check")
+            found = bool(flag)
+        return found
 
     def _disk_grad_norms(self, norm_type: float) -> dict[int, torch.Tensor]:
         """id(param) -> norm of its (factored) gradient, for gradients on disk. A
@@ -251,6 +271,8 @@ class OffloadedOptimizer(Optimizer):
         """
         self._unscale()
         norm_type = float(norm_type)
+        if self.shards is not None:
+            return self._clip_sharded(max_norm, norm_type, error_if_nonfinite)
         memory = self._memory_grad_views()
         per_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for key, view in memory.items():
@@ -265,16 +287,54 @@ class OffloadedOptimizer(Optimizer):
             return torch.tensor(0.0)
         target = ordered[0].device
         total = torch.linalg.vector_norm(torch.stack([n.to(target) for n in ordered]), norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"the total norm of order {norm_type} for gradients is non-finite, so it "
-                "cannot be clipped; set error_if_nonfinite=False to clip anyway"
-            )
+        self._check_finite(total, norm_type, error_if_nonfinite)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for items in per_device.values():
             device = items[0][1].device
             torch._foreach_mul_([v for _, v in items], coef.to(device))
         self._disk_grad_factors.append(coef.cpu())
+        return total
+
+    @staticmethod
+    def _check_finite(total: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> None:
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} for gradients is non-finite, so it "
+                "cannot be clipped; set error_if_nonfinite=False to clip anyway"
+            )
+
+    def _clip_sharded(
+        self, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> torch.Tensor:
+        """``clip_grad_norm_`` over shards: each rank sums its shards' ``|g|^p`` (or takes
+        their max for the inf-norm), the ranks all-reduce, and every rank clips by the
+        same factor. Equal to torch's per-parameter norm-of-norms up to fp32 rounding of
+        the summation order (it sums in float64, then rounds)."""
+        infinite = norm_type == float("inf")
+        partials: list[torch.Tensor] = []
+
+        def add(chunks: list[torch.Tensor]) -> None:
+            for norm in torch._foreach_norm(chunks, norm_type):
+                norm = norm.double().cpu()
+                partials.append(norm if infinite else norm**norm_type)
+
+        flats = self._grad_shards()
+        if flats:
+            add(flats)
+        for unit_step in self._disk_units():
+            unit_step.scan_grads(self._disk_grad_factors, lambda chunk, start: add([chunk]))
+        local = torch.zeros((), dtype=torch.float64)
+        if partials:
+            stacked = torch.stack(partials)
+            local = stacked.max() if infinite else stacked.sum()
+        local = local.to(self.units[0].device)
+        self.shards.all_reduce(local, "max" if infinite else "sum", "the gradient norm")
+        total = (local if infinite else local ** (1.0 / norm_type)).float().cpu()
+        self._check_finite(total, norm_type, error_if_nonfinite)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if flats:
+            torch._foreach_mul_(flats, coef.to(flats[0].device))
+        self._disk_grad_factors.append(coef)
         return total
 
     # ------------------------------------------------------------------ step
@@ -363,8 +423,17 @@ class OffloadedOptimizer(Optimizer):
                     return unit_step, 0, unit_step.tensors[view_index], entry
         raise KeyError(f"parameter {entry.name!r} is not stepped by this optimizer")
 
+    def _refuse_sharded(self, what: str) -> None:
+        if self.shards is not None:
+            raise RuntimeError(
+                f"optimizer.{what}() in torch's format needs every parameter's whole state, "
+                f"but each of the {self.shards.world_size} ranks holds a shard of it; save "
+                "and load sharded training state with hetstore.save / hetstore.load"
+            )
+
     def state_dict(self) -> dict:
         """Torch's format over the original parameters (indices in param_groups order)."""
+        self._refuse_sharded("state_dict")
         state: dict[int, dict] = {}
         groups = []
         index = 0
@@ -418,6 +487,7 @@ class OffloadedOptimizer(Optimizer):
         return value.clone() if isinstance(value, torch.Tensor) else value
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._refuse_sharded("load_state_dict")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
             len(g["params"]) != len(s["params"])
@@ -494,6 +564,49 @@ class OffloadedOptimizer(Optimizer):
                 value = value[start : start + entry.numel].view(entry.shape)
             out[key] = value
         return out
+
+    def segment_states(self, unit: Unit, *, create: tuple[str, ...] = ()) -> list[dict]:
+        """The states of each of ``unit``'s optimizer segments (of this rank's shard), in
+        order, without copies, for checkpoints of sharded runs: ``{"segment", "base",
+        "step", "states", "stepped"}``, where element ``i`` of the shard's flat layout is
+        ``states[key][i - base]`` (a tensor in memory, a ``DiskArray`` on disk) and
+        ``step`` the segment's counter (None for SGD). ``create``: per-element keys made
+        as zeros where torch has not made them yet (SGD's momentum before its first step).
+        Flat optimizers only (the ones sharding allows)."""
+        for unit_step in self._unit_steps:
+            if unit_step.unit is not unit:
+                continue
+            if isinstance(unit_step, StreamedUnitStep):
+                return [
+                    {
+                        "segment": segment,
+                        "base": 0,
+                        "step": unit_step.steps[i] if unit_step.has_step else None,
+                        "states": dict(unit_step.states),
+                        "stepped": unit_step.stepped,
+                    }
+                    for i, segment in enumerate(unit.segments)
+                ]
+            out = []
+            for segment, tensor in zip(unit.segments, unit_step.tensors, strict=True):
+                inner = unit_step.optimizer.state.setdefault(tensor, {})
+                for key in create:
+                    if key not in inner:
+                        inner[key] = torch.zeros_like(tensor)
+                states = {
+                    k: v for k, v in inner.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+                }
+                out.append(
+                    {
+                        "segment": segment,
+                        "base": segment.start,
+                        "step": inner.get("step"),
+                        "states": states,
+                        "stepped": bool(inner) and self._has_started(inner),
+                    }
+                )
+            return out
+        return []
 
     @torch.no_grad()
     def reset_unit_state(self, unit: Unit) -> None:

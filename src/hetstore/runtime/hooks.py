@@ -3,8 +3,9 @@
 Forward: a pre-forward hook fetches the unit (and prefetches the next ones in the
 recorded order); a post-forward hook releases it and hangs a hook on its outputs that
 fetches it again just before its backward. Backward: each parameter's
-post-accumulate-grad hook moves the gradient into the unit's fp32 buffer and, once the
-unit has all its gradients, releases the unit. A callback queued on the autograd engine
+post-accumulate-grad hook moves the gradient into the unit's fp32 buffer (sharded: into
+its full device bucket, reduce-scattered across ranks once the unit has all its
+gradients) and, once the unit has all its gradients, releases the unit. A callback queued on the autograd engine
 releases whatever is left when backward ends (units whose parameters got no gradient).
 
 Activation checkpointing (``use_reentrant=False``) re-runs forward inside backward:
@@ -202,6 +203,8 @@ class OffloadRuntime:
             device_tier.release(grad_bytes, label)
         unit.pending_grads -= 1
         if unit.pending_grads == 0:
+            if unit.has_grad_bucket:  # sharded: average across ranks, keep this rank's shard
+                unit.reduce_grads()
             if self.grad_stager is not None:
                 self.grad_stager.flush(unit)  # the write overlaps the next unit's backward
             if unit is not self.root:
@@ -219,6 +222,9 @@ class OffloadRuntime:
 
     def _end_of_backward(self) -> None:
         self._callback_task = None
+        for unit in self.units:  # sharded units some of whose parameters got no gradient
+            if unit.has_grad_bucket:
+                unit.reduce_grads()
         if self.grad_stager is not None:
             self.grad_stager.flush_all()
         for unit in self.units:

@@ -95,7 +95,7 @@ class ParamStager:
         return slot
 
     def _view(self, slot: torch.Tensor, unit: Unit) -> torch.Tensor:
-        return slot[: unit.device_bytes].view(unit.compute_dtype)
+        return slot[: unit.home_bytes].view(unit.compute_dtype)
 
     def prefetch(self, unit: Unit) -> None:
         """Start reading ``unit``'s parameters from disk if a buffer is free; never waits."""

@@ -7,6 +7,10 @@ precision, and ``load_state_dict`` writes straight into the master; afterwards t
 parameters go back to their device views and the compute-dtype copies are refreshed.
 A master on disk is read into a host copy for the call (and written back after a load):
 ``state_dict()`` of a model bigger than host memory cannot work, stream it instead.
+
+Sharded over ranks, the masters are all-gathered unit by unit, so every rank gets the
+full weights (a collective: call ``state_dict()`` / ``load_state_dict()`` on every rank);
+a load keeps each rank's shard of what it is given.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ class _MasterViews:
         self.depth += 1
         if self.depth > 1:
             return
-        self.masters = [unit.master_copy() for unit in self.units]
+        self.masters = [unit.full_master() for unit in self.units]
         for unit, master in zip(self.units, self.masters, strict=True):
             for e in unit.entries:
                 e.param.data = master[e.offset : e.offset + e.numel].view(e.shape)
@@ -50,7 +54,7 @@ class _MasterViews:
         masters, self.masters = self.masters, []
         if refresh:
             for unit, master in zip(self.units, masters, strict=True):
-                unit.store_master(master)
+                unit.store_full_master(master)
 
 
 def install_state_dict_hooks(model: nn.Module, units: list[Unit]) -> list:

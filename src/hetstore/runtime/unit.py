@@ -18,6 +18,16 @@ out through its :class:`GradStager`, and the optimizer streams master and states
 Layout: each optimizer segment starts at a multiple of ``ALIGN_ELEMENTS`` (padding of at
 most 8 KiB in between), so chunks of different segments never share a disk page and can
 be read and written at the same time.
+
+Sharded over ranks (ZeRO-3, :mod:`hetstore.runtime.sharding`): the *full* layout above
+(``full_numel``, padded to a multiple of ``world_size * ALIGN_ELEMENTS``) is what
+``device_flat`` holds; ``master``, ``home``, ``grad`` and the optimizer states hold only
+this rank's shard, elements ``[shard_start, shard_start + numel)`` of it. ``numel``,
+``segments`` and ``trainable_numel`` describe the shard (they equal the full ones in one
+process), so the optimizer steps a shard exactly as it steps a whole unit; ``entries``
+keep their offsets in the full layout. ``fetch`` all-gathers the shards into
+``device_flat``; gradients are gathered whole in a device bucket and reduce-scattered
+(averaged) by :meth:`Unit.reduce_grads` when the unit's backward is done.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray
 from hetstore.tiers import HostBuffer, Tiers
 
 if TYPE_CHECKING:
+    from hetstore.runtime.sharding import ShardGroup
     from hetstore.runtime.staging import GradStager, ParamStager
 
 __all__ = ["ParamEntry", "Segment", "Unit", "Placement"]
@@ -78,8 +89,11 @@ class Unit:
         placement: Placement,
         tiers: Tiers,
         compute_dtype: torch.dtype,
+        *,
+        shards: ShardGroup | None = None,
     ):
         self.index = index
+        self.shards = shards
         self.name = name
         self.placement = placement
         self.tiers = tiers
@@ -97,19 +111,28 @@ class Unit:
             previous_group = group
             self.entries.append(ParamEntry(param, name_, offset, param.numel(), param.shape, group))
             offset += param.numel()
-        self.numel = offset
         # fixed from here on; read on every step and backward, so computed once
         self.trainable_entries = [e for e in self.entries if e.group is not None]
-        self.segments: list[Segment] = []
+        full_segments: list[Segment] = []
         for entry in self.entries:
             if entry.group is None:
                 continue
-            last = self.segments[-1] if self.segments else None
+            last = full_segments[-1] if full_segments else None
             if last is not None and last.group == entry.group and last.end == entry.offset:
-                self.segments[-1] = Segment(last.group, last.start, entry.offset + entry.numel)
+                full_segments[-1] = Segment(last.group, last.start, entry.offset + entry.numel)
             else:
-                self.segments.append(Segment(entry.group, entry.offset, entry.offset + entry.numel))
+                full_segments.append(Segment(entry.group, entry.offset, entry.offset + entry.numel))
+        self.full_trainable_numel = full_segments[-1].end if full_segments else 0
+        if shards is None:
+            self.full_numel, self.shard_start, self.numel = offset, 0, offset
+            self.segments = full_segments
+        else:
+            quantum = shards.world_size * ALIGN_ELEMENTS
+            self.full_numel = -(-offset // quantum) * quantum
+            self.shard_start, self.numel = shards.shard_range(self.full_numel)
+            self.segments = _shard_segments(full_segments, self.shard_start, self.numel)
         self.trainable_numel = self.segments[-1].end if self.segments else 0
+        self._grad_bucket: torch.Tensor | None = None  # sharded: the full gradient, gathering
         self._host_buffers: list[HostBuffer] = []
         self._device_persistent: list[tuple[torch.Tensor, str]] = []
         self._disk_arrays: list[DiskArray] = []
@@ -125,6 +148,9 @@ class Unit:
     # ------------------------------------------------------------------ construction
     def _label(self, what: str) -> str:
         return f"{what} {self.name}"
+
+    def _collective(self, what: str) -> str:
+        return f"{what} of unit {self.name!r}"
 
     def allocate(self, tier: str, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         """A flat tensor on ``tier`` ('none' = device, 'cpu' = host) owned by this unit
@@ -157,14 +183,15 @@ class Unit:
             self.home = self.master
         else:
             self.home = self.allocate(p.param, self.numel, self.compute_dtype, "params")
-        with torch.no_grad(), self.edit_master() as master:
-            for e in self.entries:
-                master[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
-        if p.param == "none":
+        with torch.no_grad():
+            self._initialize_master()
+        if p.param == "none" and self.shards is None:
             self.device_flat = self.home
             self.materialized = True
         else:
-            self.device_flat = torch.empty(self.numel, dtype=self.compute_dtype, device=self.device)
+            self.device_flat = torch.empty(
+                self.full_numel, dtype=self.compute_dtype, device=self.device
+            )
         self.grad = (
             self.allocate(p.grad, self.trainable_numel, fp32, "grads")
             if self.trainable_numel
@@ -178,8 +205,49 @@ class Unit:
         if not self.materialized:
             self.device_flat.untyped_storage().resize_(0)
 
+    def _initialize_master(self) -> None:
+        """The master from the parameters' current values; sharded, rank 0's values (as
+        DDP does at construction, so ranks that initialized differently agree)."""
+        if self.shards is None:
+            with self.edit_master() as master:
+                for e in self.entries:
+                    master[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
+            return
+        with self._device_scratch(self.full_numel, torch.float32, "master broadcast") as full:
+            full.zero_()
+            for e in self.entries:
+                full[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
+            self.shards.broadcast(full, self._collective("the initial parameters"))
+            self._store_shard(full[self.shard_start : self.shard_start + self.numel])
+
+    @contextlib.contextmanager
+    def _device_scratch(self, numel: int, dtype: torch.dtype, what: str):
+        """A transient device tensor, counted against the device budget while it lives."""
+        nbytes, label = numel * dtype.itemsize, self._label(what)
+        self.tiers.device_tier.reserve(nbytes, label)
+        try:
+            yield torch.empty(numel, dtype=dtype, device=self.device)
+        finally:
+            self.tiers.device_tier.release(nbytes, label)
+
+    def _store_shard(self, shard: torch.Tensor) -> None:
+        """Make ``shard`` (this rank's elements, anywhere) the master; refresh the copies."""
+        if isinstance(self.master, DiskArray):
+            local = shard.to("cpu", copy=shard.device.type == "cpu").contiguous()
+            self.master.write_all(local)
+            self._sync_home(local)
+        else:
+            self.master.copy_(shard)
+            self._sync_home(self.master)
+
     @property
     def device_bytes(self) -> int:
+        """Bytes of the full unit in the compute dtype: what a fetch puts on the device."""
+        return self.full_numel * self.compute_dtype.itemsize
+
+    @property
+    def home_bytes(self) -> int:
+        """Bytes of this rank's compute-dtype parameters (all of them in one process)."""
         return self.numel * self.compute_dtype.itemsize
 
     @contextlib.contextmanager
@@ -189,7 +257,20 @@ class Unit:
 
         A disk-resident master passes through one temporary host buffer of the unit's
         size, so loading or initializing a model holds one unit in host memory at a time.
+
+        Sharded, it yields the full unit (all-gathered on the device; a collective, so
+        every rank must edit the same units in the same order) and keeps this rank's shard.
         """
+        if self.shards is not None:
+            with self._device_scratch(self.full_numel, torch.float32, "master gather") as full:
+                self.shards.all_gather(
+                    full, self.master_copy().to(self.device), self._collective("the master")
+                )
+                try:
+                    yield full
+                finally:
+                    self._store_shard(full[self.shard_start : self.shard_start + self.numel])
+            return
         if not isinstance(self.master, DiskArray):
             try:
                 yield self.master
@@ -210,7 +291,8 @@ class Unit:
             self.tiers.host.free(scratch)
 
     def master_copy(self) -> torch.Tensor:
-        """The fp32 master as a tensor: the buffer itself in memory, a fresh copy from disk."""
+        """This rank's fp32 master as a tensor: the buffer itself in memory, a fresh copy
+        from disk."""
         if not isinstance(self.master, DiskArray):
             return self.master
         flat = torch.empty(self.numel, dtype=torch.float32)
@@ -223,6 +305,24 @@ class Unit:
             self.master.write_all(flat)
         self._sync_home(flat)
 
+    def full_master(self) -> torch.Tensor:
+        """The whole unit's fp32 master on the host (all-gathered when sharded: a
+        collective); hand it back changed with :meth:`store_full_master`."""
+        if self.shards is None:
+            return self.master_copy()
+        full = torch.empty(self.full_numel, dtype=torch.float32, device=self.device)
+        self.shards.all_gather(
+            full, self.master_copy().to(self.device), self._collective("the master")
+        )
+        return full.cpu()
+
+    def store_full_master(self, full: torch.Tensor) -> None:
+        """Make ``full`` (from :meth:`full_master`, changed) the master; keeps this rank's shard."""
+        if self.shards is None:
+            self.store_master(full)
+        else:
+            self._store_shard(full[self.shard_start : self.shard_start + self.numel])
+
     def _sync_home(self, master: torch.Tensor) -> None:
         """Make ``home`` (and a materialized device copy) equal ``master``, cast."""
         with torch.no_grad():
@@ -231,7 +331,9 @@ class Unit:
                     self._write_home(master)
             elif self.home is not master:
                 self.home.copy_(master)
-            if self.materialized and self.device_flat is not self.home:
+            if self.materialized and self.shards is not None:
+                self.release()  # the next fetch gathers every rank's new shard
+            elif self.materialized and self.device_flat is not self.home:
                 self.device_flat.copy_(master)
         if self.param_stager is not None:
             self.param_stager.forget(self)
@@ -273,12 +375,12 @@ class Unit:
             if stream is not None:
                 with torch.cuda.stream(stream):
                     storage.resize_(self.device_bytes)
-                    self.device_flat.copy_(source, non_blocking=True)
+                    self._fill_device_flat(source, non_blocking=True)
                     self.ready_event = torch.cuda.Event()
                     self.ready_event.record(stream)
             else:
                 storage.resize_(self.device_bytes)
-                self.device_flat.copy_(source)
+                self._fill_device_flat(source, non_blocking=False)
         except BaseException:
             self.device_flat.untyped_storage().resize_(0)
             self.tiers.device_tier.release(self.device_bytes, self._label("params"))
@@ -286,6 +388,15 @@ class Unit:
         if slot is not None:
             self.param_stager.give_back(slot, self.ready_event)
         self.materialized = True
+
+    def _fill_device_flat(self, source: torch.Tensor, non_blocking: bool) -> None:
+        """Copy ``source`` (this rank's compute-dtype parameters) into ``device_flat``;
+        sharded, all-gather every rank's into it (on the current stream)."""
+        if self.shards is None:
+            self.device_flat.copy_(source, non_blocking=non_blocking)
+            return
+        shard = source.to(self.device, non_blocking=non_blocking)
+        self.shards.all_gather(self.device_flat, shard, self._collective("the parameters"))
 
     def prefetch(self) -> None:
         """Start bringing the parameters closer without waiting: a disk read into staging."""
@@ -299,7 +410,7 @@ class Unit:
 
     def release(self) -> None:
         """Free the device copy unless the parameters live on the device."""
-        if not self.materialized or self.placement.param == "none":
+        if not self.materialized or self.device_flat is self.home:
             return
         self.wait_ready()
         if self.device.type == "cuda":
@@ -316,7 +427,15 @@ class Unit:
 
     # ------------------------------------------------------------------ gradients
     def accumulate_grad(self, entry: ParamEntry, grad: torch.Tensor) -> None:
-        """Move ``grad`` into the fp32 gradient buffer (no clone kept on the device)."""
+        """Move ``grad`` into the fp32 gradient buffer (no clone kept on the device).
+
+        Sharded, into the unit's full device bucket instead (see :meth:`reduce_grads`).
+        """
+        if self.shards is not None:
+            if self._grad_bucket is None:
+                self._grad_bucket = self._new_grad_bucket(grad.dtype)
+            self._grad_bucket[entry.offset : entry.offset + entry.numel].copy_(grad.reshape(-1))
+            return
         flat = self.grad
         if isinstance(flat, DiskArray):
             flat = self.grad_stager.buffer_for(self)
@@ -328,6 +447,48 @@ class Unit:
             target.add_(source)
         else:
             target.copy_(source)  # first micro-batch: a copy replaces a zero-fill
+            entry.has_grad = True
+
+    def _new_grad_bucket(self, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = self.full_numel * dtype.itemsize
+        self.tiers.device_tier.reserve(nbytes, self._label("grad bucket"))
+        self._grad_bucket_bytes = nbytes
+        # zeros: parameters without a gradient this backward count as a zero gradient
+        return torch.zeros(self.full_numel, dtype=dtype, device=self.device)
+
+    @property
+    def has_grad_bucket(self) -> bool:
+        return self._grad_bucket is not None
+
+    def reduce_grads(self) -> None:
+        """Sharded: average the unit's full gradient over the ranks (reduce-scatter) and
+        add this rank's shard into the fp32 gradient tier; the bucket is freed.
+
+        A collective: every rank calls it for the same units in the same order (the
+        runtime does so when a unit's backward is done). Afterwards every trainable entry
+        counts as having a gradient: a rank cannot tell which parameters got one elsewhere.
+        """
+        bucket = self._grad_bucket
+        if bucket is None:  # pragma: no cover - the runtime calls it only with a bucket
+            bucket = self._grad_bucket = self._new_grad_bucket(self.compute_dtype)
+        try:
+            shard = torch.empty(self.numel, dtype=bucket.dtype, device=self.device)
+            self.shards.reduce_scatter_mean(shard, bucket, self._collective("the gradients"))
+        finally:
+            self._grad_bucket = None
+            del bucket
+            self.tiers.device_tier.release(self._grad_bucket_bytes, self._label("grad bucket"))
+        if self.trainable_numel:
+            flat = self.grad
+            if isinstance(flat, DiskArray):
+                flat = self.grad_stager.buffer_for(self)
+            target = flat[: self.trainable_numel]
+            source = shard[: self.trainable_numel].to(target.device)
+            if self.any_grad():
+                target.add_(source)
+            else:
+                target.copy_(source)
+        for entry in self.trainable_entries:
             entry.has_grad = True
 
     def clear_grads(self) -> None:
@@ -356,6 +517,9 @@ class Unit:
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         self.release()
+        if self._grad_bucket is not None:  # a backward that failed before its reduce
+            self._grad_bucket = None
+            self.tiers.device_tier.release(self._grad_bucket_bytes, self._label("grad bucket"))
         for buffer in self._host_buffers:
             self.tiers.host.free(buffer)
         self._host_buffers.clear()
@@ -365,3 +529,14 @@ class Unit:
         for array in self._disk_arrays:
             array.free()
         self._disk_arrays.clear()
+
+
+def _shard_segments(segments: list[Segment], start: int, size: int) -> list[Segment]:
+    """The parts of ``segments`` (full-layout offsets) inside ``[start, start + size)``,
+    in shard offsets."""
+    local = []
+    for seg in segments:
+        a, b = max(seg.start, start), min(seg.end, start + size)
+        if a < b:
+            local.append(Segment(seg.group, a - start, b - start))
+    return local

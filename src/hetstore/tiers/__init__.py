@@ -37,10 +37,13 @@ class Tiers:
         *,
         device: torch.device | None = None,
         rank: int = 0,
+        world_size: int = 1,
+        ranks_on_host: int = 1,
         advice: Callable[[str, int], list[str]] | None = None,
     ):
         self.config = config
         self.rank = rank
+        self.world_size = world_size
         self.device = device if device is not None else config.resolved_device()
         # Why a callback: a tier's overflow report lists the *other* tiers and advice that
         # only the runtime knows (which placement change would free enough).
@@ -49,8 +52,8 @@ class Tiers:
             self.device, config.max_device_memory, context=self._report_context
         )
         host_capacity = config.offload_cpu_size
-        if host_capacity is None:
-            host_capacity = _physical_memory()
+        if host_capacity is None:  # ranks on one machine share its memory
+            host_capacity = _physical_memory() // max(ranks_on_host, 1)
         self.host = HostTier(
             capacity=host_capacity,
             block_size=config.host_mem_block_size,
@@ -107,6 +110,11 @@ class Tiers:
         lines = [format_usage(self.usage(name)) for name in TIER_NAMES if name != failing]
         if self._advice is not None:
             lines.extend(self._advice(failing, nbytes))
+        if self.world_size > 1:
+            lines.append(
+                f"  (rank {self.rank} of {self.world_size}: capacities and usage are this "
+                "rank's; each rank holds 1/world_size of the model states)"
+            )
         return lines
 
 

@@ -1,0 +1,220 @@
+"""One rank of the multi-process tests (tests/test_distributed.py), run by torchrun or
+by tests/distributed/launch.py. Writes what it measured to ``<out>/<scenario>-rank<r>.pt``;
+the test process compares.
+
+Scenarios (``--scenario``): each trains the tests' GPT for a few steps with per-rank
+batch ``b``, gradient accumulation and clipping, three ways:
+
+- hetstore sharded over the ranks (the default process group);
+- PyTorch DDP over the same ranks (the reference of data-parallel semantics);
+- on rank 0 only: plain PyTorch, and hetstore with ``process_group=False``, both on the
+  combined batch ``world_size * b`` (what N ranks must equal; the second also gives the
+  single-process memory figures).
+
+``--fail die|hang``: rank 1 dies (``os._exit``) or hangs before the second step; rank 0
+records the error it gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import hetstore  # noqa: E402
+from tests.models.gpt import GPT, batches  # noqa: E402
+
+PER_RANK_BATCH = 2
+STEPS = 3
+ACCUMULATE = 2
+CLIP = 0.05  # small enough that every step clips (tests the all-reduced norm)
+
+
+def scenario_config(name: str, path: str) -> hetstore.OffloadConfig:
+    placements = {
+        "cpu": ("cpu", "cpu"),
+        "disk": ("disk", "disk"),
+        "none": ("none", "none"),
+        "mixed": ("cpu", "disk"),
+    }
+    param, optim = placements[name]
+    return hetstore.OffloadConfig(
+        offload_param=param,
+        offload_optimizer=optim,
+        offload_path=path,
+        enable_pinned_mem=False,
+        device="cpu",
+        optimizer_chunk_size="64KB",  # several chunks per unit on disk
+    )
+
+
+def make_model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab=64, width=48, depth=3, heads=4, ctx=16)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, fused=True)
+
+
+def data(world: int):
+    """Micro-batches of the combined batch; rank r trains rows [r*b, (r+1)*b)."""
+    return batches(STEPS * ACCUMULATE, batch=PER_RANK_BATCH * world, seed=1)
+
+
+def train(model, optimizer, micro_batches, *, clip, world_mean):
+    """The tests' loop; losses are the combined batch's (mean over ranks when sharded)."""
+    losses, norms = [], []
+    for i, (x, y) in enumerate(micro_batches):
+        loss = model(x, y) / ACCUMULATE
+        loss.backward()
+        value = loss.detach().clone()
+        if world_mean:
+            dist.all_reduce(value)
+            value /= dist.get_world_size()
+        losses.append(float(value))
+        if (i + 1) % ACCUMULATE:
+            continue
+        if hasattr(optimizer, "clip_grad_norm_"):
+            norms.append(float(optimizer.clip_grad_norm_(clip)))
+        else:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, norms
+
+
+def rank_slice(micro_batches, rank):
+    b = PER_RANK_BATCH
+    return [(x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]) for x, y in micro_batches]
+
+
+def run_scenario(name: str, out: str, path: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = data(world)
+    mine = rank_slice(full, rank)
+    result: dict = {}
+
+    # hetstore, sharded over the ranks
+    model = make_model()
+    model, optimizer = hetstore.offload(
+        model, adamw(model.parameters()), scenario_config(name, path)
+    )
+    start = time.perf_counter()
+    losses, norms = train(model, optimizer, mine, clip=CLIP, world_mean=True)
+    result["sharded_seconds"] = time.perf_counter() - start
+    result["sharded_losses"], result["sharded_norms"] = losses, norms
+    result["sharded_stats"] = hetstore.memory_stats(model)
+    disk = model._hetstore_tiers._disk
+    result["disk_dir"] = disk.path if disk is not None else ""
+    result["sharded_weights"] = model.state_dict()  # a collective: full weights on every rank
+
+    # DDP, the data-parallel reference
+    ddp_model = make_model()
+    ddp = DistributedDataParallel(ddp_model)
+    losses, norms = train(ddp, adamw(ddp.parameters()), mine, clip=CLIP, world_mean=True)
+    result["ddp_losses"], result["ddp_norms"] = losses, norms
+    result["ddp_weights"] = ddp_model.state_dict()
+
+    if rank == 0:  # one process, the combined batch
+        plain = make_model()
+        losses, norms = train(plain, adamw(plain.parameters()), full, clip=CLIP, world_mean=False)
+        result["plain_losses"], result["plain_norms"] = losses, norms
+        result["plain_weights"] = plain.state_dict()
+        single = make_model()
+        single, single_opt = hetstore.offload(
+            single, adamw(single.parameters()), scenario_config(name, path), process_group=False
+        )
+        losses, norms = train(single, single_opt, full, clip=CLIP, world_mean=False)
+        result["single_losses"], result["single_norms"] = losses, norms
+        result["single_stats"] = hetstore.memory_stats(single)
+        result["single_weights"] = single.state_dict()
+    dist.barrier()
+    torch.save(result, os.path.join(out, f"{name}-rank{rank}.pt"))
+
+
+def run_failure(kind: str, out: str, path: str) -> None:
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    model = make_model()
+    model, optimizer = hetstore.offload(
+        model, adamw(model.parameters()), scenario_config("cpu", path)
+    )
+    micro = rank_slice(data(world), rank)
+    x, y = micro[0]
+    model(x, y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if rank == 1:
+        if kind == "die":
+            os._exit(3)
+        time.sleep(600)  # hang; the test kills us
+    start = time.perf_counter()
+    try:
+        model(x, y).backward()
+        optimizer.step()
+        message = "no error"
+    except hetstore.HetstoreError as exc:
+        message = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out, f"fail-{kind}.txt"), "w") as f:
+        f.write(f"{time.perf_counter() - start:.2f}\n{message}\n")
+    os._exit(0)  # the process group cannot be destroyed cleanly with a dead peer
+
+
+def run_refusals(out: str, path: str) -> None:
+    """What sharding refuses, each with its error (collected on every rank)."""
+    found = {}
+    model = make_model()
+    rmsprop = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    try:
+        hetstore.offload(model, rmsprop, scenario_config("cpu", path))
+        found["rmsprop"] = "no error"
+    except hetstore.ConfigError as exc:
+        found["rmsprop"] = str(exc)
+    try:
+        hetstore.offload(make_model(), None, scenario_config("cpu", path), process_group="all")
+        found["bad_group"] = "no error"
+    except hetstore.ConfigError as exc:
+        found["bad_group"] = str(exc)
+    model = make_model()
+    model, optimizer = hetstore.offload(
+        model, adamw(model.parameters()), scenario_config("cpu", path)
+    )
+    try:
+        optimizer.state_dict()
+        found["optimizer_state_dict"] = "no error"
+    except RuntimeError as exc:
+        found["optimizer_state_dict"] = str(exc)
+    torch.save(found, os.path.join(out, f"refusals-rank{dist.get_rank()}.pt"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--offload-path", required=True)
+    parser.add_argument("--scenario", action="append", default=[])
+    parser.add_argument("--fail", choices=("die", "hang"))
+    parser.add_argument("--refusals", action="store_true")
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    if args.fail:
+        run_failure(args.fail, args.out, args.offload_path)
+    if args.refusals:
+        run_refusals(args.out, args.offload_path)
+    for name in args.scenario:
+        run_scenario(name, args.out, args.offload_path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
