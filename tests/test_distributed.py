@@ -33,13 +33,15 @@ CLOSE = dict(rtol=1e-6, atol=0.0)
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
     offload_path = tmp_path_factory.mktemp("offload")
-    args = ["--out", str(out), "--offload-path", str(offload_path), "--refusals"]
+    args = ["--out", str(out), "--offload-path", str(offload_path), "--refusals", "--checkpoint"]
     for name in SCENARIOS:
         args += ["--scenario", name]
     done = torchrun(2, args, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     def load(name: str, rank: int) -> dict:
+        if name == "dir":
+            return out
         return torch.load(out / f"{name}-rank{rank}.pt", weights_only=True)
 
     return load
@@ -126,3 +128,62 @@ def test_a_dead_or_hung_rank_gives_a_clear_error_within_the_timeout(tmp_path, ki
     assert message.startswith("DistributedError: rank 0 of 2: all-gather of the parameters")
     assert "init_process_group(timeout=...)" in message
     assert float(seconds) < timeout + 5  # the process group's timeout, not forever
+
+
+# ---------------------------------------------------------------------- checkpoints
+def assert_same(mine: dict, ref: dict) -> None:
+    assert_weights_close(mine, ref, rtol=0, atol=0)
+
+
+def test_a_two_rank_checkpoint_resumes_bitwise_on_two_ranks_in_another_placement(results):
+    # saved from disk placement, loaded into host placement, both on 2 ranks
+    for rank in (0, 1):
+        found = results("checkpoint", rank)
+        assert found["extra"] == {"step": 1}
+        assert_same(found["loaded"], found["saved"])
+        assert found["resumed"] == found["continued"]  # losses and clip norms, bitwise
+        assert_same(found["resumed_weights"], found["continued_weights"])
+
+
+def test_a_two_rank_checkpoint_loads_in_one_process_and_back(results):
+    found = results("checkpoint", 0)
+    # 2 ranks -> 1 process: the weights bitwise; the next steps as one process trains
+    # the combined batch (the tolerance of the DDP-equivalence test, and why, above)
+    assert_same(found["one_loaded"], found["saved"])
+    torch.testing.assert_close(found["one_resumed"], found["continued"], **CLOSE)
+    assert_weights_close(found["one_resumed_weights"], found["continued_weights"], **WEIGHTS)
+    # 1 process -> 2 ranks
+    assert_same(found["from_one_loaded"], found["one_saved"])
+    torch.testing.assert_close(found["from_one_resumed"], found["one_continued"], **CLOSE)
+    assert_weights_close(
+        found["from_one_resumed_weights"], found["one_continued_weights"], **WEIGHTS
+    )
+
+
+def test_every_state_survives_two_ranks_to_one_bitwise(results):
+    """The 2-rank checkpoint, loaded by one process and saved again: every parameter's
+    master and optimizer state (pieces of both ranks joined) equal bitwise."""
+    from hetstore.checkpoint.files import CheckpointReader
+    from hetstore.checkpoint.training import _Checkpoint
+
+    out = results("dir", 0)
+    two = _Checkpoint(CheckpointReader(out / "ckpt-2ranks"))
+    again = _Checkpoint(CheckpointReader(out / "ckpt-resaved"))
+    assert two.reader.meta["world_size"] == 2 and again.reader.meta["world_size"] == 1
+    cut = [n for n, pieces in two.pieces.items() if len(pieces) > 1]
+    assert cut  # some parameters were cut between the ranks' shards
+    assert two.params.keys() == again.params.keys()
+    for name, meta in two.params.items():
+        assert (
+            sorted(meta["states"])
+            == sorted(again.params[name]["states"])
+            == [
+                "exp_avg",
+                "exp_avg_sq",
+                "step",
+            ]
+        )
+        for key in [None, *meta["states"]]:
+            assert torch.equal(two.read(name, key), again.read(name, key)), (name, key)
+    two.close()
+    again.close()

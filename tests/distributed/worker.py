@@ -92,6 +92,11 @@ def train(model, optimizer, micro_batches, *, clip, world_mean):
     return losses, norms
 
 
+def weights(model) -> dict:
+    """A copy of the state dict (a state dict shares storage with the model, as torch's)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def rank_slice(micro_batches, rank):
     b = PER_RANK_BATCH
     return [(x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]) for x, y in micro_batches]
@@ -115,20 +120,20 @@ def run_scenario(name: str, out: str, path: str) -> None:
     result["sharded_stats"] = hetstore.memory_stats(model)
     disk = model._hetstore_tiers._disk
     result["disk_dir"] = disk.path if disk is not None else ""
-    result["sharded_weights"] = model.state_dict()  # a collective: full weights on every rank
+    result["sharded_weights"] = weights(model)  # a collective: full weights on every rank
 
     # DDP, the data-parallel reference
     ddp_model = make_model()
     ddp = DistributedDataParallel(ddp_model)
     losses, norms = train(ddp, adamw(ddp.parameters()), mine, clip=CLIP, world_mean=True)
     result["ddp_losses"], result["ddp_norms"] = losses, norms
-    result["ddp_weights"] = ddp_model.state_dict()
+    result["ddp_weights"] = weights(ddp_model)
 
     if rank == 0:  # one process, the combined batch
         plain = make_model()
         losses, norms = train(plain, adamw(plain.parameters()), full, clip=CLIP, world_mean=False)
         result["plain_losses"], result["plain_norms"] = losses, norms
-        result["plain_weights"] = plain.state_dict()
+        result["plain_weights"] = weights(plain)
         single = make_model()
         single, single_opt = hetstore.offload(
             single, adamw(single.parameters()), scenario_config(name, path), process_group=False
@@ -136,7 +141,7 @@ def run_scenario(name: str, out: str, path: str) -> None:
         losses, norms = train(single, single_opt, full, clip=CLIP, world_mean=False)
         result["single_losses"], result["single_norms"] = losses, norms
         result["single_stats"] = hetstore.memory_stats(single)
-        result["single_weights"] = single.state_dict()
+        result["single_weights"] = weights(single)
     dist.barrier()
     torch.save(result, os.path.join(out, f"{name}-rank{rank}.pt"))
 
@@ -196,6 +201,58 @@ def run_refusals(out: str, path: str) -> None:
     torch.save(found, os.path.join(out, f"refusals-rank{dist.get_rank()}.pt"))
 
 
+def run_checkpoint(out: str, path: str) -> None:
+    """Saved with 2 ranks, loaded with 2 (another placement) and with 1; saved with 1,
+    loaded with 2. One step (two micro-batches) before each save, two after."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = data(world)
+    mine = rank_slice(full, rank)
+    two, one = os.path.join(out, "ckpt-2ranks"), os.path.join(out, "ckpt-1rank")
+    result: dict = {}
+
+    def offloaded(name: str, **kwargs):
+        model = make_model()
+        return hetstore.offload(
+            model, adamw(model.parameters()), scenario_config(name, path), **kwargs
+        )
+
+    model, optimizer = offloaded("disk")
+    train(model, optimizer, mine[:2], clip=CLIP, world_mean=True)
+    hetstore.save(two, model, optimizer, extra={"step": 1})
+    result["saved"] = weights(model)
+    result["continued"] = train(model, optimizer, mine[2:], clip=CLIP, world_mean=True)
+    result["continued_weights"] = weights(model)
+
+    model, optimizer = offloaded("cpu")
+    result["extra"] = hetstore.load(two, model, optimizer)
+    result["loaded"] = weights(model)
+    result["resumed"] = train(model, optimizer, mine[2:], clip=CLIP, world_mean=True)
+    result["resumed_weights"] = weights(model)
+
+    if rank == 0:
+        model, optimizer = offloaded("none", process_group=False)
+        hetstore.load(two, model, optimizer)
+        result["one_loaded"] = weights(model)
+        hetstore.save(os.path.join(out, "ckpt-resaved"), model, optimizer)
+        result["one_resumed"] = train(model, optimizer, full[2:], clip=CLIP, world_mean=False)
+        result["one_resumed_weights"] = weights(model)
+
+        model, optimizer = offloaded("disk", process_group=False)
+        train(model, optimizer, full[:2], clip=CLIP, world_mean=False)
+        hetstore.save(one, model, optimizer)
+        result["one_saved"] = weights(model)
+        result["one_continued"] = train(model, optimizer, full[2:], clip=CLIP, world_mean=False)
+        result["one_continued_weights"] = weights(model)
+    dist.barrier()
+
+    model, optimizer = offloaded("mixed")
+    hetstore.load(one, model, optimizer)
+    result["from_one_loaded"] = weights(model)
+    result["from_one_resumed"] = train(model, optimizer, mine[2:], clip=CLIP, world_mean=True)
+    result["from_one_resumed_weights"] = weights(model)
+    torch.save(result, os.path.join(out, f"checkpoint-rank{rank}.pt"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -203,6 +260,7 @@ def main() -> None:
     parser.add_argument("--scenario", action="append", default=[])
     parser.add_argument("--fail", choices=("die", "hang"))
     parser.add_argument("--refusals", action="store_true")
+    parser.add_argument("--checkpoint", action="store_true")
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -211,6 +269,8 @@ def main() -> None:
         run_failure(args.fail, args.out, args.offload_path)
     if args.refusals:
         run_refusals(args.out, args.offload_path)
+    if args.checkpoint:
+        run_checkpoint(args.out, args.offload_path)
     for name in args.scenario:
         run_scenario(name, args.out, args.offload_path)
     dist.destroy_process_group()

@@ -63,6 +63,13 @@ def export_weights(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"export_weights() takes an nn.Module, got {type(model).__name__}")
+    ranks = getattr(model, "_hetstore_shards", None)
+    if ranks is not None:
+        raise ConfigError(
+            f"export_weights: the model is sharded over {ranks.world_size} ranks; save it with "
+            "hetstore.save (every rank), then export from one process: hetstore.load the "
+            "checkpoint into an unsharded model (process_group=False) and export that"
+        )
     dtype = _export_dtype(model, dtype)
     try:
         shard_bytes = parse_size(max_shard_size)

@@ -16,6 +16,10 @@ verified):
 - ``buffers.safetensors``, ``optimizer.json``, ``extra.json`` (+ ``extra.safetensors``).
 - The index's ``meta``: per parameter, the file it is in, its shape and its state keys.
 
+Sharded over N ranks (see :mod:`hetstore.checkpoint.sharded`), each rank writes the
+pieces of its shard into its own unit files and the index lists, per parameter, its
+pieces (file, element range); a load with any number of ranks reads by name and range.
+
 Why safetensors and not ``torch.distributed.checkpoint`` (DCP): DCP wants the state as
 in-memory tensors (``state_dict()``), which for states on disk means reading a unit whole
 into host memory, and its ``.metadata`` file is a pickle, so loading an untrusted DCP
@@ -48,7 +52,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from hetstore.checkpoint import tagged
+from hetstore.checkpoint import sharded, tagged
 from hetstore.checkpoint.files import CheckpointError, CheckpointReader, CheckpointWriter
 from hetstore.checkpoint.safetensors_stream import SafetensorsFile, TensorSpec
 from hetstore.errors import ConfigError
@@ -188,36 +192,66 @@ def save(
             stacklevel=2,
         )
 
-    files = _file_plan(model, optimizer, runtime, names)
-    params_meta: dict[str, dict] = {}
+    shards = getattr(model, "_hetstore_shards", None)
+    files = _file_plan(model, optimizer, runtime, names, shards)
     buffers = _Buffers(_host(model))
-    with contextlib.closing(buffers), CheckpointWriter(path) as writer:
-        for file_name, items, values in files:
-            for item in items:
-                name, _, key = item.key.partition("/")
-                meta = params_meta.setdefault(name, {"file": file_name, "states": []})
-                if not key:
-                    meta["shape"] = list(item.data.shape)
-                else:
-                    meta["states"].append(key)
-            for name, state_values in values.items():
-                params_meta.setdefault(name, {"file": file_name, "states": []})["values"] = (
-                    tagged.encode(state_values, groups_tensors, f"state of {name}")
-                )
-            with writer.stream_tensors(file_name, [item.spec for item in items]) as out:
-                for _, piece in _stream(items, buffers):
-                    out.write(piece)
-        writer.write_tensors(
-            "buffers.safetensors", {k: v for k, v in _buffers(model).items() if not v.is_meta}
-        )
-        if optimizer_json is not None:
-            writer.write_json("optimizer.json", optimizer_json)
-        if groups_tensors:
-            writer.write_tensors("optimizer.safetensors", groups_tensors)
-        if extra_json is not None:
-            writer.write_json("extra.json", extra_json)
-            writer.write_tensors("extra.safetensors", extra_tensors)
-        return writer.commit({"kind": KIND, "world_size": 1, "params": params_meta})
+    writer = CheckpointWriter(path) if shards is None else sharded.start_save(path, shards)
+    with contextlib.closing(buffers), writer:
+        failure = None
+        try:
+            params_meta = _write_unit_files(writer, files, buffers, groups_tensors)
+        except Exception as exc:
+            if shards is None:
+                raise
+            failure, params_meta = exc, {}
+        if shards is not None:  # every rank's files to rank 0, or every rank raises
+            params_meta = sharded.gather_reports(writer, shards, params_meta, failure)
+
+        def finish() -> Path:
+            writer.write_tensors(
+                "buffers.safetensors", {k: v for k, v in _buffers(model).items() if not v.is_meta}
+            )
+            if optimizer_json is not None:
+                writer.write_json("optimizer.json", optimizer_json)
+            if groups_tensors:
+                writer.write_tensors("optimizer.safetensors", groups_tensors)
+            if extra_json is not None:
+                writer.write_json("extra.json", extra_json)
+                writer.write_tensors("extra.safetensors", extra_tensors)
+            world = 1 if shards is None else shards.world_size
+            return writer.commit({"kind": KIND, "world_size": world, "params": params_meta})
+
+        if shards is None:
+            return finish()
+        return sharded.commit_on_rank0(shards, writer, finish)
+
+
+def _write_unit_files(writer, files, buffers: _Buffers, groups_tensors: dict) -> dict:
+    """Stream every planned unit file; return the index's per-parameter entries."""
+    params_meta: dict[str, dict] = {}
+    for file_name, items, values, pieces in files:
+        for item in items:
+            name, _, key = item.key.partition("/")
+            meta = params_meta.setdefault(name, {"states": []})
+            if name in pieces:  # a shard's piece of the parameter
+                meta.setdefault("pieces", [{"file": file_name, **pieces[name]}])
+            else:
+                meta["file"] = file_name
+            if not key:
+                meta["shape"] = list(pieces[name]["shape"] if name in pieces else item.data.shape)
+            else:
+                meta["states"].append(key)
+        for name, state_values in values.items():
+            params_meta[name]["values"] = tagged.encode(
+                state_values, groups_tensors, f"state of {name}"
+            )
+        with writer.stream_tensors(file_name, [item.spec for item in items]) as out:
+            for _, piece in _stream(items, buffers):
+                out.write(piece)
+    for meta in params_meta.values():
+        for piece in meta.get("pieces", ()):
+            piece.pop("shape", None)
+    return params_meta
 
 
 def _optimizer_header(optimizer: Optimizer, names: dict[int, str], tensors: dict) -> dict:
@@ -244,9 +278,16 @@ def _optimizer_header(optimizer: Optimizer, names: dict[int, str], tensors: dict
     }
 
 
-def _file_plan(model, optimizer, runtime, names) -> list[tuple[str, list[_Item], dict]]:
+def _file_plan(model, optimizer, runtime, names, shards=None) -> list[tuple]:
     """Per file: the tensors in write order (masters, then each state key, each in the
-    unit's element order, so disk arrays are read front to back) and non-tensor states."""
+    unit's element order, so disk arrays are read front to back), non-tensor states, and
+    (sharded) each parameter's piece."""
+    if shards is not None:
+        return [
+            _shard_file(unit, index, optimizer, names, shards.rank)
+            for index, unit in enumerate(runtime.units)
+            if sharded.shard_pieces(unit)
+        ]
     if runtime is not None:
         groups = [
             [(names[id(e.param)], e.param, _master_of(unit, e)) for e in unit.entries]
@@ -270,8 +311,50 @@ def _file_plan(model, optimizer, runtime, names) -> list[tuple[str, list[_Item],
                     values.setdefault(name, {})[key] = value
         for key_items in by_key.values():
             items += key_items
-        plan.append((f"unit-{index:05d}.safetensors", items, values))
+        plan.append((f"unit-{index:05d}.safetensors", items, values, {}))
     return plan
+
+
+def _shard_file(unit: Unit, index: int, optimizer, names, rank: int) -> tuple:
+    """This rank's file of ``unit``: the piece of each parameter inside its shard (shaped
+    like the parameter when whole, flat when cut) and the same range of its states."""
+    start = unit.shard_start
+    on_disk = isinstance(unit.master, DiskArray)
+    segments = []
+    if isinstance(optimizer, OffloadedOptimizer) and unit.trainable_numel:
+        segments = [s for s in optimizer.segment_states(unit) if s["stepped"]]
+    items: list[_Item] = []
+    by_key: dict[str, list[_Item]] = {}
+    pieces: dict[str, dict] = {}
+    for entry, a, b in sharded.shard_pieces(unit):
+        name = names[id(entry.param)]
+        whole = (a, b) == (entry.offset, entry.offset + entry.numel)
+        shape = entry.shape if whole else torch.Size([b - a])
+        pieces[name] = {"start": a - entry.offset, "numel": b - a, "shape": list(entry.shape)}
+        local = a - start
+        if on_disk:
+            items.append(_Item(name, DiskSlice(unit.master, local, b - a, shape)))
+        else:
+            items.append(_Item(name, unit.master[local : local + b - a].view(shape)))
+        if entry.group is None:
+            continue
+        segment = next(
+            (s for s in segments if s["segment"].start <= local < s["segment"].end), None
+        )
+        if segment is None:
+            continue  # fresh states (before the first step) are not saved, as in torch
+        if segment["step"] is not None:
+            by_key.setdefault("step", []).append(_Item(f"{name}/step", segment["step"]))
+        for key, data in segment["states"].items():
+            at = local - segment["base"]
+            if isinstance(data, DiskArray):
+                piece = DiskSlice(data, at, b - a, shape)
+            else:
+                piece = data[at : at + b - a].view(shape)
+            by_key.setdefault(key, []).append(_Item(f"{name}/{key}", piece))
+    for key_items in by_key.values():
+        items += key_items
+    return f"unit-{index:05d}-rank{rank:05d}.safetensors", items, {}, pieces
 
 
 def _master_of(unit: Unit, entry) -> torch.Tensor | DiskSlice:
@@ -338,6 +421,13 @@ class _Checkpoint:
         self.reader = reader
         self.params: dict[str, dict] = reader.meta["params"]
         self._open: dict[str, SafetensorsFile] = {}
+        # name -> [(file, start, numel)]: the parameter's pieces (one unless sharded)
+        self.pieces = {
+            name: [(p["file"], p["start"], p["numel"]) for p in meta["pieces"]]
+            if "pieces" in meta
+            else [(meta["file"], 0, _prod(meta["shape"]))]
+            for name, meta in self.params.items()
+        }
 
     def file(self, name: str) -> SafetensorsFile:
         if name not in self._open:
@@ -353,23 +443,34 @@ class _Checkpoint:
         return meta is not None and (key is None or key in meta["states"])
 
     def _tensor_key(self, name: str, key: str | None) -> tuple[SafetensorsFile, str]:
-        return self.file(self.params[name]["file"]), name if key is None else f"{name}/{key}"
+        return self.file(self.pieces[name][0][0]), name if key is None else f"{name}/{key}"
 
     def read_into(self, name: str, key: str | None, out: torch.Tensor, start: int = 0) -> None:
         """Elements ``[start, start + out.numel())`` of a parameter's master (``key``
-        None) or state, cast to ``out``'s dtype."""
-        f, tensor_key = self._tensor_key(name, key)
-        stored = f.spec(tensor_key).dtype
-        if stored == out.dtype and out.is_contiguous() and out.device.type == "cpu":
-            f.read_into(tensor_key, out.reshape(-1), start)
-            return
-        staged = torch.empty(out.numel(), dtype=stored)
-        f.read_into(tensor_key, staged, start)
-        out.copy_(staged.view(out.shape))
+        None) or state, cast to ``out``'s dtype, from whichever pieces hold them."""
+        tensor_key = name if key is None else f"{name}/{key}"
+        stored = self._tensor_key(name, key)[0].spec(tensor_key).dtype
+        direct = stored == out.dtype and out.is_contiguous() and out.device.type == "cpu"
+        flat = out.reshape(-1) if direct else torch.empty(out.numel(), dtype=stored)
+        end = start + flat.numel()
+        for file_name, first, numel in self.pieces[name]:
+            a, b = max(start, first), min(end, first + numel)
+            if a < b:
+                self.file(file_name).read_into(tensor_key, flat[a - start : b - start], a - first)
+        if not direct:
+            out.copy_(flat.view(out.shape))
 
     def read(self, name: str, key: str | None) -> torch.Tensor:
+        """A parameter's master or state whole (pieces joined), shaped like the parameter;
+        a scalar state (``step``) from its first piece."""
         f, tensor_key = self._tensor_key(name, key)
-        return f.read(tensor_key)
+        spec = f.spec(tensor_key)
+        shape = self.params[name]["shape"]
+        if len(self.pieces[name]) == 1 or not spec.shape:
+            return f.read(tensor_key)
+        out = torch.empty(_prod(shape), dtype=spec.dtype)
+        self.read_into(name, key, out)
+        return out.view(shape)
 
     def state(self, name: str, groups_tensors: dict) -> dict:
         """A parameter's optimizer state as torch keeps it (tensors read whole)."""
@@ -520,8 +621,18 @@ def _load_plain(model: nn.Module, ckpt: _Checkpoint, optimizer, groups_tensors) 
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
+def _prod(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
 def _load_unit(unit: Unit, ckpt, names, optimizer, groups_tensors, buffers: _Buffers) -> None:
     entries = [(names[id(e.param)], e) for e in unit.entries]
+    if unit.shards is not None:
+        _load_shard(unit, entries, ckpt, optimizer)
+        return
     streamed = (
         optimizer.streamed_step_of(unit) if isinstance(optimizer, OffloadedOptimizer) else None
     )
@@ -639,3 +750,52 @@ def _segment_steps(unit: Unit, entries, ckpt: _Checkpoint) -> list[float] | None
                 best = max(best, float(ckpt.read(name, "step")))
         steps.append(best)
     return steps if any_state else None
+
+
+def _load_shard(unit: Unit, entries, ckpt: _Checkpoint, optimizer) -> None:
+    """A sharded unit: the master through ``edit_master`` (the whole unit, gathered from
+    every rank, so parameters the checkpoint lacks keep their values; this rank keeps its
+    shard), then this rank's range of each state, read straight from the pieces."""
+    with unit.edit_master() as full:
+        for name, e in entries:
+            if ckpt.has(name):
+                ckpt.read_into(name, None, full[e.offset : e.offset + e.numel])
+    if not isinstance(optimizer, OffloadedOptimizer) or not unit.trainable_numel:
+        return
+    streamed = optimizer.streamed_step_of(unit)
+    trainable = [(name, e) for name, e in entries if e.group is not None and ckpt.has(name)]
+    keys = list(dict.fromkeys(k for name, _ in trainable for k in ckpt.params[name]["states"]))
+    if not keys:  # saved before the first step: fresh states
+        optimizer.reset_unit_state(unit)
+        if streamed is not None:
+            streamed.mark_loaded(None)
+        return
+    start, numel = unit.shard_start, unit.trainable_numel
+    element_keys = [k for k in keys if k != "step"]
+    segments = optimizer.segment_states(unit, create=tuple(element_keys))
+    for key in element_keys:
+        local = torch.zeros(numel, dtype=torch.float32)
+        for name, e in trainable:
+            a, b = max(e.offset, start), min(e.offset + e.numel, start + numel)
+            if a < b and ckpt.has(name, key):
+                ckpt.read_into(name, key, local[a - start : b - start], a - e.offset)
+        if streamed is not None:
+            if key in streamed.states:
+                streamed.states[key].write_all(local)
+            continue
+        for segment in segments:
+            seg = segment["segment"]
+            segment["states"][key].copy_(local[seg.start : seg.end])
+    steps = []
+    for segment in segments:
+        seg = segment["segment"]
+        best = 0.0
+        for name, e in trainable:
+            inside = e.offset < seg.end + start and seg.start + start < e.offset + e.numel
+            if inside and ckpt.has(name, "step"):
+                best = max(best, float(ckpt.read(name, "step")))
+        steps.append(best)
+        if streamed is None and segment["step"] is not None:
+            segment["step"].fill_(best)
+    if streamed is not None:
+        streamed.mark_loaded(steps)
