@@ -40,3 +40,22 @@ def test_checkpoint_benchmark_prints_its_table(tmp_path):
     for row in ("hetstore.save", "hetstore.load", "hetstore.export_weights", "dcp.save"):
         assert f"| {row}" in out.stdout, out.stdout
     assert not list(tmp_path.iterdir())  # its files are removed
+
+
+def test_distributed_benchmark_prints_its_table(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "distributed.py"),
+            "--tiny",
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for placement in ("cpu", "disk"):
+        for ranks in (1, 2):
+            assert f"| {placement} | {ranks} |" in out.stdout
