@@ -11,6 +11,7 @@ from hetstore.dry_run import plan
 from hetstore.errors import (
     ConfigError,
     DiskIOError,
+    DistributedError,
     HetstoreError,
     OutOfDeviceMemory,
     OutOfTierMemory,
@@ -26,6 +27,7 @@ __all__ = [
     "OutOfDeviceMemory",
     "OutOfTierMemory",
     "DiskIOError",
+    "DistributedError",
     "HetstoreError",
     "memory_stats",
     "load_weights",
