@@ -64,7 +64,7 @@ def _broadcast(shards: ShardGroup, value):
             box, src=dist.get_global_rank(shards.group, 0), group=shards.group
         )
     except (RuntimeError, ValueError) as exc:
-        raise shards._fail("broadcast of the checkpoint's status", exc) from exc
+        raise shards.error("broadcast of the checkpoint's status", exc) from exc
     return box[0]
 
 
@@ -99,7 +99,7 @@ def gather_reports(
     try:
         dist.all_gather_object(reports, report, group=shards.group)
     except (RuntimeError, ValueError) as exc:
-        raise shards._fail("gathering the checkpoint's files", exc) from exc
+        raise shards.error("gathering the checkpoint's files", exc) from exc
     failed = [(rank, r[0]) for rank, r in enumerate(reports) if r[0] is not None]
     if failed:
         if shards.rank == 0:

@@ -737,13 +737,16 @@ def _fill(
 
 
 def _segment_steps(unit: Unit, entries, ckpt: _Checkpoint) -> list[float] | None:
-    """Each optimizer segment's step counter (the largest of its parameters'); None when
-    the checkpoint has no state for any parameter of the unit."""
+    """Each optimizer segment's step counter (the largest of the parameters in it, or
+    partly in it on a shard); None when the checkpoint has no state for any parameter of
+    the unit."""
     steps, any_state = [], False
+    start = unit.shard_start  # segments are in shard offsets, entries in full-layout ones
     for segment in unit.segments:
         best = 0.0
         for name, e in entries:
-            if not segment.start <= e.offset < segment.end or not ckpt.has(name):
+            inside = e.offset < segment.end + start and segment.start + start < e.offset + e.numel
+            if not inside or not ckpt.has(name):
                 continue
             any_state = any_state or bool(ckpt.params[name]["states"])
             if ckpt.has(name, "step"):
@@ -786,16 +789,10 @@ def _load_shard(unit: Unit, entries, ckpt: _Checkpoint, optimizer) -> None:
         for segment in segments:
             seg = segment["segment"]
             segment["states"][key].copy_(local[seg.start : seg.end])
-    steps = []
-    for segment in segments:
-        seg = segment["segment"]
-        best = 0.0
-        for name, e in trainable:
-            inside = e.offset < seg.end + start and seg.start + start < e.offset + e.numel
-            if inside and ckpt.has(name, "step"):
-                best = max(best, float(ckpt.read(name, "step")))
-        steps.append(best)
-        if streamed is None and segment["step"] is not None:
-            segment["step"].fill_(best)
+    steps = _segment_steps(unit, trainable, ckpt)
     if streamed is not None:
         streamed.mark_loaded(steps)
+        return
+    for segment, best in zip(segments, steps, strict=True):
+        if segment["step"] is not None:
+            segment["step"].fill_(best)

@@ -45,7 +45,8 @@ class ShardGroup:
         size = numel // self.world_size
         return self.rank * size, size
 
-    def _fail(self, what: str, exc: BaseException) -> DistributedError:
+    def error(self, what: str, exc: BaseException) -> DistributedError:
+        """The error to raise when collective ``what`` failed with ``exc``."""
         return DistributedError(
             f"rank {self.rank} of {self.world_size}: {what} failed ({type(exc).__name__}: "
             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}). Another rank "
@@ -59,7 +60,7 @@ class ShardGroup:
         try:
             _all_gather(out, shard, group=self.group)
         except (RuntimeError, ValueError) as exc:
-            raise self._fail(f"all-gather of {what}", exc) from exc
+            raise self.error(f"all-gather of {what}", exc) from exc
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, what: str) -> None:
         """``out`` = this rank's shard of the mean over ranks of ``full`` (changes ``full``).
@@ -71,7 +72,7 @@ class ShardGroup:
         try:
             _reduce_scatter(out, full, group=self.group)
         except (RuntimeError, ValueError) as exc:
-            raise self._fail(f"reduce-scatter of {what}", exc) from exc
+            raise self.error(f"reduce-scatter of {what}", exc) from exc
 
     def all_reduce(self, tensor: torch.Tensor, op: str, what: str) -> None:
         """In place, ``op`` one of 'sum', 'max'."""
@@ -79,14 +80,14 @@ class ShardGroup:
         try:
             dist.all_reduce(tensor, op=ops[op], group=self.group)
         except (RuntimeError, ValueError) as exc:
-            raise self._fail(f"all-reduce of {what}", exc) from exc
+            raise self.error(f"all-reduce of {what}", exc) from exc
 
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
         """Rank 0's ``tensor`` to every rank (in place)."""
         try:
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group)
         except (RuntimeError, ValueError) as exc:
-            raise self._fail(f"broadcast of {what}", exc) from exc
+            raise self.error(f"broadcast of {what}", exc) from exc
 
 
 # torch 2.13 renamed these (the old names are kept, deprecated); older torch lacks the new

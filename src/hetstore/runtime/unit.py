@@ -468,9 +468,7 @@ class Unit:
         runtime does so when a unit's backward is done). Afterwards every trainable entry
         counts as having a gradient: a rank cannot tell which parameters got one elsewhere.
         """
-        bucket = self._grad_bucket
-        if bucket is None:  # pragma: no cover - the runtime calls it only with a bucket
-            bucket = self._grad_bucket = self._new_grad_bucket(self.compute_dtype)
+        bucket = self._grad_bucket  # the runtime calls this only for units with a bucket
         try:
             shard = torch.empty(self.numel, dtype=bucket.dtype, device=self.device)
             self.shards.reduce_scatter_mean(shard, bucket, self._collective("the gradients"))
