@@ -20,6 +20,7 @@ from hetstore.planner.shapes import BatchGuard
 from hetstore.planner.tracer import model_data_trace, trace_model
 from hetstore.runtime.activations import ActivationHooks
 from hetstore.runtime.flat import DiskArray
+from hetstore.runtime.grads import GradContract
 from hetstore.runtime.hooks import OffloadRuntime
 from hetstore.runtime.materialize import materialize_module, owns_meta
 from hetstore.runtime.profiler import StepProfiler
@@ -192,6 +193,7 @@ def offload(
         )
         runtime.drop_grads_of(unoptimized)
     runtime.adopt(install_state_dict_hooks(model, unit_list))
+    runtime.adopt([GradContract(unit_list)])  # p.grad reads hetstore's gradient buffers
     model._hetstore_tiers = tiers
     model._hetstore_shards = shards
     model._hetstore_runtime = runtime

@@ -11,6 +11,7 @@ __all__ = [
     "OutOfDeviceMemory",
     "DiskIOError",
     "DistributedError",
+    "GradientAccessError",
 ]
 
 
@@ -59,3 +60,8 @@ class DistributedError(HetstoreError, RuntimeError):
     """A collective across ranks failed: another rank died, hung past the process
     group's timeout, or called a different collective. The message names this rank,
     the operation and the unit, and how to lengthen the timeout."""
+
+
+class GradientAccessError(HetstoreError, RuntimeError):
+    """``p.grad`` of a parameter whose gradient has no whole tensor to show (on disk, or
+    sharded over ranks). The message names the parameter and the way out."""

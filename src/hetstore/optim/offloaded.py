@@ -372,7 +372,7 @@ class OffloadedOptimizer(Optimizer):
                 for key, value in self._hyper(outer).items():
                     inner[key] = value
             unit_step.optimizer.step()
-            unit.refresh_from_master()
+            unit.refresh_after_step()
         self._resume_at = 0
         self._unscaled = False
         self._disk_grad_factors = []

@@ -19,10 +19,40 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from hetstore.errors import ConfigError
+from hetstore.runtime.grads import set_torch_grad, torch_grad
 from hetstore.runtime.profiler import StepProfiler
 from hetstore.runtime.unit import Unit
 
 __all__ = ["OffloadRuntime"]
+
+
+def _eager(hook):
+    """``hook``, never traced into a ``torch.compile`` graph (see OffloadRuntime)."""
+    return torch.compiler.disable(hook, recursive=True, reason=_COMPILE_REASON)
+
+
+_COMPILE_REASON = (
+    "hetstore: this hook moves an offloaded unit's parameters between tiers and must run "
+    "eagerly, so a torch.compile graph ends at every unit boundary. fullgraph=True cannot "
+    "hold an offloaded model or block: compile without it, or compile each block's forward "
+    "(block.forward = torch.compile(block.forward, fullgraph=True)), which leaves the "
+    "module's hooks outside the graph"
+)
+
+
+def _refuse_compiled_autograd() -> None:
+    """Compiled autograd traces backward hooks into a graph; hetstore's gradient moves
+    and fetches must run eagerly. Refused at the forward, before anything is traced."""
+    from torch._dynamo import compiled_autograd
+
+    if torch._dynamo.config.compiled_autograd or compiled_autograd.compiled_autograd_enabled:
+        raise ConfigError(
+            "torch.compile's compiled autograd (torch._dynamo.config.compiled_autograd=True "
+            "or compiled_autograd.enable) is not supported on an offloaded model: it would "
+            "trace hetstore's gradient hooks into the backward graph. Turn it off; "
+            "torch.compile of the model or of its blocks works without it"
+        )
 
 
 def _in_backward() -> bool:
@@ -63,27 +93,34 @@ class OffloadRuntime:
         self._order_done = False
         self._callback_task: int | None = None
         self._handles: list = []
-        self._untracked_params: list[nn.Parameter] = []
+        # units whose trainable gradients are in but whose frozen weights may still be
+        # needed later in this backward (see _release_finished_before)
+        self._awaiting_release: list[Unit] = []
 
+        # Every module hook runs eagerly, outside any torch.compile graph: it moves bytes
+        # and resizes storages, which a graph must never capture (Inductor cannot lower
+        # a storage resize, and a graph replayed later would skip the fetch). Dynamo
+        # breaks the graph at each hook, so a compiled block is one graph between them.
+        pre_hook, post_hook = model.register_forward_pre_hook, model.register_forward_hook
         if batch_guard is not None:  # first: it may change where activations go
-            self._handles.append(model.register_forward_pre_hook(self._check_batch))
+            self._handles.append(pre_hook(_eager(self._check_batch)))
         self.activations = activations
         if activations is not None:
             # first in, last out: the saved-tensor hooks cover the root's work too, and
             # always_call leaves them even when forward raises
-            self._handles.append(model.register_forward_pre_hook(self._enter_activations))
-            self._handles.append(
-                model.register_forward_hook(self._exit_activations, always_call=True)
-            )
-        self._handles.append(model.register_forward_pre_hook(self._model_pre_forward))
-        self._handles.append(model.register_forward_hook(self._model_post_forward))
+            self._handles.append(pre_hook(_eager(self._enter_activations)))
+            self._handles.append(post_hook(_eager(self._exit_activations), always_call=True))
+        self._handles.append(pre_hook(_eager(self._model_pre_forward)))
+        self._handles.append(post_hook(_eager(self._model_post_forward)))
         for unit in self.block_units:
             module = unit_modules[unit.index]
             self._handles.append(
-                module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
+                module.register_forward_pre_hook(_eager(lambda m, a, u=unit: self._pre_forward(u)))
             )
             self._handles.append(
-                module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
+                module.register_forward_hook(
+                    _eager(lambda m, a, out, u=unit: self._post_forward(u, out))
+                )
             )
         for unit in units:
             for entry in unit.trainable_entries:
@@ -104,7 +141,7 @@ class OffloadRuntime:
 
     @staticmethod
     def _drop_grad(param: nn.Parameter) -> None:
-        param.grad = None
+        set_torch_grad(param, None)
 
     # ------------------------------------------------------------------ forward
     def _check_batch(self, module, args) -> None:
@@ -124,6 +161,7 @@ class OffloadRuntime:
             self.profiler.switch(label)
 
     def _model_pre_forward(self, module, args) -> None:
+        _refuse_compiled_autograd()
         if not _in_backward():
             if self.profiler is not None:
                 self.profiler.step_begins()
@@ -180,6 +218,7 @@ class OffloadRuntime:
     # ------------------------------------------------------------------ backward
     def _pre_backward(self, unit: Unit) -> None:
         self._ensure_end_of_backward_callback()
+        self._release_finished_before(unit)
         self._mark("transfer")
         self._fetch(unit)
         self._prefetch_after(unit, step=-1)
@@ -189,17 +228,19 @@ class OffloadRuntime:
     def _grad_ready(self, unit: Unit, entry) -> None:
         self._ensure_end_of_backward_callback()
         param = entry.param
-        if param.grad is None:
+        grad = torch_grad(param)  # autograd's field; p.grad would read the unit's buffer
+        if grad is None:
             return
         device_tier = unit.tiers.device_tier
-        grad_bytes = param.grad.numel() * param.grad.element_size()
+        grad_bytes = grad.numel() * grad.element_size()
         label = f"grad in flight {unit.name}"
         # autograd allocated this gradient on the device: count it while it exists
         device_tier.reserve(grad_bytes, label)
         try:
-            unit.accumulate_grad(entry, param.grad)
+            unit.accumulate_grad(entry, grad)
         finally:
-            param.grad = None
+            set_torch_grad(param, None)
+            del grad
             device_tier.release(grad_bytes, label)
         unit.pending_grads -= 1
         if unit.pending_grads == 0:
@@ -208,8 +249,28 @@ class OffloadRuntime:
             if self.grad_stager is not None:
                 self.grad_stager.flush(unit)  # the write overlaps the next unit's backward
             if unit is not self.root:
-                unit.release()
+                if unit.has_untracked_params:
+                    # frozen weights may still be needed for the gradient of the unit's
+                    # input: released when backward moves to an earlier unit
+                    self._awaiting_release.append(unit)
+                else:
+                    unit.release()
                 self._mark((self._root_name, "backward"))
+
+    def _release_finished_before(self, unit: Unit) -> None:
+        """Backward reached ``unit``'s output: units after it in the forward order have
+        computed their input's gradient, so their frozen weights are no longer needed.
+        Release those whose trainable gradients are all in (and wholly frozen ones)."""
+        if unit not in self.order:
+            return
+        position = self.order.index(unit)
+        later = set(self.order[position + 1 :])
+        for other in self.block_units:
+            if other is unit or other not in later or not other.materialized:
+                continue
+            if other in self._awaiting_release or not other.trainable_entries:
+                other.release()
+        self._awaiting_release = [u for u in self._awaiting_release if u.materialized]
 
     def _ensure_end_of_backward_callback(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -222,6 +283,7 @@ class OffloadRuntime:
 
     def _end_of_backward(self) -> None:
         self._callback_task = None
+        self._awaiting_release = []
         for unit in self.units:  # sharded units some of whose parameters got no gradient
             if unit.has_grad_bucket:
                 unit.reduce_grads()

@@ -1,10 +1,11 @@
 """``model.state_dict()`` / ``load_state_dict()`` on an offloaded model.
 
 A released parameter has no storage, so neither reading nor copying into it is safe.
-Around both calls every managed parameter is pointed at its slice of the fp32 master
-(the source of truth): ``state_dict`` then returns the original keys and shapes at full
-precision, and ``load_state_dict`` writes straight into the master; afterwards the
-parameters go back to their device views and the compute-dtype copies are refreshed.
+Around both calls every managed parameter is pointed at its fp32 master value (the
+source of truth): ``state_dict`` then returns the original keys and shapes at full
+precision, each parameter in a storage of its own (a copy: tied parameters keep one),
+and ``load_state_dict`` writes straight into the master; afterwards the parameters go
+back to their device views and the compute-dtype copies are refreshed.
 A master on disk is read into a host copy for the call (and written back after a load):
 ``state_dict()`` of a model bigger than host memory cannot work, stream it instead.
 
@@ -27,18 +28,27 @@ class _MasterViews:
     def __init__(self, units: list[Unit]):
         self.units = units
         self.depth = 0
-        self.masters: list[torch.Tensor] = []
+        self.masters: list[torch.Tensor] | None = None
 
-    def enter(self) -> None:
+    def enter(self, for_load: bool) -> None:
+        """Point every parameter at its fp32 master value. For a load, views into the
+        unit's master, written back on exit; for a save, one tensor per parameter, so
+        no two state-dict entries share a storage unless the model ties them (tools that
+        take shared storage for tied weights -- accelerate's and safetensors' savers --
+        would otherwise drop or refuse entries)."""
         self.depth += 1
         if self.depth > 1:
             return
-        self.masters = [unit.full_master() for unit in self.units]
-        for unit, master in zip(self.units, self.masters, strict=True):
+        self.masters = [] if for_load else None
+        for unit in self.units:
+            master = unit.full_master()
+            if for_load:
+                self.masters.append(master)
             for e in unit.entries:
-                e.param.data = master[e.offset : e.offset + e.numel].view(e.shape)
+                value = master[e.offset : e.offset + e.numel].view(e.shape)
+                e.param.data = value if for_load else value.clone()
 
-    def exit(self, refresh: bool) -> None:
+    def exit(self) -> None:
         self.depth -= 1
         if self.depth > 0:
             return
@@ -51,8 +61,8 @@ class _MasterViews:
                 e.param.data = unit.device_flat[e.offset : e.offset + e.numel].view(e.shape)
             if not live:
                 storage.resize_(0)
-        masters, self.masters = self.masters, []
-        if refresh:
+        masters, self.masters = self.masters, None
+        if masters is not None:  # a load: the changed masters become the source of truth
             for unit, master in zip(self.units, masters, strict=True):
                 unit.store_full_master(master)
 
@@ -61,19 +71,19 @@ def install_state_dict_hooks(model: nn.Module, units: list[Unit]) -> list:
     views = _MasterViews(units)
 
     def before_save(module, prefix, keep_vars):
-        views.enter()
+        views.enter(for_load=False)
 
     def after_save(module, state_dict, prefix, local_metadata):
-        views.exit(refresh=False)
+        views.exit()
 
     def before_load(
         module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
     ):
-        views.enter()
+        views.enter(for_load=True)
 
     def after_load(module, incompatible_keys):
         with torch.no_grad():
-            views.exit(refresh=True)
+            views.exit()
 
     # On every module, not just the root: a user may call ``model.blocks[0].state_dict()``,
     # and its parameters have no storage outside their unit's use. The depth counter in

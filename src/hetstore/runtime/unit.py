@@ -113,6 +113,13 @@ class Unit:
             offset += param.numel()
         # fixed from here on; read on every step and backward, so computed once
         self.trainable_entries = [e for e in self.entries if e.group is not None]
+        # parameters autograd may still read after the unit's gradients are in (frozen
+        # ones, or trainable ones outside the optimizer): their release waits for backward
+        # to leave the unit (runtime.hooks)
+        self.has_untracked_params = len(self.trainable_entries) < len(self.entries)
+        # where those begin in the layout (a segment start, so ALIGN_ELEMENTS-aligned):
+        # a step rewrites the compute-dtype copies of [0, frozen_start) only
+        self.frozen_start = next((e.offset for e in self.entries if e.group is None), offset)
         full_segments: list[Segment] = []
         for entry in self.entries:
             if entry.group is None:
@@ -419,6 +426,42 @@ class Unit:
         self.device_flat.untyped_storage().resize_(0)
         self.tiers.device_tier.release(self.device_bytes, self._label("params"))
         self.materialized = False
+
+    def refresh_after_step(self) -> None:
+        """After the optimizer changed an in-memory master: update the compute-dtype
+        copies of the *trainable* parameters only. Frozen parameters sit after them in
+        the layout (from an aligned offset) and never change, so a LoRA model's frozen
+        base on disk is read by fetches and never rewritten by a step.
+
+        A disk ``home`` is rewritten in place, not through a shadow: ``home_stale`` says
+        it may be half-written until the write is done, and a fetch of a stale unit
+        rebuilds it whole from the master (which is intact)."""
+        head = self.frozen_start
+        if head >= self.numel or self.shards is not None:
+            self.refresh_from_master()
+            return
+        if self.param_stager is not None:
+            self.param_stager.forget(self)  # a prefetch must not race the in-place write
+        master = self.master[:head]
+        with torch.no_grad():
+            if isinstance(self.home, DiskArray):
+                if self.home is not self.master:
+                    self._write_home_prefix(master)
+            elif self.home is not self.master:
+                self.home[:head].copy_(master)
+            if self.materialized and self.device_flat is not self.home:
+                self.device_flat[:head].copy_(master)
+
+    def _write_home_prefix(self, master: torch.Tensor) -> None:
+        self.home_stale = True
+        staged = self.scratch(master.numel(), self.compute_dtype, "params scratch")
+        try:
+            staged.tensor.copy_(master)
+            self.home.write(staged.tensor, 0)
+            self.home.wait_writes()
+        finally:
+            self.tiers.host.free(staged)
+        self.home_stale = False
 
     def refresh_from_master(self) -> None:
         """After ``master`` changed: update the compute-dtype copies (a disk ``home`` is

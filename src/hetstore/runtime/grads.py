@@ -1,0 +1,155 @@
+"""The plain-PyTorch gradient contract: ``p.grad`` of a managed parameter *is* hetstore's.
+
+hetstore moves each gradient out of autograd's ``p.grad`` into its unit's fp32 gradient
+buffer as soon as it is complete (the seed's "move, don't clone"), so that the device
+never holds a model's worth of gradients. Code that reads or writes gradients through
+torch's own API -- ``model.zero_grad()``, ``torch.nn.utils.clip_grad_norm_`` /
+``clip_grad_value_``, Trainer's and accelerate's clipping and grad-norm logging, a
+user's gradient-noise hook -- must see that buffer, or it silently does nothing.
+
+Why this mechanism (the choices weighed):
+
+- FSDP2 registers the *offloaded* tensor as the module's ``nn.Parameter`` and swaps the
+  compute tensor in around forward and backward, so ``p.grad`` lives where the master
+  lives. That changes what ``model.parameters()`` returns between phases and has no
+  tensor to register when the master is on disk.
+- torchao keeps host copies in ``p.grad``. torch only accepts a ``.grad`` of the
+  parameter's own dtype and device, which a bf16 parameter with an fp32 gradient, or a
+  GPU parameter with a host gradient, is not.
+- Chosen: each managed parameter's class becomes a subclass of its own class (the
+  in-place class change ``torch.nn.UninitializedParameter.materialize`` does) whose
+  ``grad`` property reads and writes the unit's buffer. Autograd's engine keeps using the
+  C++ field, which the runtime empties as it moves each gradient out; Python readers get a
+  view of the fp32 buffer on the gradient tier's device, and in-place changes through it
+  (clipping's scale, ``zero_()``) land in the buffer. Nothing runs unless someone touches
+  ``.grad``: the step pays nothing. Gradients on disk, or sharded over ranks, have no
+  whole tensor to show: reading them raises :class:`GradientAccessError` naming the way
+  out, never a silent ``None``.
+
+Each model gets its own subclasses (made by :class:`GradContract`), so the property
+finds that model's units without any global registry or attribute on the parameter.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from hetstore.errors import GradientAccessError
+from hetstore.runtime.flat import DiskArray
+
+if TYPE_CHECKING:
+    from hetstore.runtime.unit import ParamEntry, Unit
+
+__all__ = ["GradContract", "torch_grad", "set_torch_grad"]
+
+# autograd's own gradient field, below the property a managed parameter's class adds
+_TORCH_GRAD = torch._C.TensorBase.grad
+
+
+def torch_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """Autograd's ``.grad`` of ``param`` (what AccumulateGrad wrote), bypassing the contract."""
+    return _TORCH_GRAD.__get__(param)
+
+
+def set_torch_grad(param: torch.Tensor, value: torch.Tensor | None) -> None:
+    _TORCH_GRAD.__set__(param, value)
+
+
+class GradContract:
+    """Makes ``p.grad`` of every managed parameter of one model read and write its
+    unit's gradient buffer; :meth:`remove` gives the parameters their classes back."""
+
+    def __init__(self, units: list[Unit]):
+        self._where: dict[int, tuple[Unit, ParamEntry]] = {}
+        self._classes: dict[type, type] = {}
+        self._swapped: list[tuple[nn.Parameter, type]] = []
+        for unit in units:
+            for entry in unit.entries:
+                param = entry.param
+                self._where[id(param)] = (unit, entry)
+                base = type(param)
+                self._swapped.append((param, base))
+                param.__class__ = self._managed_class(base)
+
+    def _managed_class(self, base: type) -> type:
+        cls = self._classes.get(base)
+        if cls is None:
+            contract = self
+
+            def read(param):
+                own = _TORCH_GRAD.__get__(param)  # mid-backward, before the move
+                return own if own is not None else contract.read(param)
+
+            def write(param, value):
+                contract.write(param, value)
+
+            cls = type(
+                base.__name__,
+                (base,),
+                {
+                    "__module__": __name__,
+                    "__doc__": base.__doc__,
+                    "grad": property(read, write, doc="The gradient, held by hetstore."),
+                },
+            )
+            self._classes[base] = cls
+        return cls
+
+    # ------------------------------------------------------------------ the property
+    def read(self, param: nn.Parameter) -> torch.Tensor | None:
+        where = self._where.get(id(param))
+        if where is None:
+            return None
+        unit, entry = where
+        if entry.group is None or not entry.has_grad:
+            return None  # frozen, not optimized, or no gradient since the last clear
+        return self._view(unit, entry, "read")
+
+    def write(self, param: nn.Parameter, value: torch.Tensor | None) -> None:
+        where = self._where.get(id(param))
+        if where is None or where[1].group is None:
+            _TORCH_GRAD.__set__(param, value)
+            return
+        unit, entry = where
+        if value is None:
+            _TORCH_GRAD.__set__(param, None)
+            entry.has_grad = False  # what model.zero_grad() does: the next backward copies
+            return
+        if tuple(value.shape) != tuple(entry.shape):
+            raise RuntimeError(
+                f"assigned grad has shape {tuple(value.shape)}, but parameter "
+                f"{entry.name!r} has shape {tuple(entry.shape)}"
+            )
+        with torch.no_grad():
+            self._view(unit, entry, "write").copy_(value)
+        entry.has_grad = True
+
+    @staticmethod
+    def _view(unit: Unit, entry: ParamEntry, verb: str) -> torch.Tensor:
+        if unit.shards is not None:
+            raise GradientAccessError(
+                f"cannot {verb} the .grad of {entry.name!r}: its unit is sharded over "
+                f"{unit.shards.world_size} ranks, so each rank holds 1/{unit.shards.world_size} "
+                "of the gradient. Clip with optimizer.clip_grad_norm_(max_norm) (all ranks), "
+                "clear with optimizer.zero_grad()"
+            )
+        if isinstance(unit.grad, DiskArray):
+            raise GradientAccessError(
+                f"cannot {verb} the .grad of {entry.name!r}: its gradient lives on disk "
+                f"(unit {unit.name!r}, offload_grad='disk'), where no tensor can stand for it. "
+                "Clip with optimizer.clip_grad_norm_(max_norm) and clear with "
+                "optimizer.zero_grad(), or set offload_grad='cpu' to keep gradients in host "
+                "memory, where torch's gradient APIs (model.zero_grad(), "
+                "torch.nn.utils.clip_grad_norm_, p.grad) work"
+            )
+        return unit.grad[entry.offset : entry.offset + entry.numel].view(entry.shape)
+
+    # ------------------------------------------------------------------ lifetime
+    def remove(self) -> None:
+        for param, base in self._swapped:
+            param.__class__ = base
+        self._swapped.clear()
+        self._where.clear()

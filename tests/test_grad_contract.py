@@ -1,0 +1,153 @@
+"""torch's own gradient APIs see hetstore's gradients (runtime/grads.py).
+
+Every comparison is against plain PyTorch on the same seed with torch's fused AdamW. The
+offloaded gradients are the same fp32 sums in the same order as autograd's ``.grad``
+(moved, not recomputed), so gradients, norms and weights are compared bitwise (TIGHT is
+fp32 round-off; measured: equal).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hetstore
+from hetstore import GradientAccessError, OffloadConfig
+from tests.models.gpt import GPT, batches
+from tests.test_host_offload import TIGHT, adamw, assert_same_weights, config, pair
+
+ALL_MEMORY = [("none", "none"), ("cpu", "none"), ("none", "cpu"), ("cpu", "cpu")]
+
+
+def offloaded_pair(cfg):
+    ref, mine = pair(GPT)
+    ref_opt = adamw(ref.parameters())
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
+    return ref, ref_opt, mine, opt
+
+
+@pytest.mark.parametrize("param, optim", ALL_MEMORY)
+def test_model_zero_grad_clears_like_torch(param, optim):
+    """HF Trainer's loop: optimizer.step() then model.zero_grad(). Without the contract
+    every step's gradient was added into all later steps."""
+    ref, ref_opt, mine, opt = offloaded_pair(config(param, optim))
+    losses = {}
+    for name, model, optimizer in (("ref", ref, ref_opt), ("mine", mine, opt)):
+        losses[name] = []
+        for x, y in batches(5):
+            loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            model.zero_grad()
+            losses[name].append(loss.item())
+        assert all(p.grad is None for p in model.parameters())
+    torch.testing.assert_close(losses["mine"], losses["ref"], **TIGHT)
+    assert_same_weights(ref, mine)
+
+
+def test_zero_grad_set_to_none_false_zeroes_in_place():
+    ref, ref_opt, mine, opt = offloaded_pair(config())
+    for model, optimizer in ((ref, ref_opt), (mine, opt)):
+        for x, y in batches(4):
+            model(x, y).backward()
+            optimizer.step()
+            model.zero_grad(set_to_none=False)
+            assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
+    assert_same_weights(ref, mine)
+
+
+@pytest.mark.parametrize("param, optim", ALL_MEMORY)
+def test_p_grad_after_backward_is_the_gradient(param, optim):
+    ref, _, mine, _ = offloaded_pair(config(param, optim))
+    for x, y in batches(2):  # two micro-batches: accumulated like autograd's .grad
+        ref(x, y).backward()
+        mine(x, y).backward()
+    ref_grads = dict(ref.named_parameters())
+    for name, p in mine.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, **TIGHT, msg=name)
+
+
+@pytest.mark.parametrize("param, optim", ALL_MEMORY)
+def test_torch_clip_grad_norm_matches_and_clips(param, optim):
+    ref, ref_opt, mine, opt = offloaded_pair(config(param, optim))
+    norms = {"ref": [], "mine": []}
+    for name, model, optimizer in (("ref", ref, ref_opt), ("mine", mine, opt)):
+        for x, y in batches(4):
+            model(x, y).backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            norms[name].append(float(norm))
+            optimizer.step()
+            optimizer.zero_grad()
+    assert all(n > 0.5 for n in norms["ref"]), "the clip must be active to mean anything"
+    assert norms["mine"] == norms["ref"]
+    assert_same_weights(ref, mine)
+
+
+def test_torch_clip_grad_value_matches():
+    ref, ref_opt, mine, opt = offloaded_pair(config())
+    for model, optimizer in ((ref, ref_opt), (mine, opt)):
+        for x, y in batches(3):
+            model(x, y).backward()
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_same_weights(ref, mine)
+
+
+def test_assigning_p_grad_is_what_the_step_uses():
+    """Gradient noise / custom gradients written through p.grad reach the step."""
+    ref, ref_opt, mine, opt = offloaded_pair(config())
+    for model, optimizer in ((ref, ref_opt), (mine, opt)):
+        x, y = batches(1)[0]
+        model(x, y).backward()
+        for p in model.parameters():
+            p.grad = p.grad * 0.5 + 1e-3
+        optimizer.step()
+    assert_same_weights(ref, mine)
+    with pytest.raises(RuntimeError, match="shape"):
+        mine.blocks[0].fc.weight.grad = torch.zeros(3)
+
+
+def test_managed_parameters_stay_parameters_and_come_back():
+    _, _, mine, _ = offloaded_pair(config())
+    p = mine.blocks[0].fc.weight
+    assert isinstance(p, torch.nn.Parameter) and type(p).__name__ == "Parameter"
+    mine._hetstore_runtime.remove()
+    assert type(p) is torch.nn.Parameter
+
+
+def test_disk_gradients_refuse_torch_readers_with_the_way_out():
+    cfg = OffloadConfig(
+        offload_param="cpu", offload_optimizer="disk", enable_pinned_mem=False, device="cpu"
+    )
+    _, _, mine, opt = offloaded_pair(cfg)
+    assert all(p.grad is None for p in mine.parameters())  # nothing held: nothing to refuse
+    x, y = batches(1)[0]
+    mine(x, y).backward()
+    with pytest.raises(GradientAccessError, match="offload_grad='cpu'"):
+        torch.nn.utils.clip_grad_norm_(mine.parameters(), 1.0)
+    with pytest.raises(GradientAccessError, match="optimizer.zero_grad"):
+        mine.zero_grad()
+    opt.zero_grad()
+    assert all(p.grad is None for p in mine.parameters())
+
+
+def test_disk_optimizer_with_host_gradients_keeps_the_contract():
+    cfg = OffloadConfig(
+        offload_param="disk",
+        offload_optimizer="disk",
+        offload_grad="cpu",
+        enable_pinned_mem=False,
+        device="cpu",
+    )
+    ref, ref_opt, mine, opt = offloaded_pair(cfg)
+    norms = {"ref": [], "mine": []}
+    for name, model, optimizer in (("ref", ref, ref_opt), ("mine", mine, opt)):
+        for x, y in batches(3):
+            model(x, y).backward()
+            norms[name].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+            optimizer.step()
+            model.zero_grad()
+    assert norms["mine"] == norms["ref"]
+    assert_same_weights(ref, mine)
