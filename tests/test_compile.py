@@ -4,7 +4,9 @@ Regional compilation (each block compiled) gives the same graphs as plain PyTorc
 compiled blocks -- the hooks run eagerly at the block's edges -- so the losses and weights
 are compared at fp32 round-off (TIGHT; measured equal). Compiling the whole model splits
 the graph at every unit boundary where plain PyTorch fuses across blocks, so Inductor may
-order a reduction differently: losses within 1e-5 relative (measured ~1e-7).
+order a reduction differently: losses within 1e-5 relative (measured: equal), weights
+within 2e-4 absolute (measured 4e-5; plain compiled and plain eager PyTorch differ by
+8e-5 on the same run: Adam turns round-off in near-zero gradients into weight steps).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def test_whole_model_compile_trains_like_compiled_pytorch():
     mine, opt = hetstore.offload(mine, adamw(mine.parameters()), config())
     losses = train(torch.compile(mine), opt, batches(3))
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
-    assert_same_weights(ref, mine, rtol=1e-4, atol=1e-6)
+    assert_same_weights(ref, mine, rtol=0, atol=2e-4)
 
 
 def test_fullgraph_is_refused_naming_the_way_out():

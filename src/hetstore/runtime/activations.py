@@ -310,7 +310,11 @@ class ActivationHooks:
             self._groups = [[]]
             self._prefetched = set()
             self._current = self.tier_of("root")
-            self._context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            # eager, never inlined into a torch.compile graph: packing moves bytes and
+            # counts them, which a graph would replay wrongly or not at all
+            self._context = torch.autograd.graph.saved_tensors_hooks(
+                torch.compiler.disable(self.pack), torch.compiler.disable(self.unpack)
+            )
             self._context.__enter__()
 
     def exit(self) -> None:
