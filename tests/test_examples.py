@@ -111,3 +111,13 @@ def test_hf_transformers_without_transformers_says_what_to_install():
     assert out.stdout.strip().splitlines() == [
         "this example needs transformers: pip install hetstore[hf]"
     ]
+
+
+def test_lora_llama_reads_the_frozen_base_and_writes_only_adapters():
+    text = run_example("lora_llama.py", "--tiny", "--steps", "2")
+    rows = re.findall(r"^\s+\d+\s+([\d.]+)\s+[\d.]+\s+([\d.]+ \w+)\s+([\d.]+ \w+)$", text, re.M)
+    assert len(rows) == 2, text
+    assert "peaks: device" in text
+    # every step reads the base and writes far less than it reads (the adapters only)
+    read, written = rows[-1][1], rows[-1][2]
+    assert "KiB" in written and read != written
