@@ -151,3 +151,30 @@ def test_disk_optimizer_with_host_gradients_keeps_the_contract():
             model.zero_grad()
     assert norms["mine"] == norms["ref"]
     assert_same_weights(ref, mine)
+
+
+@pytest.mark.cuda
+def test_cuda_parameters_with_host_gradients_keep_the_contract():
+    """The GPU shape of the contract: parameters on the device, fp32 gradients in host
+    memory. torch would refuse a CPU tensor as a CUDA parameter's .grad; the property
+    hands clip_grad_norm_ host views, which it groups by device. Norms are summed on the
+    CPU here and on the GPU in the reference: compared at 1e-5 relative."""
+    cfg = OffloadConfig(offload_param="cpu", offload_optimizer="cpu", device="cuda")
+    torch.manual_seed(0)
+    ref = GPT().cuda()
+    mine = GPT()
+    mine.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
+    for x, y in batches(3):
+        ref(x.cuda(), y.cuda()).backward()
+        mine(x.cuda(), y.cuda()).backward()
+        assert mine.blocks[0].fc.weight.grad.device.type == "cpu"
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        got = torch.nn.utils.clip_grad_norm_(mine.parameters(), 0.5)
+        torch.testing.assert_close(float(got), float(want), rtol=1e-5, atol=0)
+        ref_opt.step()
+        opt.step()
+        ref.zero_grad()
+        mine.zero_grad()
+        assert all(p.grad is None for p in mine.parameters())
