@@ -46,7 +46,8 @@ def _refuse_compiled_autograd() -> None:
     and fetches must run eagerly. Refused at the forward, before anything is traced."""
     from torch._dynamo import compiled_autograd
 
-    if torch._dynamo.config.compiled_autograd or compiled_autograd.compiled_autograd_enabled:
+    configured = getattr(torch._dynamo.config, "compiled_autograd", False)
+    if configured or getattr(compiled_autograd, "compiled_autograd_enabled", False):
         raise ConfigError(
             "torch.compile's compiled autograd (torch._dynamo.config.compiled_autograd=True "
             "or compiled_autograd.enable) is not supported on an offloaded model: it would "
