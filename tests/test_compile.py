@@ -20,6 +20,7 @@ import hetstore
 from hetstore import ConfigError
 from tests.models.gpt import GPT, batches
 from tests.test_host_offload import TIGHT, adamw, assert_same_weights, config
+from tests.test_load_weights import train
 
 
 @pytest.fixture(autouse=True)
@@ -27,17 +28,6 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def train(model, optimizer, data):
-    losses = []
-    for x, y in data:
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def pair():

@@ -15,10 +15,10 @@ import torch
 import hetstore
 from hetstore import OffloadConfig
 from tests.models.gpt import GPT, batches
+from tests.test_hf_models import build, llama
 from tests.test_host_offload import TIGHT, assert_same_weights
 
 peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
 
 PLACEMENTS = ["none", "cpu", "disk"]
 
@@ -40,17 +40,9 @@ def trainable_adamw(model):
 
 
 def tiny_llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
+    cfg = llama()
+    cfg.num_hidden_layers = 3
+    return build(cfg)
 
 
 def lora(model):

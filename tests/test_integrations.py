@@ -13,6 +13,7 @@ import torch
 
 import hetstore
 from hetstore import OffloadConfig
+from tests.test_hf_models import build, llama
 from tests.test_host_offload import TIGHT, assert_same_weights
 
 transformers = pytest.importorskip("transformers")
@@ -28,17 +29,7 @@ def config(param="cpu"):
 
 
 def tiny_llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
+    return build(llama())
 
 
 def adamw(model, lr=1e-2):

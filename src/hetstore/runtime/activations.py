@@ -274,6 +274,9 @@ class ActivationHooks:
         self._records: dict[tuple[int, int], tuple[StorageWeakRef, _Storage]] = {}
         self._counted: dict[int, tuple[StorageWeakRef, _Counted]] = {}
         self._context = None
+        # eager, never inlined into a torch.compile graph: packing moves bytes and counts
+        # them, which a graph would replay wrongly or not at all
+        self._eager_hooks = (torch.compiler.disable(self.pack), torch.compiler.disable(self.unpack))
         self._current = tier  # tier of the region forward is in
         # groups of the last forward, as weak references: autograd owns the records
         self._groups: list[list[weakref.ref]] = []
@@ -310,11 +313,7 @@ class ActivationHooks:
             self._groups = [[]]
             self._prefetched = set()
             self._current = self.tier_of("root")
-            # eager, never inlined into a torch.compile graph: packing moves bytes and
-            # counts them, which a graph would replay wrongly or not at all
-            self._context = torch.autograd.graph.saved_tensors_hooks(
-                torch.compiler.disable(self.pack), torch.compiler.disable(self.unpack)
-            )
+            self._context = torch.autograd.graph.saved_tensors_hooks(*self._eager_hooks)
             self._context.__enter__()
 
     def exit(self) -> None:

@@ -77,29 +77,17 @@ class GradContract:
     def _managed_class(self, base: type) -> type:
         cls = self._classes.get(base)
         if cls is None:
-            contract = self
-
-            def read(param):
-                own = _TORCH_GRAD.__get__(param)  # mid-backward, before the move
-                return own if own is not None else contract.read(param)
-
-            def write(param, value):
-                contract.write(param, value)
-
-            cls = type(
-                base.__name__,
-                (base,),
-                {
-                    "__module__": __name__,
-                    "__doc__": base.__doc__,
-                    "grad": property(read, write, doc="The gradient, held by hetstore."),
-                },
-            )
+            grad = property(self.read, self.write, doc="The gradient, held by hetstore.")
+            namespace = {"__module__": __name__, "__doc__": base.__doc__, "grad": grad}
+            cls = type(base.__name__, (base,), namespace)
             self._classes[base] = cls
         return cls
 
     # ------------------------------------------------------------------ the property
     def read(self, param: nn.Parameter) -> torch.Tensor | None:
+        own = torch_grad(param)  # mid-backward, before the runtime moves it out
+        if own is not None:
+            return own
         where = self._where.get(id(param))
         if where is None:
             return None
@@ -111,11 +99,11 @@ class GradContract:
     def write(self, param: nn.Parameter, value: torch.Tensor | None) -> None:
         where = self._where.get(id(param))
         if where is None or where[1].group is None:
-            _TORCH_GRAD.__set__(param, value)
+            set_torch_grad(param, value)
             return
         unit, entry = where
         if value is None:
-            _TORCH_GRAD.__set__(param, None)
+            set_torch_grad(param, None)
             entry.has_grad = False  # what model.zero_grad() does: the next backward copies
             return
         if tuple(value.shape) != tuple(entry.shape):

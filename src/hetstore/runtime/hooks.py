@@ -97,6 +97,7 @@ class OffloadRuntime:
         # units whose trainable gradients are in but whose frozen weights may still be
         # needed later in this backward (see _release_finished_before)
         self._awaiting_release: list[Unit] = []
+        self._any_frozen = any(u.has_untracked_params for u in self.block_units)
 
         # Every module hook runs eagerly, outside any torch.compile graph: it moves bytes
         # and resizes storages, which a graph must never capture (Inductor cannot lower
@@ -262,12 +263,10 @@ class OffloadRuntime:
         """Backward reached ``unit``'s output: units after it in the forward order have
         computed their input's gradient, so their frozen weights are no longer needed.
         Release those whose trainable gradients are all in (and wholly frozen ones)."""
-        if unit not in self.order:
+        if not self._any_frozen or unit not in self.order:
             return
-        position = self.order.index(unit)
-        later = set(self.order[position + 1 :])
-        for other in self.block_units:
-            if other is unit or other not in later or not other.materialized:
+        for other in self.order[self.order.index(unit) + 1 :]:
+            if not other.materialized or not other.has_untracked_params:
                 continue
             if other in self._awaiting_release or not other.trainable_entries:
                 other.release()

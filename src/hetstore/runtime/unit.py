@@ -331,32 +331,42 @@ class Unit:
             self._store_shard(full[self.shard_start : self.shard_start + self.numel])
 
     def _sync_home(self, master: torch.Tensor) -> None:
-        """Make ``home`` (and a materialized device copy) equal ``master``, cast."""
+        """Make ``home`` (and a materialized device copy) equal ``master``, cast.
+        ``master`` may be a prefix of the layout (the trainable head after a step, see
+        :meth:`refresh_after_step`): only that much is rewritten."""
+        if self.param_stager is not None:
+            self.param_stager.forget(self)  # a staged read must not race a rewrite in place
+        n = master.numel()
         with torch.no_grad():
             if isinstance(self.home, DiskArray):
                 if self.home is not self.master:
                     self._write_home(master)
-            elif self.home is not master:
-                self.home.copy_(master)
+            elif self.home.data_ptr() != master.data_ptr():  # else home is the master
+                self.home[:n].copy_(master)
             if self.materialized and self.shards is not None:
                 self.release()  # the next fetch gathers every rank's new shard
             elif self.materialized and self.device_flat is not self.home:
-                self.device_flat.copy_(master)
-        if self.param_stager is not None:
-            self.param_stager.forget(self)
+                self.device_flat[:n].copy_(master)
 
     def _write_home(self, master: torch.Tensor) -> None:
-        """Write ``master`` cast to the compute dtype into the disk ``home``, atomically
-        (into a shadow region, committed only when complete)."""
+        """Write ``master`` cast to the compute dtype into the disk ``home``. The whole
+        layout goes into a shadow region, committed only when complete; a prefix (the
+        trainable head: the frozen tail after it never changes) is written in place.
+        Either way ``home_stale`` is set until the write is done, and a fetch of a stale
+        unit rebuilds the home whole from the master."""
         self.home_stale = True
-        staged = self.scratch(self.numel, self.compute_dtype, "params scratch")
-        shadow = self.home.shadow()
+        staged = self.scratch(master.numel(), self.compute_dtype, "params scratch")
+        shadow = self.home.shadow() if master.numel() == self.numel else None
         try:
             staged.tensor.copy_(master)
             self.home.write(staged.tensor, 0, into=shadow)
-            self.home.commit(shadow)
+            if shadow is None:
+                self.home.wait_writes()
+            else:
+                self.home.commit(shadow)
         except BaseException:
-            shadow.discard()
+            if shadow is not None:
+                shadow.discard()
             raise
         finally:
             self.tiers.host.free(staged)
@@ -428,40 +438,14 @@ class Unit:
         self.materialized = False
 
     def refresh_after_step(self) -> None:
-        """After the optimizer changed an in-memory master: update the compute-dtype
-        copies of the *trainable* parameters only. Frozen parameters sit after them in
-        the layout (from an aligned offset) and never change, so a LoRA model's frozen
-        base on disk is read by fetches and never rewritten by a step.
-
-        A disk ``home`` is rewritten in place, not through a shadow: ``home_stale`` says
-        it may be half-written until the write is done, and a fetch of a stale unit
-        rebuilds it whole from the master (which is intact)."""
-        head = self.frozen_start
-        if head >= self.numel or self.shards is not None:
+        """After the optimizer changed an in-memory master: refresh the compute-dtype
+        copies of the trainable head ``[0, frozen_start)`` only. Frozen parameters sit
+        after it (from an aligned offset) and never change, so a LoRA model's frozen base
+        on disk is read by fetches and never rewritten by a step."""
+        if self.shards is not None:  # frozen_start is a full-layout offset, not a shard's
             self.refresh_from_master()
-            return
-        if self.param_stager is not None:
-            self.param_stager.forget(self)  # a prefetch must not race the in-place write
-        master = self.master[:head]
-        with torch.no_grad():
-            if isinstance(self.home, DiskArray):
-                if self.home is not self.master:
-                    self._write_home_prefix(master)
-            elif self.home is not self.master:
-                self.home[:head].copy_(master)
-            if self.materialized and self.device_flat is not self.home:
-                self.device_flat[:head].copy_(master)
-
-    def _write_home_prefix(self, master: torch.Tensor) -> None:
-        self.home_stale = True
-        staged = self.scratch(master.numel(), self.compute_dtype, "params scratch")
-        try:
-            staged.tensor.copy_(master)
-            self.home.write(staged.tensor, 0)
-            self.home.wait_writes()
-        finally:
-            self.tiers.host.free(staged)
-        self.home_stale = False
+        else:
+            self._sync_home(self.master[: self.frozen_start])
 
     def refresh_from_master(self) -> None:
         """After ``master`` changed: update the compute-dtype copies (a disk ``home`` is
