@@ -98,6 +98,9 @@ def worker(args) -> None:
         "params": sum(p.numel() for p in model.parameters()),
     }
     Path(args.report).with_suffix(f".rank{rank}.json").write_text(json.dumps(report))
+    # free the model (and its hold on the process group) before the group goes: a gloo
+    # group destroyed during interpreter shutdown can abort the process
+    hetstore.release(model)
     dist.destroy_process_group()
 
 

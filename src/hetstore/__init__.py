@@ -17,12 +17,15 @@ from hetstore.errors import (
     OutOfDeviceMemory,
     OutOfTierMemory,
 )
+from hetstore.lifetime import offloaded, release
 from hetstore.planner import Plan, Trace
 from hetstore.stats import memory_stats
 from hetstore.weights import load_weights
 
 __all__ = [
     "offload",
+    "offloaded",
+    "release",
     "OffloadConfig",
     "ConfigError",
     "OutOfDeviceMemory",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -81,6 +82,11 @@ def offload(
         raise ConfigError(f"config must be a hetstore.OffloadConfig, got {type(config).__name__}")
     if getattr(model, "_hetstore_runtime", None) is not None:
         raise ConfigError("this model was already passed to hetstore.offload()")
+    if getattr(model, "_hetstore_released", False):
+        raise ConfigError(
+            "this model was released by hetstore.release() and its weights freed; build a "
+            "new model to offload"
+        )
     if optimizer is not None and config.offload_optimizer == "disk" and not config.auto_offload:
         _check_streamable(optimizer)
     device = config.resolved_device()
@@ -225,6 +231,7 @@ def offload(
         )
         # the user's optimizer held the original parameters; its state is meaningless now
         optimizer.state.clear()
+        runtime.optimizer = weakref.ref(wrapped)  # hetstore.release(model) releases it too
     return model, wrapped
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import sys
 import time
@@ -273,6 +274,9 @@ def main() -> None:
         run_checkpoint(args.out, args.offload_path)
     for name in args.scenario:
         run_scenario(name, args.out, args.offload_path)
+    # the scenarios' models are unreferenced now; collecting them frees their tiers and
+    # their hold on the process group before it is destroyed (hetstore.lifetime)
+    gc.collect()
     dist.destroy_process_group()
 
 

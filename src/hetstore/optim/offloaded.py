@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch.optim import Optimizer
 
+from hetstore.errors import ConfigError
 from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.streamed import StreamedUnitStep, state_keys_for
 from hetstore.runtime.flat import DiskArray, DiskSlice
@@ -93,6 +94,24 @@ class OffloadedOptimizer(Optimizer):
         # factors (unscale, clip) still to apply to on-disk gradients, in order
         self._disk_grad_factors: list = []
         self._resume_at = 0  # index into _unit_steps where an interrupted step goes on
+        self._released = False  # hetstore.release(model) freed the units' buffers
+
+    # ------------------------------------------------------------------ lifetime
+    def release(self) -> None:
+        """The model was released (hetstore.release): drop every reference to the units'
+        buffers and refuse to be used from now on."""
+        self._released = True
+        self._unit_steps = []
+        self._entry_of = {}
+        self.units = []
+        self.state.clear()
+
+    def _check_alive(self, what: str) -> None:
+        if self._released:
+            raise ConfigError(
+                f"optimizer.{what}(): its model was released by hetstore.release(), which "
+                "freed the master weights and optimizer states; offload a new model"
+            )
 
     # ------------------------------------------------------------------ construction
     def _hyper(self, group_index: int) -> dict:
@@ -269,6 +288,7 @@ class OffloadedOptimizer(Optimizer):
         ``model.parameters()`` order). Gradients on disk are read once for their norms and
         scaled as the step reads them.
         """
+        self._check_alive("clip_grad_norm_")
         self._unscale()
         norm_type = float(norm_type)
         if self.shards is not None:
@@ -340,6 +360,7 @@ class OffloadedOptimizer(Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
+        self._check_alive("step")
         if closure is not None:
             raise ValueError("OffloadedOptimizer.step does not take a closure")
         if self._on_step_begin is not None:
@@ -394,6 +415,7 @@ class OffloadedOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients (the buffers stay allocated for the next step)."""
+        self._check_alive("zero_grad")
         if self._resume_at:
             warnings.warn(
                 "zero_grad() after a step() that failed part-way: the units it had not "
@@ -433,6 +455,7 @@ class OffloadedOptimizer(Optimizer):
 
     def state_dict(self) -> dict:
         """Torch's format over the original parameters (indices in param_groups order)."""
+        self._check_alive("state_dict")
         self._refuse_sharded("state_dict")
         state: dict[int, dict] = {}
         groups = []
@@ -487,6 +510,7 @@ class OffloadedOptimizer(Optimizer):
         return value.clone() if isinstance(value, torch.Tensor) else value
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._check_alive("load_state_dict")
         self._refuse_sharded("load_state_dict")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(

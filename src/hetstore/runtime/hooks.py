@@ -15,6 +15,8 @@ released by a forward hook while a backward is running.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -80,6 +82,8 @@ class OffloadRuntime:
         self.units = units
         self.root = root
         self.block_units = [u for u in units if u is not root]
+        self.unit_by_index = {u.index: u for u in units}
+        self.optimizer: weakref.ref | None = None  # the OffloadedOptimizer, set by offload()
         self.prefetch_depth = prefetch_depth
         self.grad_stager = grad_stager
         self.profiler = profiler
@@ -124,12 +128,14 @@ class OffloadRuntime:
                     _eager(lambda m, a, out, u=unit: self._post_forward(u, out))
                 )
             )
-        for unit in units:
-            for entry in unit.trainable_entries:
+        # Hooks on tensors live in autograd's C++ side, which the garbage collector cannot
+        # see through: they hold the runtime only weakly, by position, so that a model
+        # nobody references any more is collected (and its tiers freed) like any other.
+        weak = weakref.ref(self)
+        for u, unit in enumerate(units):
+            for e, entry in enumerate(unit.trainable_entries):
                 self._handles.append(
-                    entry.param.register_post_accumulate_grad_hook(
-                        lambda p, u=unit, e=entry: self._grad_ready(u, e)
-                    )
+                    entry.param.register_post_accumulate_grad_hook(_GradReadyHook(weak, u, e))
                 )
 
     def adopt(self, handles: list) -> None:
@@ -214,7 +220,7 @@ class OffloadRuntime:
         if torch.is_grad_enabled():
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(lambda grad, u=unit: self._pre_backward(u))
+                    tensor.register_hook(_PreBackwardHook(weakref.ref(self), unit.index))
         unit.release()
 
     # ------------------------------------------------------------------ backward
@@ -332,3 +338,32 @@ class OffloadRuntime:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+class _GradReadyHook:
+    """A parameter's post-accumulate-grad hook: holds its runtime weakly (see __init__)."""
+
+    __slots__ = ("runtime", "unit", "entry")
+
+    def __init__(self, runtime: weakref.ref, unit: int, entry: int):
+        self.runtime, self.unit, self.entry = runtime, unit, entry
+
+    def __call__(self, param) -> None:
+        runtime = self.runtime()
+        if runtime is not None:
+            unit = runtime.units[self.unit]
+            runtime._grad_ready(unit, unit.trainable_entries[self.entry])
+
+
+class _PreBackwardHook:
+    """A unit output's gradient hook: fetches the unit before its backward, runtime weak."""
+
+    __slots__ = ("runtime", "unit")
+
+    def __init__(self, runtime: weakref.ref, unit: int):
+        self.runtime, self.unit = runtime, unit
+
+    def __call__(self, grad) -> None:
+        runtime = self.runtime()
+        if runtime is not None:
+            runtime._pre_backward(runtime.unit_by_index[self.unit])

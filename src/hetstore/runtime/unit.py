@@ -554,6 +554,10 @@ class Unit:
         for array in self._disk_arrays:
             array.free()
         self._disk_arrays.clear()
+        # a closed unit holds no buffer, so its bytes go now even if something still
+        # references the unit (a reference cycle awaiting the collector)
+        self.master = self.home = self.grad = self.device_flat = None
+        self.param_stager = self.grad_stager = None
 
 
 def _shard_segments(segments: list[Segment], start: int, size: int) -> list[Segment]:

@@ -16,7 +16,14 @@ import os
 
 import torch
 
-__all__ = ["PAGE_SIZE", "HUGE_PAGE_SIZE", "MappedBlock", "aligned_empty", "round_up"]
+__all__ = [
+    "PAGE_SIZE",
+    "HUGE_PAGE_SIZE",
+    "MappedBlock",
+    "aligned_empty",
+    "round_up",
+    "return_free_heap",
+]
 
 PAGE_SIZE = mmap.PAGESIZE
 HUGE_PAGE_SIZE = 2 * 2**20
@@ -24,6 +31,15 @@ HUGE_PAGE_SIZE = 2 * 2**20
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def return_free_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim``; a no-op
+    elsewhere). Tensors the CPU allocator freed stay in glibc's heap, counted in the
+    resident set, until this or a lucky free at the heap's top returns them."""
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -254,6 +254,10 @@ class _BouncePool:
         with self._lock:
             self._free.append(buf)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
 
 def _advice(err: int | None, write: bool) -> str:
     if err in (errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EFBIG):
@@ -477,6 +481,7 @@ class _WorkerPool:
         for th in self.threads:
             if th is not current:
                 th.join()
+        self.bounces.clear()  # the staging buffers go with the engine, not with the last view
 
 
 class AsyncIOEngine:

@@ -1,0 +1,100 @@
+"""Ending an offloaded model's life: ``hetstore.release(model)`` and ``hetstore.offloaded``.
+
+An offloaded model owns bytes in every tier (device buffers, pinned host blocks, a
+private directory of region files and the IO threads that serve it). They are freed in
+two ways:
+
+- **Explicitly, at once**: :func:`release` (or leaving a :func:`offloaded` block) takes
+  every hook off, frees each unit's buffers, stops the IO threads, closes the files and
+  removes the private directory, before it returns. The model's parameters keep their
+  shapes but hold no bytes and its optimizer refuses to step: save or
+  export first what you want to keep (``hetstore.save``, ``hetstore.export_weights``).
+- **Implicitly**, when nothing references the model any more: the hooks hetstore hangs
+  on tensors hold the runtime only weakly, so ``del model`` (and the optimizer) lets the
+  garbage collector free it like any other object, and the tiers' finalizers remove the
+  directory. That happens when the collector runs, not at a known moment: notebooks and
+  sweeps that need the bytes back now should call :func:`release`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from hetstore.errors import ConfigError
+from hetstore.tiers._hostmem import return_free_heap
+
+__all__ = ["release", "offloaded"]
+
+
+def release(model: nn.Module) -> None:
+    """Free every tier's bytes of an offloaded ``model`` now and remove its private files.
+
+    Afterwards the model's managed parameters keep their shapes but hold no bytes and a
+    forward through it, or a step of its optimizer, raises ``ConfigError``. Releasing a
+    model twice does nothing the second time. Must not be called during a forward or
+    backward of the model.
+    """
+    if getattr(model, "_hetstore_released", False):
+        return
+    runtime = getattr(model, "_hetstore_runtime", None)
+    if runtime is None:
+        raise ConfigError(
+            f"release() takes a model returned by hetstore.offload(); this "
+            f"{type(model).__name__} is not offloaded"
+        )
+    if torch._C._current_graph_task_id() != -1:
+        raise ConfigError("release() called during a backward: call it between steps")
+    optimizer = runtime.optimizer() if runtime.optimizer is not None else None
+    if optimizer is not None:
+        optimizer.release()
+    runtime.remove()  # hooks, the gradient contract, the state-dict hooks
+    params = [e.param for u in runtime.units for e in u.entries]
+    stagers = {id(s): s for u in runtime.units for s in (u.param_stager, u.grad_stager) if s}
+    for stager in stagers.values():
+        stager.close()
+    for unit in runtime.units:
+        unit.close()
+    for param in params:
+        # drop the last reference to the unit's buffers; the shape stays, with no bytes
+        # (one element, expanded: never a full-size allocation)
+        empty = torch.empty(1, dtype=param.dtype, device=param.device).expand(param.shape)
+        empty.untyped_storage().resize_(0)
+        param.data = empty
+    tiers = model._hetstore_tiers
+    tiers.close()  # stops the IO threads, closes the files, removes the directory
+    return_free_heap()  # freed CPU tensors (device tier on CPU, scratch) leave the RSS too
+    for name in ("_hetstore_runtime", "_hetstore_tiers", "_hetstore_shards"):
+        delattr(model, name)
+    model._hetstore_released = True
+    model.register_forward_pre_hook(_refuse_released)
+
+
+def _refuse_released(module: nn.Module, args) -> None:
+    raise ConfigError(
+        f"this {type(module).__name__} was released by hetstore.release(): its weights were "
+        "freed. Save or export them before releasing (hetstore.save, "
+        "hetstore.export_weights), then build and offload a new model"
+    )
+
+
+@contextlib.contextmanager
+def offloaded(
+    model: nn.Module, optimizer=None, config=None, **kwargs
+) -> Iterator[tuple[nn.Module, object]]:
+    """``hetstore.offload(...)`` for the duration of a ``with`` block, released at its end
+    (also when the block raises)::
+
+        with hetstore.offloaded(model, optimizer, config) as (model, optimizer):
+            train(model, optimizer)
+    """
+    from hetstore.api import offload
+
+    model, wrapped = offload(model, optimizer, config, **kwargs)
+    try:
+        yield model, wrapped
+    finally:
+        release(model)

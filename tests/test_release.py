@@ -1,0 +1,170 @@
+"""Released models free everything: ``hetstore.release``, ``hetstore.offloaded`` and plain
+garbage collection (``del model``) give back every tier's bytes, files, descriptors and
+threads, and a model released is refused clearly afterwards."""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+
+import pytest
+import torch
+
+import hetstore
+from hetstore.demo.gpt import GPT
+
+# ~3.4M parameters: 55 MB of fp32 states per model (master, gradient, two moments), so a
+# cycle that leaked its host states would grow the resident set by that much each time
+SHAPE = dict(vocab=1024, width=256, depth=4, heads=4, ctx=16)
+
+
+def _footprint(offload_dir) -> dict[str, int]:
+    """What a leaked model would leave behind in this process and on disk."""
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    with open("/proc/self/maps") as f:
+        mappings = sum(1 for _ in f)
+    return {
+        "files": sum(len(files) + len(dirs) for _, dirs, files in os.walk(offload_dir)),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": len(os.listdir("/proc/self/task")),
+        "mappings": mappings,
+        "rss": rss,
+    }
+
+
+def _offload_and_step(placement: str, offload_dir, seed: int = 0):
+    torch.manual_seed(seed)
+    model = GPT(**SHAPE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = hetstore.OffloadConfig(
+        offload_param=placement,
+        offload_optimizer=placement,
+        offload_activations=placement,
+        activation_min_bytes=0,
+        offload_path=str(offload_dir),
+        enable_pinned_mem=False,
+        device="cpu",
+    )
+    model, optimizer = hetstore.offload(model, optimizer, config)
+    idx = torch.randint(0, SHAPE["vocab"], (2, SHAPE["ctx"] + 1))
+    model(idx[:, :-1], idx[:, 1:]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def _state_bytes() -> int:
+    return sum(p.numel() for p in GPT(**SHAPE).parameters()) * 16
+
+
+def test_thirty_release_cycles_leave_files_fds_threads_mappings_and_rss_flat(tmp_path):
+    placements = ("cpu", "disk")
+    for i in range(4):  # warm-up: allocator caches, torch's thread pool, imports
+        model, _ = _offload_and_step(placements[i % 2], tmp_path)
+        hetstore.release(model)
+    before = _footprint(tmp_path)
+    for i in range(30):
+        model, optimizer = _offload_and_step(placements[i % 2], tmp_path, seed=i)
+        during = _footprint(tmp_path)
+        hetstore.release(model)
+        after = _footprint(tmp_path)
+        for key in ("files", "fds", "threads"):
+            assert after[key] == before[key], (i, key, before, after)
+    # a disk model has a directory, region files and IO threads while it lives: the
+    # checks above would have seen a leak of them
+    assert during["files"] > before["files"] and during["threads"] > before["threads"]
+    # each model maps its host blocks (one mapping or more each): a leak would add
+    # dozens over 30 cycles; glibc's cache of freed thread stacks and its malloc arenas
+    # may keep a few
+    assert after["mappings"] - before["mappings"] <= 8, (before, after)
+    grown = after["rss"] - before["rss"]
+    # 30 leaked models would hold 30x their states; allow a quarter of one model's worth
+    # for the allocator's own caches
+    assert grown < _state_bytes() // 4, f"RSS grew {grown} bytes over 30 cycles"
+
+
+@pytest.mark.parametrize("placement", ["cpu", "disk"])
+def test_an_unreferenced_model_is_collected_and_frees_its_tiers(tmp_path, placement):
+    model, optimizer = _offload_and_step("cpu", tmp_path)  # warm-up
+    del model, optimizer
+    gc.collect()
+    before = _footprint(tmp_path)
+    model, optimizer = _offload_and_step(placement, tmp_path)
+    refs = [weakref.ref(model), weakref.ref(optimizer)]
+    del model, optimizer
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    after = _footprint(tmp_path)
+    for key in ("files", "fds", "threads"):
+        assert after[key] == before[key], (key, before, after)
+
+
+def test_released_model_and_optimizer_refuse_to_run(tmp_path):
+    model, optimizer = _offload_and_step("disk", tmp_path)
+    hetstore.release(model)
+    hetstore.release(model)  # a second release does nothing
+    idx = torch.randint(0, SHAPE["vocab"], (2, SHAPE["ctx"] + 1))
+    with pytest.raises(hetstore.ConfigError, match="released by hetstore.release"):
+        model(idx[:, :-1], idx[:, 1:])
+    for call in (optimizer.step, optimizer.zero_grad, optimizer.state_dict):
+        with pytest.raises(hetstore.ConfigError, match="released by hetstore.release"):
+            call()
+    with pytest.raises(hetstore.ConfigError, match="released by hetstore.release"):
+        hetstore.offload(model, None, hetstore.OffloadConfig(device="cpu"))
+    with pytest.raises(TypeError, match="returned by hetstore.offload"):
+        hetstore.memory_stats(model)
+    # shapes survive, bytes do not
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert model.wte.weight.shape == (SHAPE["vocab"], SHAPE["width"])
+
+
+def test_release_refuses_a_plain_model_and_a_running_backward(tmp_path):
+    with pytest.raises(hetstore.ConfigError, match="not offloaded"):
+        hetstore.release(torch.nn.Linear(2, 2))
+    model, optimizer = _offload_and_step("cpu", tmp_path)
+    idx = torch.randint(0, SHAPE["vocab"], (2, SHAPE["ctx"] + 1))
+    loss = model(idx[:, :-1], idx[:, 1:])
+    seen = []
+
+    def try_release(grad):
+        with pytest.raises(hetstore.ConfigError, match="during a backward") as info:
+            hetstore.release(model)
+        seen.append(info.value)
+
+    loss.register_hook(try_release)
+    loss.backward()
+    assert len(seen) == 1
+    optimizer.step()  # the refused release left the model whole
+    hetstore.release(model)
+
+
+def test_offloaded_context_releases_at_the_end_and_on_error(tmp_path):
+    config = hetstore.OffloadConfig(
+        offload_param="disk",
+        offload_optimizer="disk",
+        offload_path=str(tmp_path),
+        enable_pinned_mem=False,
+        device="cpu",
+    )
+    torch.manual_seed(0)
+    plain = GPT(**SHAPE)
+    with hetstore.offloaded(plain, torch.optim.SGD(plain.parameters(), lr=0.1), config) as (
+        model,
+        optimizer,
+    ):
+        idx = torch.randint(0, SHAPE["vocab"], (2, SHAPE["ctx"] + 1))
+        model(idx[:, :-1], idx[:, 1:]).backward()
+        optimizer.step()
+        assert any(tmp_path.iterdir())
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(hetstore.ConfigError, match="released"):
+        optimizer.step()
+
+    other = GPT(**SHAPE)
+    with pytest.raises(KeyError, match="inside"):
+        with hetstore.offloaded(other, None, config):
+            assert any(tmp_path.iterdir())
+            raise KeyError("inside")
+    assert not any(tmp_path.iterdir())
