@@ -32,6 +32,7 @@ or raises.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno as errno_mod
 import os
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hetstore._safefs import create_private_file
 from hetstore.errors import ConfigError, DiskIOError
 from hetstore.tiers._hostmem import aligned_empty
 
@@ -75,17 +77,24 @@ class DiskFile:
         direct: bool = True,
         create: bool = True,
         mode: int = 0o600,
+        dir_fd: int | None = None,
     ):
+        """With ``dir_fd`` (a directory descriptor of ours), the file is created new, by
+        its base name relative to that descriptor and never through a link (see
+        :mod:`hetstore._safefs`); ``path`` is then what messages call it."""
         self.path = os.fspath(path)
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
         self.direct = False
         if direct:
             try:
-                self.fd = os.open(self.path, flags | os.O_DIRECT, mode)
+                self.fd = self._open(flags | os.O_DIRECT, mode, dir_fd)
                 self.direct = True
             except OSError as exc:
                 if exc.errno != errno_mod.EINVAL:
                     raise _open_error(self.path, exc) from exc
+                if dir_fd is not None:  # the failed open may have created it: start over
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.basename(self.path), dir_fd=dir_fd)
                 # tmpfs before Linux 6.6, character devices, some FUSE/network file systems.
                 warnings.warn(
                     f"hetstore: O_DIRECT is not supported for files in "
@@ -97,11 +106,16 @@ class DiskFile:
                 )
         if not self.direct:
             try:
-                self.fd = os.open(self.path, flags, mode)
+                self.fd = self._open(flags, mode, dir_fd)
             except OSError as exc:
                 raise _open_error(self.path, exc) from exc
         self._pending = 0
         self._idle = threading.Condition()
+
+    def _open(self, flags: int, mode: int, dir_fd: int | None) -> int:
+        if dir_fd is None:
+            return os.open(self.path, flags, mode)
+        return create_private_file(dir_fd, os.path.basename(self.path), flags, mode)
 
     @property
     def size(self) -> int:

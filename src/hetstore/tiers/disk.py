@@ -35,6 +35,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat as stat_mod
 import threading
 import time
 import weakref
@@ -42,6 +43,7 @@ from collections import defaultdict
 
 import torch
 
+from hetstore._safefs import create_private_file, make_private_dir, open_root, read_small_file
 from hetstore._sizes import format_size, parse_size
 from hetstore.errors import DiskIOError, OutOfTierMemory
 from hetstore.tiers.aio import ALIGNMENT, AsyncIOEngine, DiskFile, IOHandle
@@ -203,37 +205,62 @@ def _du(path: str) -> int:
     return total
 
 
-def reclaim_leftovers(root: str | os.PathLike) -> tuple[int, int]:
+def reclaim_leftovers(root: str | os.PathLike, root_fd: int | None = None) -> tuple[int, int]:
     """Remove the directories that crashed hetstore processes of this host left in ``root``.
 
     Returns ``(directories removed, bytes reclaimed)`` and logs one warning line if any.
-    Directories whose owner is alive, of another host or of another pid namespace, and
-    anything not named like ours, are left alone.
+    Directories whose owner is alive, of another host, of another pid namespace or of
+    another user, and anything not named like ours, are left alone; a directory whose
+    owner file cannot be judged (garbled, hostile) is skipped with a warning. Entries are
+    examined and removed relative to a descriptor of ``root`` (``root_fd`` if given),
+    never through a link.
     """
+    own_fd = root_fd is None
+    if own_fd:
+        try:
+            root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return 0, 0
+    try:
+        return _reclaim(os.fspath(root), root_fd)
+    finally:
+        if own_fd:
+            os.close(root_fd)
+
+
+def _reclaim(root: str, root_fd: int) -> tuple[int, int]:
     me = _identity()
     removed, reclaimed = 0, 0
-    try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return 0, 0
-    for entry in entries:
+    for entry in list(os.scandir(root_fd)):
         match = _DIR_RE.match(entry.name)
-        if match is None or not entry.is_dir(follow_symlinks=False):
+        if match is None:
             continue
-        owner = {"hostname": match["host"], "pid": int(match["pid"])}
         try:
-            with open(os.path.join(entry.path, _OWNER)) as f:
-                owner.update(json.load(f))
-        except (OSError, ValueError):
-            pass  # crashed before writing it, or being created right now: judge by the name
+            st = os.stat(entry.name, dir_fd=root_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat_mod.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue  # a link, a file, or another user's: never ours to remove
         try:
-            if _owner_alive(owner, me):
-                continue
-        except (KeyError, TypeError, ValueError):
-            continue  # an owner file we cannot read: not ours to judge
-        size = _du(entry.path)
-        shutil.rmtree(entry.path, ignore_errors=True)
-        if not os.path.exists(entry.path):
+            owner = {"hostname": match["host"], "pid": int(match["pid"])}
+            owner.update(_read_owner(root_fd, entry.name))
+            alive = _owner_alive(owner, me)
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
+            logger.warning(
+                "hetstore: skipping %s: its owner file or name cannot be judged (%s: %s); "
+                "remove it by hand if no hetstore process uses it",
+                os.path.join(root, entry.name),
+                type(exc).__name__,
+                exc,
+            )
+            continue
+        if alive:
+            continue
+        size = _du(os.path.join(root, entry.name))
+        shutil.rmtree(entry.name, dir_fd=root_fd, ignore_errors=True)
+        try:
+            os.stat(entry.name, dir_fd=root_fd, follow_symlinks=False)
+        except FileNotFoundError:
             removed += 1
             reclaimed += size
     if removed:
@@ -248,14 +275,39 @@ def reclaim_leftovers(root: str | os.PathLike) -> tuple[int, int]:
     return removed, reclaimed
 
 
+def _read_owner(root_fd: int, name: str) -> dict:
+    """A leftover directory's owner file; {} when missing (crashed before writing it, or
+    being created right now: judged by the name). Raises ValueError when garbled."""
+    try:
+        dir_fd = os.open(
+            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd
+        )
+    except OSError:
+        return {}
+    try:
+        data = read_small_file(dir_fd, _OWNER, limit=64 * 1024)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise ValueError(f"{_OWNER}: {exc.strerror}") from exc
+    finally:
+        os.close(dir_fd)
+    owner = json.loads(data.decode("utf-8"))  # UnicodeDecodeError is a ValueError
+    if not isinstance(owner, dict):
+        raise ValueError(f"{_OWNER} is not a JSON object")
+    return owner
+
+
 class _TierFiles:
     """The files and directory of one tier: what must go when the tier does.
 
     Kept apart from :class:`DiskTier` so that its finalizer holds no reference to the tier.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, root_fd: int, dir_fd: int):
         self.path = path
+        self.root_fd = root_fd  # the offload root, held open: entries are removed by name
+        self.dir_fd = dir_fd  # our private directory: files are created relative to it
         self.files: set[DiskFile] = set()
         self.closed = False
 
@@ -271,7 +323,9 @@ class _TierFiles:
             except OSError:
                 pass
         self.files.clear()
-        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self.dir_fd)
+        shutil.rmtree(os.path.basename(self.path), dir_fd=self.root_fd, ignore_errors=True)
+        os.close(self.root_fd)
 
 
 class DiskTier:
@@ -301,9 +355,44 @@ class DiskTier:
         enable_aio: bool = True,
     ):
         self.root = os.path.abspath(os.fspath(root))
-        os.makedirs(self.root, exist_ok=True)
-        reclaim_leftovers(self.root)
-        st = os.statvfs(self.root)
+        self._owns_engine = engine is None
+        self.engine = engine or AsyncIOEngine(  # first: a bad setting leaves nothing behind
+            block_size=block_size, queue_depth=queue_depth, threads=threads, enable_aio=enable_aio
+        )
+        root_fd = open_root(self.root, "offload_path")
+        self._files: _TierFiles | None = None
+        try:
+            reclaim_leftovers(self.root, root_fd)
+            self.capacity = self._checked_capacity(capacity, root_fd)
+            me = _identity()
+            name = f"hetstore-{me['hostname']}-pid{me['pid']}-rank{rank}-{secrets.token_hex(4)}"
+            self.path = os.path.join(self.root, name)
+            dir_fd = make_private_dir(root_fd, name, self.path)
+            self._files = _TierFiles(self.path, root_fd, dir_fd)  # owns both descriptors now
+            self._finalizer = weakref.finalize(
+                self, _TierFiles.cleanup, self._files, self.engine if self._owns_engine else None
+            )
+            fd = create_private_file(dir_fd, _OWNER, os.O_WRONLY)
+            with os.fdopen(fd, "w") as f:
+                json.dump({**me, "rank": rank}, f)
+        except BaseException:
+            if self._files is None:
+                os.close(root_fd)
+            else:
+                self._finalizer()
+            raise
+        self._lock = threading.Lock()
+        self._kept: dict[int, list[DiskFile]] = defaultdict(list)  # freed files, by size
+        self._kept_bytes = 0
+        self._by_label: dict[str, int] = defaultdict(int)
+        self._seq = 0
+        self._current = 0
+        self._peak = 0
+        self.bytes_read = 0  # bytes submitted for reading / writing since creation
+        self.bytes_written = 0
+
+    def _checked_capacity(self, capacity: int | str | None, root_fd: int) -> int:
+        st = os.fstatvfs(root_fd)
         free = st.f_bavail * st.f_frsize
         cap = free if capacity is None else parse_size(capacity)
         if cap > free:
@@ -316,34 +405,7 @@ class DiskTier:
                 requested=cap,
                 capacity=free,
             )
-        self.capacity = cap
-        self._owns_engine = engine is None
-        self.engine = engine or AsyncIOEngine(  # before mkdir: a bad setting leaves no dir
-            block_size=block_size, queue_depth=queue_depth, threads=threads, enable_aio=enable_aio
-        )
-
-        me = _identity()
-        name = f"hetstore-{me['hostname']}-pid{me['pid']}-rank{rank}-{secrets.token_hex(4)}"
-        self.path = os.path.join(self.root, name)
-        os.mkdir(self.path, 0o700)
-        os.chmod(self.path, 0o700)  # mkdir's mode is filtered by the umask
-        fd = os.open(os.path.join(self.path, _OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({**me, "rank": rank}, f)
-
-        self._files = _TierFiles(self.path)
-        self._finalizer = weakref.finalize(
-            self, _TierFiles.cleanup, self._files, self.engine if self._owns_engine else None
-        )
-        self._lock = threading.Lock()
-        self._kept: dict[int, list[DiskFile]] = defaultdict(list)  # freed files, by size
-        self._kept_bytes = 0
-        self._by_label: dict[str, int] = defaultdict(int)
-        self._seq = 0
-        self._current = 0
-        self._peak = 0
-        self.bytes_read = 0  # bytes submitted for reading / writing since creation
-        self.bytes_written = 0
+        return cap
 
     # -- accounting -------------------------------------------------------------------
 
@@ -415,7 +477,7 @@ class DiskTier:
     def _new_file(self, nbytes: int, size: int, label: str) -> DiskFile:
         self._seq += 1
         path = os.path.join(self.path, f"r{self._seq:06d}.bin")
-        file = DiskFile(path, direct=True, create=True, mode=0o600)
+        file = DiskFile(path, direct=True, create=True, mode=0o600, dir_fd=self._files.dir_fd)
         self._files.files.add(file)
         try:
             for attempt in range(2):
@@ -455,7 +517,7 @@ class DiskTier:
         self._files.files.discard(file)
         file.close()
         try:
-            os.unlink(file.path)
+            os.unlink(os.path.basename(file.path), dir_fd=self._files.dir_fd)
         except FileNotFoundError:
             pass
 
