@@ -9,13 +9,14 @@ over 4M fp32 elements on host (and on the device), and a matmul for the FLOP rat
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import statistics
-import tempfile
 import time
 
 import torch
 
+from hetstore._safefs import make_private_dir, open_root
 from hetstore.planner.plan import Capacities
 from hetstore.planner.trace import MachineRates
 from hetstore.tiers._hostmem import MappedBlock
@@ -53,24 +54,34 @@ def _copy_rates(device: torch.device) -> tuple[float, float]:
 
 
 def _disk_rates(path: str) -> tuple[float, float]:
-    os.makedirs(path, exist_ok=True)
+    """Read and write rates of one probe file in a private directory under ``path``
+    (created as the disk tier creates its own: see hetstore._safefs)."""
+    root_fd = open_root(path, "offload_path")
+    name = f"hetstore-probe-{secrets.token_hex(4)}"
+    try:
+        dir_fd = make_private_dir(root_fd, name, os.path.join(path, name))
+        try:
+            return _probe_file(os.path.join(path, name, "probe"), dir_fd)
+        finally:
+            os.close(dir_fd)
+            shutil.rmtree(name, dir_fd=root_fd, ignore_errors=True)
+    finally:
+        os.close(root_fd)
+
+
+def _probe_file(path: str, dir_fd: int) -> tuple[float, float]:
     engine = AsyncIOEngine()
     block = MappedBlock(_PROBE)
-    with tempfile.TemporaryDirectory(dir=path, prefix="hetstore-probe-") as folder:
-        file = DiskFile(os.path.join(folder, "probe"))
-        try:
-            buffer = block.tensor[:_PROBE]
-            buffer.fill_(1)
-            write = _median_rate(
-                _PROBE, lambda: engine.submit_write(file, 0, buffer).wait(), repeats=2
-            )
-            read = _median_rate(
-                _PROBE, lambda: engine.submit_read(file, 0, buffer).wait(), repeats=2
-            )
-        finally:
-            file.close()
-            engine.close()
-            block.release()
+    file = DiskFile(path, dir_fd=dir_fd)
+    try:
+        buffer = block.tensor[:_PROBE]
+        buffer.fill_(1)
+        write = _median_rate(_PROBE, lambda: engine.submit_write(file, 0, buffer).wait(), repeats=2)
+        read = _median_rate(_PROBE, lambda: engine.submit_read(file, 0, buffer).wait(), repeats=2)
+    finally:
+        file.close()
+        engine.close()
+        block.release()
     return read, write
 
 
