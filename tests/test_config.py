@@ -1,13 +1,14 @@
 """OffloadConfig: the seed's dicts accepted verbatim, every bad value refused by name."""
 
 import json
+import os
 
 import pytest
 import torch
 
 import hetstore
 from hetstore import ConfigError, OffloadConfig
-from hetstore._sizes import format_size, parse_size
+from hetstore._sizes import format_size, parse_size, short_repr
 
 # The two dicts of the MindSpore guide (seeds/002), verbatim.
 SEED_MANUAL = {
@@ -248,3 +249,243 @@ def test_docs_config_reference_is_in_sync():
     )
     for key in OffloadConfig.keys():
         assert f"`{key}`" in path.read_text()
+
+
+# --------------------------------------------------------------------------- issue 19 item 5
+# Every rejection is a ConfigError naming the key, raised by OffloadConfig(...) itself,
+# before anything is created (tests/test_config_fuzz.py fuzzes the same promises).
+
+
+def _refused(match_key, **kwargs):
+    with pytest.raises(ConfigError) as info:
+        OffloadConfig(**kwargs)
+    assert match_key in str(info.value)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "1e400GB",
+        "1e400",
+        "1e999999999999GB",
+        "9" * 400 + "TB",
+        "8388608TB",
+        2**63,
+        10**30,
+        10**5000,
+        -(10**5000),
+        1e300,
+        float("inf"),
+        float("nan"),
+        -0.5,
+        "nan",
+        "inf",
+        True,
+        None,
+        [1],
+        {"GB": 1},
+        b"8GB",
+    ],
+    ids=lambda v: short_repr(v, limit=30),
+)
+def test_size_overflow_and_wrong_types_are_config_errors(bad):
+    for key in ("offload_cpu_size", "host_mem_block_size", "activation_min_bytes"):
+        if bad is None and key == "offload_cpu_size":
+            continue  # None means "the machine's RAM"
+        message = _refused(key, **{key: bad})
+        assert "OverflowError" not in message
+
+
+def test_size_limits_and_exact_parsing():
+    assert parse_size(2**63 - 1) == 2**63 - 1
+    assert parse_size("8388607TB") == 8388607 * 2**40
+    assert parse_size("9007199254740993") == 9007199254740993  # exact, not via float
+    assert parse_size("1e-400GB") == 0
+    for bad in ("1e400GB", 2**63, 1e19, "1e" + "9" * 5000):
+        with pytest.raises(ValueError, match=r"at most 2\*\*63 - 1 bytes"):
+            parse_size(bad)
+    with pytest.raises(ValueError, match="int of"):
+        parse_size(-(10**5000))  # a message even for an int with no repr
+
+
+@pytest.mark.parametrize(
+    "key, bad, allowed",
+    [
+        ("prefetch_depth", 10**12, "<= 64"),
+        ("prefetch_depth", 65, "<= 64"),
+        ("prefetch_depth", -1, ">= 0"),
+        ("aio_queue_depth", 10**12, "<= 1024"),
+        ("aio_threads", 10**9, "<= 256"),
+        ("aio_threads", 2.0, ">= 0"),
+    ],
+)
+def test_counts_are_bounded(key, bad, allowed):
+    message = _refused(key, **{key: bad})
+    assert allowed in message
+    OffloadConfig(prefetch_depth=64, aio_queue_depth=1024, aio_threads=256)
+
+
+def test_prefetch_after_is_bounded_by_the_units():
+    """However deep the prefetch, one unit's hook visits at most the other units (a plan
+    read from JSON is not checked by OffloadConfig)."""
+    from types import SimpleNamespace
+
+    from hetstore.runtime.hooks import OffloadRuntime
+
+    order = ["a", "b", "c"]
+    fetched = []
+    runtime = SimpleNamespace(prefetch_depth=10**12, order=order, _prefetch=fetched.append)
+    OffloadRuntime._prefetch_after(runtime, "a", 1)
+    OffloadRuntime._prefetch_after(runtime, "c", -1)
+    assert fetched == ["b", "c", "b", "a"]
+
+
+@pytest.mark.parametrize(
+    "bad", ["offload_param", 5, 1.5, [("offload_param", "cpu")], ("x",), b"{}", {1, 2}, True]
+)
+def test_from_mindspore_refuses_non_dicts(bad):
+    with pytest.raises(ConfigError, match="offload_config: expected a dict"):
+        OffloadConfig.from_mindspore(bad)
+
+
+@pytest.mark.parametrize("key", [1, None, ("offload_param",), b"offload_param", 1.5])
+def test_from_mindspore_refuses_non_string_keys(key):
+    with pytest.raises(ConfigError) as info:
+        OffloadConfig.from_mindspore({**SEED_MANUAL, key: "cpu"})
+    assert "offload_config" in str(info.value) and repr(key) in str(info.value)
+    with pytest.raises(ConfigError, match="not a string"):
+        OffloadConfig.from_dict({key: "cpu"})
+
+
+@pytest.mark.parametrize(
+    "values, context, key",
+    [
+        ({"enable_aio": "yes"}, {}, "enable_aio"),
+        ({"offload_cpu_size": "1e400GB"}, {}, "offload_cpu_size"),
+        ({"hbm_ratio": float("nan")}, {}, "hbm_ratio"),
+        ({"offload_param": None}, {}, "offload_param"),
+        ({"offload_path": "a\x00b"}, {}, "offload_path"),
+        ({}, {"memory_offload": ["ON"]}, "memory_offload"),
+        ({}, {"memory_offload": "on"}, "memory_offload"),
+        ({}, {"max_device_memory": "1e400GB"}, "max_device_memory"),
+        ({}, {"bogus_key": 1}, "bogus_key"),
+    ],
+)
+def test_from_mindspore_wrong_values_name_the_key(values, context, key):
+    with pytest.raises(ConfigError, match=key):
+        OffloadConfig.from_mindspore({**SEED_MANUAL, **values}, **context)
+
+
+def test_from_mindspore_none_and_empty_are_the_defaults():
+    assert OffloadConfig.from_mindspore(None) == OffloadConfig.from_mindspore({})
+
+
+def test_offload_path_with_nul_is_refused_even_without_disk():
+    _refused("offload_path", offload_path="off\x00load")
+    _refused("offload_path", offload_path=b"./offload")
+
+
+@pytest.mark.parametrize(
+    "disk",
+    [
+        {"offload_param": "disk"},
+        {"offload_optimizer": "disk"},
+        {"offload_optimizer": "disk", "offload_grad": "disk"},
+        {"offload_activations": "disk"},
+        {"auto_offload": True},
+    ],
+    ids=lambda d: ",".join(d),
+)
+def test_offload_path_a_file_is_refused_at_config_time(tmp_path, disk):
+    regular = tmp_path / "a_file"
+    regular.write_text("x")
+    message = _refused("offload_path", offload_path=str(regular), **disk)
+    assert "not a directory" in message
+    message = _refused("offload_path", offload_path=str(regular / "sub"), **disk)
+    assert "not a directory" in message and str(regular) in message
+    # no disk use: the path is never touched, so it is not checked either
+    assert OffloadConfig(offload_param="cpu", offload_path=str(regular)).offload_path
+
+
+def test_offload_path_dangling_link_is_refused(tmp_path):
+    (tmp_path / "link").symlink_to(tmp_path / "missing")
+    message = _refused("offload_path", offload_param="disk", offload_path=str(tmp_path / "link"))
+    assert "symbolic link" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]
+
+
+@pytest.mark.skipif(
+    hasattr(os, "geteuid") and os.geteuid() == 0,
+    reason="root ignores directory modes; test_offload_path_unwritable_ancestor covers it",
+)
+def test_offload_path_in_read_only_directory_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        for path in (locked, locked / "offload", locked / "a" / "b"):
+            message = _refused("offload_path", offload_param="disk", offload_path=str(path))
+            assert str(locked) in message and "not writable" in message
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o700)
+
+
+def test_offload_path_unwritable_ancestor(tmp_path, monkeypatch):
+    """The same refusal for any user (root included): ``os.access`` says no for one
+    directory, as it does for a read-only one or a read-only file system."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+
+    def access(path, mode, **kwargs):
+        if os.fspath(path) == str(locked) and mode & os.W_OK:
+            return False
+        return real_access(path, mode, **kwargs)
+
+    monkeypatch.setattr(os, "access", access)
+    message = _refused("offload_path", offload_param="disk", offload_path=str(locked / "x" / "y"))
+    assert f"nearest existing ancestor {str(locked)!r}" in message
+    message = _refused("offload_path", offload_optimizer="disk", offload_path=str(locked))
+    assert f"the directory {str(locked)!r} is not writable" in message
+    assert list(locked.iterdir()) == []
+
+
+def test_config_time_checks_create_nothing(tmp_path):
+    target = tmp_path / "a" / "b"
+    config = OffloadConfig(offload_param="disk", offload_path=str(target))
+    assert config.offload_path == str(target) and not (tmp_path / "a").exists()
+    with pytest.raises(ConfigError, match="prefetch_depth"):
+        OffloadConfig(offload_param="disk", offload_path=str(target), prefetch_depth=10**12)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "name, content, match",
+    [
+        ("latin1.json", b'{"offload_param": "\xe9"}', "not UTF-8"),
+        ("ints.yaml", b"1: cpu\n", "key 1 \\(int\\) is not a string"),
+        ("ms.yaml", b"offload_config: 5\n", "offload_config: expected a dict"),
+        ("ms_keys.yaml", b"offload_config:\n  1: 2\n", "offload_config: key 1"),
+        ("huge.json", b'{"offload_cpu_size": ' + b"1" * 5000 + b"}", "not valid json"),
+        ("size.yaml", b"offload_cpu_size: 1e400GB\n", "offload_cpu_size"),
+        ("null.json", b"null", "mapping"),
+        ("unhashable.yaml", b"? [1, 2]\n: x\n", "not valid yaml"),
+    ],
+)
+def test_from_file_more_errors(tmp_path, name, content, match):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=match):
+        OffloadConfig.from_file(path)
+
+
+def test_from_file_bad_paths(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        OffloadConfig.from_file(str(tmp_path / "c\x00.json"))
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(ConfigError, match="cannot read"):
+        OffloadConfig.from_file(tmp_path / "dir.json")
+    with pytest.raises(ConfigError, match="expected a path"):
+        OffloadConfig.from_file(5)

@@ -8,10 +8,15 @@ spelled out explicitly ("GiB" and "GB" are the same; there is no decimal spellin
 
 from __future__ import annotations
 
+import decimal
 import math
 import re
 
-__all__ = ["parse_size", "format_size", "SIZE_UNITS"]
+__all__ = ["parse_size", "format_size", "short_repr", "SIZE_UNITS", "MAX_SIZE"]
+
+#: The largest size accepted: what fits an int64 (torch and the OS count bytes in one).
+MAX_SIZE = 2**63 - 1
+_TOO_LARGE = "a size must be at most 2**63 - 1 bytes (8 EiB)"
 
 SIZE_UNITS: dict[str, int] = {
     "": 1,
@@ -36,9 +41,10 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\
 def parse_size(value: object) -> int:
     """Return ``value`` as a number of bytes.
 
-    Accepts a non-negative int (bytes) or a string such as ``"512GB"``, ``"1.5GiB"``,
-    ``"100MB"``, ``"4096"``. Raises ``ValueError`` with the accepted forms otherwise;
-    callers wrap it in a ``ConfigError`` that names the key.
+    Accepts a non-negative int (bytes), a finite non-negative float (truncated) or a
+    string such as ``"512GB"``, ``"1.5GiB"``, ``"100MB"``, ``"4096"``, at most
+    ``MAX_SIZE``. Raises ``ValueError`` with the accepted forms otherwise (never
+    ``OverflowError``); callers wrap it in a ``ConfigError`` that names the key.
     """
     if isinstance(value, bool):
         raise ValueError(
@@ -46,27 +52,57 @@ def parse_size(value: object) -> int:
         )
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"a size cannot be negative, got {value}")
-        return value
+            raise ValueError(f"a size cannot be negative, got {short_repr(value)}")
+        if value > MAX_SIZE:
+            raise ValueError(f"{_TOO_LARGE}, got {short_repr(value)}")
+        return int(value)  # a plain int, not a subclass
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"a size must be a finite non-negative number, got {value!r}")
+        if value > MAX_SIZE:
+            raise ValueError(f"{_TOO_LARGE}, got {value!r}")
         return int(value)
     if not isinstance(value, str):
         raise ValueError(
             f"expected a size such as '8GB', '1.5GiB', '100MB' or an int of bytes, "
-            f"got {type(value).__name__} {value!r}"
+            f"got {type(value).__name__} {short_repr(value)}"
         )
     if value.strip().startswith("-"):
-        raise ValueError(f"a size cannot be negative, got {value!r}")
+        raise ValueError(f"a size cannot be negative, got {short_repr(value)}")
     match = _SIZE_RE.match(value)
     if match is None or match.group(2).lower() not in SIZE_UNITS:
         raise ValueError(
-            f"cannot parse {value!r} as a size; use a number with an optional unit "
+            f"cannot parse {short_repr(value)} as a size; use a number with an optional unit "
             f"B, KB, MB, GB, TB (binary: GB = GiB = 2**30 bytes), e.g. '30GB' or '1.5GiB'"
         )
-    number = float(match.group(1))
-    return int(number * SIZE_UNITS[match.group(2).lower()])
+    # Decimal, not float: exact for any digits ("9007199254740993"), and "1e400GB" is a
+    # number too large rather than an infinity that int() overflows on.
+    try:
+        number = decimal.Decimal(match.group(1))
+    except decimal.DecimalException:  # an exponent with thousands of digits
+        raise ValueError(f"{_TOO_LARGE}, got {short_repr(value)}") from None
+    if number > MAX_SIZE:
+        raise ValueError(f"{_TOO_LARGE}, got {short_repr(value)}")
+    with decimal.localcontext() as ctx:
+        ctx.prec = 64  # exact for every product below 2**63 * 2**40
+        ctx.Emin = decimal.MIN_EMIN  # "1e-999999999GB" is 0 bytes, not an error
+        nbytes = int(number * SIZE_UNITS[match.group(2).lower()])
+    if nbytes > MAX_SIZE:
+        raise ValueError(f"{_TOO_LARGE}, got {short_repr(value)}")
+    return nbytes
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for an error message: cut to ``limit`` characters, and never raising
+    (an int of more than 4300 digits has no repr; a user's object may have a broken one)."""
+    try:
+        text = repr(value)
+    except Exception:
+        if isinstance(value, int):
+            text = f"<int of {value.bit_length()} bits>"
+        else:
+            text = f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def format_size(nbytes: int | float | None) -> str:

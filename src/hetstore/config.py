@@ -13,6 +13,7 @@ import difflib
 import functools
 import json
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hetstore._sizes import format_size, parse_size
+from hetstore._sizes import format_size, parse_size, short_repr
 from hetstore.errors import ConfigError
 
 __all__ = ["OffloadConfig", "TIERS", "COMPUTE_DTYPES"]
@@ -49,8 +50,12 @@ class OffloadConfig:
         OffloadConfig(offload_param="cpu", offload_optimizer="cpu",
                       max_device_memory="8GB", offload_path="./offload")
 
-    Unknown keys, wrong types, out-of-range ratios, unknown tiers and unparsable or
-    negative sizes raise :class:`hetstore.ConfigError` naming the key and what is allowed.
+    Unknown keys, wrong types, out-of-range ratios and counts, unknown tiers and
+    unparsable, negative or too large sizes raise :class:`hetstore.ConfigError` naming the
+    key and what is allowed: always that error, and before anything is created. When the
+    configuration can put anything on disk (a tier key is 'disk', or ``auto_offload``),
+    ``offload_path`` is checked too, without creating it: not an existing non-directory,
+    and its nearest existing ancestor writable and searchable by this process.
     """
 
     # --- placement (manual; with auto_offload they are initial placements / hints) ---
@@ -224,8 +229,8 @@ class OffloadConfig:
             size = _size(key, getattr(self, key))
             if size < 4096 or size % 4096:
                 raise ConfigError(
-                    f"{key}={getattr(self, key)!r}: must be a positive multiple of 4096 bytes "
-                    f"(disk IO is page-aligned), e.g. '1GB' or '8MB'"
+                    f"{key}={short_repr(getattr(self, key))}: must be a positive multiple of "
+                    f"4096 bytes (disk IO is page-aligned), e.g. '1GB' or '8MB'"
                 )
             _set(self, key, size)
         for key, low_open in (("hbm_ratio", True), ("cpu_ratio", True)):
@@ -235,15 +240,10 @@ class OffloadConfig:
             "gpu_margin_mem_ratio",
             _ratio("gpu_margin_mem_ratio", self.gpu_margin_mem_ratio, low_open=False),
         )
-        _check_int("aio_queue_depth", self.aio_queue_depth, minimum=1)
-        _check_int("aio_threads", self.aio_threads, minimum=0)
-        _check_int("prefetch_depth", self.prefetch_depth, minimum=0)
+        for key, (low, high) in _INT_RANGES.items():
+            _set(self, key, _int_in_range(key, getattr(self, key), low, high))
         _set(self, "activation_min_bytes", _size("activation_min_bytes", self.activation_min_bytes))
-        if not isinstance(self.offload_path, str | os.PathLike) or not str(self.offload_path):
-            raise ConfigError(
-                f"offload_path={self.offload_path!r}: must be a non-empty directory path"
-            )
-        _set(self, "offload_path", str(self.offload_path))
+        _set(self, "offload_path", _path_string("offload_path", self.offload_path))
         _set(self, "compute_dtype", _compute_dtype(self.compute_dtype))
         _set(self, "device", _device(self.device))
         if self.offload_grad == "disk" and self.offload_optimizer != "disk":
@@ -252,6 +252,13 @@ class OffloadConfig:
                 "gradients go to disk only when the optimizer steps from disk (they are read "
                 "there, chunk by chunk); use offload_grad='cpu', or offload_optimizer='disk'"
             )
+        if self.auto_offload or "disk" in (
+            self.offload_param,
+            self.offload_optimizer,
+            self.grad_tier,
+            self.offload_activations,
+        ):
+            _check_usable_directory("offload_path", self.offload_path)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -301,8 +308,13 @@ class OffloadConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> OffloadConfig:
         if not isinstance(values, Mapping):
-            raise ConfigError(f"{source}: expected a mapping of keys to values, got {values!r}")
-        return cls(**dict(values))
+            raise ConfigError(
+                f"{source}: expected a mapping of OffloadConfig keys to values, got "
+                f"{type(values).__name__} {short_repr(values)}"
+            )
+        values = dict(values)
+        _check_str_keys(values, source)
+        return cls(**values)
 
     @classmethod
     def from_mindspore(
@@ -319,19 +331,28 @@ class OffloadConfig:
         guide: 模型的权重及优化器的状态量), so ``offload_param`` sets both
         ``offload_param`` and ``offload_optimizer`` unless the latter is given.
         """
-        offload_config = dict(offload_config or {})
+        if offload_config is None:
+            offload_config = {}
+        if not isinstance(offload_config, Mapping):
+            raise ConfigError(
+                f"offload_config: expected a dict of MindSpore offload keys to values, got "
+                f"{type(offload_config).__name__} {short_repr(offload_config)}"
+            )
+        offload_config = dict(offload_config)
+        _check_str_keys(offload_config, "offload_config")
         for key in offload_config:
             if key not in _MINDSPORE_KEYS:
                 raise ConfigError(
-                    f"offload_config key {key!r} is not a MindSpore offload key; allowed: "
-                    f"{', '.join(sorted(_MINDSPORE_KEYS))}{_did_you_mean(key, _MINDSPORE_KEYS)}"
+                    f"offload_config key {short_repr(key)} is not a MindSpore offload key; "
+                    f"allowed: {', '.join(sorted(_MINDSPORE_KEYS))}"
+                    f"{_did_you_mean(key, _MINDSPORE_KEYS)}"
                 )
         context = dict(context)
         context.pop("mode", None)
         memory_offload = context.pop("memory_offload", "ON")
-        if memory_offload not in ("ON", "OFF"):
+        if not isinstance(memory_offload, str) or memory_offload not in ("ON", "OFF"):
             raise ConfigError(
-                f"memory_offload={memory_offload!r}: allowed values are 'ON' and 'OFF'"
+                f"memory_offload={short_repr(memory_offload)}: allowed values are 'ON' and 'OFF'"
             )
         values = {**offload_config, **context}
         if "offload_param" in offload_config and "offload_optimizer" not in values:
@@ -347,42 +368,67 @@ class OffloadConfig:
         A file whose top level has an ``offload_config`` mapping is read as MindSpore's
         form: that mapping plus the other top-level keys as context (``from_mindspore``).
         """
-        path = Path(path)
-        suffix = path.suffix.lower()
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
-        try:
-            if suffix == ".json":
-                data = json.loads(text)
-            elif suffix in (".yaml", ".yml"):
-                import yaml
-
-                data = yaml.safe_load(text)
-            elif suffix == ".toml":
-                try:
-                    import tomllib
-                except ModuleNotFoundError:  # Python 3.10
-                    import tomli as tomllib
-                data = tomllib.loads(text)
-            else:
-                raise ConfigError(
-                    f"config file {str(path)!r}: unknown extension {suffix!r}; "
-                    f"use .json, .yaml, .yml or .toml"
-                )
-        except ConfigError:
-            raise
-        except Exception as exc:  # each parser has its own error type
+        if not isinstance(path, str | os.PathLike):
             raise ConfigError(
-                f"config file {str(path)!r} is not valid {suffix[1:]}: {exc}"
-            ) from exc
+                f"config file: expected a path (str or os.PathLike), got "
+                f"{type(path).__name__} {short_repr(path)}"
+            )
+        try:
+            path = Path(path)
+        except TypeError as exc:  # a PathLike whose __fspath__ returns bytes
+            raise ConfigError(f"config file {short_repr(path)}: not a usable path: {exc}") from None
+        name = short_repr(str(path), limit=200)
+        suffix = path.suffix.lower()
+        if suffix not in (".json", ".yaml", ".yml", ".toml"):
+            raise ConfigError(
+                f"config file {name}: unknown extension {short_repr(suffix)}; "
+                f"use .json, .yaml, .yml or .toml"
+            )
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {name}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {name} is not UTF-8 text: {exc}") from None
+        except ValueError as exc:  # a NUL byte in the path
+            raise ConfigError(f"cannot read config file {name}: {exc}") from None
+        if suffix == ".json":
+            parse = json.loads
+        elif suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                try:
+                    import tomli as tomllib
+                except ModuleNotFoundError:
+                    raise ConfigError(
+                        f"config file {name}: reading TOML on Python 3.10 needs the tomli "
+                        f"package (pip install tomli), or use a .json file"
+                    ) from None
+            parse = tomllib.loads
+        else:
+            try:
+                import yaml
+            except ModuleNotFoundError:
+                raise ConfigError(
+                    f"config file {name}: reading YAML needs PyYAML (pip install pyyaml), "
+                    f"or use a .json file"
+                ) from None
+            parse = yaml.safe_load
+        try:
+            data = parse(text)
+        except Exception as exc:  # each parser has its own error type
+            raise ConfigError(f"config file {name} is not valid {suffix[1:]}: {exc}") from exc
         if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(path)!r}: expected a mapping at the top level")
+            raise ConfigError(
+                f"config file {name}: expected a mapping of OffloadConfig keys at the top "
+                f"level, got {type(data).__name__}"
+            )
+        _check_str_keys(data, f"config file {name}")
         if "offload_config" in data:
             context = {k: v for k, v in data.items() if k != "offload_config"}
             return cls.from_mindspore(data["offload_config"], **context)
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(data, source=f"config file {name}")
 
 
 # --------------------------------------------------------------------------- validation
@@ -422,36 +468,139 @@ def _did_you_mean(key: str, allowed: frozenset[str] | tuple[str, ...]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+# Counts, with bounds that keep every use of them finite: ``prefetch_depth`` sets loops
+# over units and ``prefetch_depth + 1`` staging buffers; the disk engine starts
+# ``min(aio_threads or default, aio_queue_depth)`` threads.
+_INT_RANGES = {
+    "aio_queue_depth": (1, 1024),
+    "aio_threads": (0, 256),
+    "prefetch_depth": (0, 64),
+}
+
+
+def _check_str_keys(values: Mapping[Any, Any], source: str) -> None:
+    for key in values:
+        if not isinstance(key, str):
+            raise ConfigError(
+                f"{source}: key {short_repr(key)} ({type(key).__name__}) is not a string; "
+                f"keys are OffloadConfig key names such as 'offload_param'"
+            )
+
+
 def _tier(key: str, value: Any) -> str:
     if isinstance(value, str) and value.lower() in TIERS:
         return value.lower()
-    raise ConfigError(f"{key}={value!r}: allowed values are {', '.join(map(repr, TIERS))}")
+    raise ConfigError(
+        f"{key}={short_repr(value)}: allowed values are {', '.join(map(repr, TIERS))}"
+    )
 
 
 def _check_bool(key: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise ConfigError(f"{key}={value!r}: must be True or False")
+        raise ConfigError(f"{key}={short_repr(value)}: must be True or False")
 
 
-def _check_int(key: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{key}={value!r}: must be an integer >= {minimum}")
+def _int_in_range(key: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{key}={short_repr(value)}: must be an integer >= {low} and <= {high}")
+    return int(value)
 
 
 def _size(key: str, value: Any) -> int:
     try:
         return parse_size(value)
     except ValueError as exc:
-        raise ConfigError(f"{key}={value!r}: {exc}") from None
+        raise ConfigError(f"{key}={short_repr(value)}: {exc}") from None
 
 
 def _ratio(key: str, value: Any, *, low_open: bool) -> float:
     interval = "(0, 1]" if low_open else "[0, 1]"
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{key}={value!r}: must be a number in {interval}")
-    if not (0.0 <= value <= 1.0) or (low_open and value == 0.0):
-        raise ConfigError(f"{key}={value!r}: must be in {interval}")
+        raise ConfigError(f"{key}={short_repr(value)}: must be a number in {interval}")
+    if not (0.0 <= value <= 1.0) or (low_open and value == 0.0):  # NaN fails both
+        raise ConfigError(f"{key}={short_repr(value)}: must be in {interval}")
     return float(value)
+
+
+def _path_string(key: str, value: Any) -> str:
+    """``value`` as a ``str`` path, refused when no file system could take it."""
+    if isinstance(value, os.PathLike):
+        try:
+            value = os.fspath(value)
+        except Exception as exc:
+            raise ConfigError(f"{key}: os.fspath() of {short_repr(value)} failed: {exc}") from None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(
+            f"{key}={short_repr(value)}: must be a non-empty directory path "
+            f"(a str or os.PathLike of str)"
+        )
+    if "\0" in value:
+        raise ConfigError(
+            f"{key}={short_repr(value)}: contains a NUL character, which no file name can hold"
+        )
+    try:
+        os.fsencode(value)
+    except UnicodeError:
+        raise ConfigError(
+            f"{key}={short_repr(value)}: cannot be encoded as a file name on this system"
+        ) from None
+    return str(value)
+
+
+def _check_usable_directory(key: str, path: str) -> None:
+    """Refuse ``path`` unless this process could create it (or use it) as a directory:
+    it is not an existing non-directory, and its nearest existing ancestor (itself when it
+    exists) is a directory this process may write and search. Creates nothing."""
+    try:
+        target = os.path.abspath(path)
+    except OSError as exc:  # a relative path while the working directory was removed
+        raise ConfigError(
+            f"{key}={short_repr(path)}: cannot resolve it ({exc.strerror or exc}); give an "
+            f"absolute path"
+        ) from None
+    probe = target
+    while True:
+        try:
+            st = os.stat(probe)
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            # NotADirectoryError: a component above is a file; going up finds and names it.
+            if os.path.islink(probe):
+                raise ConfigError(
+                    f"{key}={short_repr(path)}: {probe!r} is a symbolic link to nothing, so "
+                    f"the directory cannot be created; remove the link or choose another path"
+                ) from None
+            parent = os.path.dirname(probe)
+            if parent == probe:  # cannot happen for an absolute path, but never loop
+                raise ConfigError(f"{key}={short_repr(path)}: no existing ancestor") from None
+            probe = parent
+        except OSError as exc:  # EACCES on a parent, ELOOP, ENAMETOOLONG...
+            raise ConfigError(
+                f"{key}={short_repr(path)}: cannot inspect {probe!r} ({exc.strerror or exc}); "
+                f"point {key} at a directory this process can create and write"
+            ) from None
+    if not stat.S_ISDIR(st.st_mode):
+        if probe == target:
+            raise ConfigError(
+                f"{key}={short_repr(path)}: {probe!r} exists and is not a directory; "
+                f"point {key} at a directory (it is created if missing)"
+            )
+        raise ConfigError(
+            f"{key}={short_repr(path)}: {probe!r} is not a directory, so {target!r} cannot be "
+            f"created under it; point {key} at a directory"
+        )
+    effective = os.access in os.supports_effective_ids
+    if not os.access(probe, os.W_OK | os.X_OK, effective_ids=effective):
+        where = (
+            f"the directory {probe!r}"
+            if probe == target
+            else f"{target!r} does not exist and its nearest existing ancestor {probe!r}"
+        )
+        raise ConfigError(
+            f"{key}={short_repr(path)}: {where} is not writable and searchable by this "
+            f"process (uid {os.geteuid()}); point {key} at a directory you can write, or "
+            f"create it with write permission"
+        )
 
 
 def _compute_dtype(value: Any) -> str:
@@ -464,7 +613,7 @@ def _compute_dtype(value: Any) -> str:
         if name in COMPUTE_DTYPES:
             return name
     raise ConfigError(
-        f"compute_dtype={value!r}: allowed values are 'fp32', 'bf16', 'fp16' "
+        f"compute_dtype={short_repr(value)}: allowed values are 'fp32', 'bf16', 'fp16' "
         f"(or the torch dtypes float32, bfloat16, float16)"
     )
 
@@ -477,11 +626,13 @@ def _device(value: Any) -> str:
             return value
         try:
             dev = torch.device(value)
-        except (RuntimeError, ValueError):
+        except Exception:  # torch's parser raises RuntimeError, ValueError or TypeError
             dev = None
         if dev is not None and dev.type in ("cpu", "cuda"):
             return str(dev)
-    raise ConfigError(f"device={value!r}: allowed values are 'auto', 'cpu', 'cuda', 'cuda:N'")
+    raise ConfigError(
+        f"device={short_repr(value)}: allowed values are 'auto', 'cpu', 'cuda', 'cuda:N'"
+    )
 
 
 def _reject_unknown_keys(init):
@@ -497,7 +648,7 @@ def _reject_unknown_keys(init):
         for key in kwargs:
             if key not in allowed:
                 raise ConfigError(
-                    f"unknown OffloadConfig key {key!r}{_did_you_mean(key, allowed)}; "
+                    f"unknown OffloadConfig key {short_repr(key)}{_did_you_mean(key, allowed)}; "
                     f"allowed keys: {', '.join(sorted(allowed))}"
                 )
         init(self, **kwargs)

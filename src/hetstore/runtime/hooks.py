@@ -321,7 +321,7 @@ class OffloadRuntime:
         if not self.prefetch_depth or unit not in self.order:
             return
         position = self.order.index(unit)
-        for k in range(1, self.prefetch_depth + 1):
+        for k in range(1, min(self.prefetch_depth, len(self.order)) + 1):
             other = position + step * k
             if 0 <= other < len(self.order):
                 self._prefetch(self.order[other])
