@@ -173,11 +173,13 @@ class OffloadConfig:
         metadata=_doc("Bytes per disk IO request; a transfer is split into requests of this size."),
     )
     aio_queue_depth: int = field(
-        default=32, metadata=_doc("Disk IO requests kept in flight at once, >= 1.")
+        default=32, metadata=_doc("Disk IO requests kept in flight at once, 1 to 1024.")
     )
     aio_threads: int = field(
         default=0,
-        metadata=_doc("Disk IO worker threads; 0 picks a default from the queue depth and CPUs."),
+        metadata=_doc(
+            "Disk IO worker threads, 0 to 256; 0 picks a default from the queue depth and CPUs."
+        ),
     )
     # --- compute ---
     compute_dtype: str = field(
@@ -194,7 +196,7 @@ class OffloadConfig:
     prefetch_depth: int = field(
         default=1,
         metadata=_doc(
-            "How many units ahead of the running one are fetched, >= 0. Units on disk keep "
+            "How many units ahead of the running one are fetched, 0 to 64. Units on disk keep "
             "prefetch_depth + 1 staging buffers of the largest unit's parameters in host memory."
         ),
     )
