@@ -28,6 +28,7 @@ from hetstore._sizes import parse_size
 from hetstore.checkpoint.files import _DirectFile, _fsync_dir, _Staging
 from hetstore.checkpoint.safetensors_stream import SafetensorsStreamWriter, TensorSpec
 from hetstore.checkpoint.training import (
+    OffloadReadFailed,
     _Buffers,
     _host,
     _Item,
@@ -121,9 +122,11 @@ def export_weights(
         for temp, final in temps:
             os.replace(temp, final)
         _fsync_dir(root)
-    except BaseException:
+    except BaseException as exc:
         for temp, _ in temps:
             temp.unlink(missing_ok=True)
+        if isinstance(exc, OffloadReadFailed):
+            raise exc.error(f"no file in {str(root)!r} was written or replaced") from exc.cause
         raise
     finally:
         staging.close()

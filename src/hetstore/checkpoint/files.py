@@ -3,10 +3,11 @@
 A checkpoint at ``path`` is a directory of *versions* and one pointer file:
 
     path/
-      LATEST                 the name of the complete version ("v000002"), replaced atomically
+      LATEST                 "v000002 index.json 1234 89abcdef\n": the complete version, its
+                             index's size and CRC-32; replaced atomically
       v000002/
         index.json           every file with its size and CRC-32, written last
-        unit-blocks.0.safetensors, optimizer.json, ...
+        unit-00000.safetensors, optimizer.json, ...
 
 A save writes a new version directory next to the old one: every file is written,
 flushed and fsynced, then the index, then the directory is fsynced, and only then is
@@ -15,8 +16,19 @@ old version is deleted after that. A crash or SIGKILL at any moment therefore le
 ``LATEST`` naming a complete version: the previous one until the replace, the new one
 after. Leftover partial versions are removed by the next save.
 
-Reading checks each file's size when it is opened and its CRC-32 when it is read, so a
-truncated or corrupted file is refused with its name instead of being loaded as garbage.
+Reading checks everything before anything is used: ``LATEST`` is parsed strictly (one
+changed byte makes it invalid, or names another size or CRC), the index must have the
+size and CRC-32 ``LATEST`` gives (so the index, which holds every other file's checksum,
+is checked too), its entries must have the expected types, and every file it names must
+be a plain name (no ``/``, no ``..``), a regular file in the version directory (not a
+symlink, FIFO, device or directory: they are looked at with ``lstat`` and opened with
+``O_NOFOLLOW | O_NONBLOCK``, then checked again with ``fstat``) of the size the index
+gives. No read is larger than the file it reads. A file is checked against its CRC-32 by
+:meth:`CheckpointReader.verify`. A failure is a :class:`CheckpointError` naming the file.
+
+Checkpoints written before the index was checksummed (``LATEST`` holding only the
+version name) are refused: their index cannot be verified, and this format was never
+released (hetstore 0.1.0), so no checkpoint of it exists to keep loading.
 Files are written with O_DIRECT from page-aligned staging blocks, several in flight on
 the disk tier's IO engine (buffered writes into the page cache ran at ~0.85 GB/s here,
 a quarter of the disk), and fsynced. CRC-32 rather than SHA-256: it catches any flipped
@@ -33,11 +45,14 @@ same way (:meth:`CheckpointReader.open_tensors`, after :meth:`CheckpointReader.v
 from __future__ import annotations
 
 import contextlib
+import errno as errno_mod
 import json
 import os
 import re
 import shutil
+import stat
 import warnings
+import weakref
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +63,7 @@ from hetstore.checkpoint.safetensors_stream import (
     SafetensorsFile,
     SafetensorsStreamWriter,
     TensorSpec,
+    _no_duplicates,
 )
 from hetstore.errors import DiskIOError, HetstoreError
 from hetstore.tiers._hostmem import aligned_empty
@@ -62,6 +78,12 @@ _READ_BLOCK = 8 * 2**20  # bytes checked per read when verifying
 _STAGING_BLOCK = 16 * 2**20  # bytes per O_DIRECT write; 3 in flight reach the disk's ceiling
 _STAGING_DEPTH = 3
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+# LATEST: the version, its index's size and CRC-32. Strict: no leading zeros, lower-case
+# hex, one newline, so any changed byte breaks the pattern or names another value.
+_POINTER = re.compile(rb"(v\d{6}) index\.json (0|[1-9]\d{0,11}) ([0-9a-f]{8})\n")
+_MAX_POINTER = 256  # bytes of LATEST read at most
+_MAX_INDEX = 256 * 2**20  # an index past this is refused rather than read
+_INDEX = "index.json"
 
 
 class CheckpointError(HetstoreError, ValueError):
@@ -113,8 +135,16 @@ class _DirectFile:
         self.offset = 0  # file offset of its first byte
         self.crc = 0
         self.bytes = 0
+        self.failure: BaseException | None = None  # an error of this file's own writes
 
     def write(self, data) -> None:
+        try:
+            self._append(data)
+        except BaseException as exc:
+            self.failure = exc
+            raise
+
+    def _append(self, data) -> None:
         view = memoryview(data).cast("B")
         self.crc = zlib.crc32(view, self.crc)
         self.bytes += len(view)
@@ -140,6 +170,13 @@ class _DirectFile:
             handle.wait()
 
     def finish(self) -> None:
+        try:
+            self._finish()
+        except BaseException as exc:
+            self.failure = exc
+            raise
+
+    def _finish(self) -> None:
         if self.fill:
             padded = self.fill + (-self.fill % ALIGNMENT)
             self.staging.blocks[self.current][self.fill : padded].zero_()
@@ -157,8 +194,17 @@ class _DirectFile:
         self.file.close()
 
 
+def _valid_name(name) -> bool:
+    """A plain file name inside the version directory: no separator, not ``.``/``..``."""
+    return (
+        isinstance(name, str)
+        and _NAME.fullmatch(name) is not None
+        and name not in (_INDEX, ".", "..")
+    )
+
+
 def _check_name(name: str) -> None:
-    if not _NAME.match(name) or name in ("index.json", ".", ".."):
+    if not _valid_name(name):
         raise ValueError(f"checkpoint file name {name!r}: use letters, digits, '_', '.', '-'")
 
 
@@ -183,10 +229,13 @@ class CheckpointWriter:
                 f"checkpoint path {str(self.root)!r} exists and is not a directory"
             )
         self.root.mkdir(parents=True, exist_ok=True)
-        latest = _read_latest(self.root)
-        for stale in _versions(self.root):  # partial versions of saves that died
-            if stale != latest:
-                shutil.rmtree(self.root / stale, ignore_errors=True)
+        latest = _current_version(self.root)
+        # partial versions of saves that died; none when LATEST exists but cannot be read
+        # (a damaged pointer must not cost the version it pointed at)
+        if latest is not None or not os.path.lexists(self.root / "LATEST"):
+            for stale in _versions(self.root):
+                if stale != latest:
+                    shutil.rmtree(self.root / stale, ignore_errors=True)
         for pointer in self.root.glob(".LATEST.*"):  # their unfinished pointer files
             pointer.unlink(missing_ok=True)
         number = max((int(_VERSION.match(v).group(1)) for v in _versions(self.root)), default=0)
@@ -214,31 +263,45 @@ class CheckpointWriter:
 
     @contextlib.contextmanager
     def _durable_file(self, name: str) -> Iterator[_DirectFile]:
-        """A new file of this version, checksummed as written, fsynced on exit."""
+        """A new file of this version, checksummed as written, fsynced on exit.
+
+        Only a failure of this file's own writes is reported as a failed write of the
+        checkpoint file; an error raised by the code producing the data (reading the
+        offload disk, say) goes up as it is, after the partial file is dropped."""
         _check_name(name)
         if name in self.files:
             raise ValueError(f"checkpoint file {name!r} written twice")
         if self._staging is None:
             self._staging = _Staging()
-        out = _DirectFile(self.dir / name, self._staging)
+        path = self.dir / name
+        try:
+            out = _DirectFile(path, self._staging)
+        except OSError as exc:
+            raise self._write_error(path, exc) from exc
         try:
             yield out
             out.finish()
-        except OSError as exc:
+        except BaseException as exc:
             out.abort()
-            reason = os.strerror(exc.errno) if exc.errno else str(exc)
-            raise DiskIOError(
-                f"saving checkpoint file {str(self.dir / name)!r} failed: {reason}. The "
-                f"previous checkpoint at {str(self.root)!r} is unchanged; free space there "
-                "or save somewhere else",
-                path=str(self.dir / name),
-                offset=getattr(exc, "offset", 0),
-                errno=exc.errno,
-            ) from exc
-        except BaseException:
-            out.abort()
+            if exc is out.failure and isinstance(exc, OSError):
+                raise self._write_error(path, exc) from exc
             raise
         self.files[name] = {"bytes": out.bytes, "crc32": out.crc}
+
+    def _write_error(self, path: Path, exc: OSError) -> DiskIOError:
+        """A write of the checkpoint file ``path`` failed: the checkpoint's disk is at fault."""
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        if exc.errno in (errno_mod.ENOSPC, errno_mod.EDQUOT):
+            advice = "free space there or save somewhere else"
+        else:
+            advice = "check the disk it is on (dmesg) or save somewhere else"
+        return DiskIOError(
+            f"saving checkpoint file {str(path)!r} failed: {reason}. The previous "
+            f"checkpoint at {str(self.root)!r} is unchanged; {advice}",
+            path=str(path),
+            offset=getattr(exc, "offset", 0) or 0,
+            errno=exc.errno,
+        )
 
     def _add(self, name: str, data: bytes) -> None:
         with self._durable_file(name) as out:
@@ -266,7 +329,8 @@ class CheckpointWriter:
         self._add(name, json.dumps(value, sort_keys=True).encode())
 
     def commit(self, meta: dict | None = None) -> Path:
-        """Write the index, then point ``LATEST`` at this version; the old one is removed."""
+        """Write the index, then point ``LATEST`` at this version (with the index's size
+        and CRC-32); the old version is removed."""
         index = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -274,65 +338,304 @@ class CheckpointWriter:
             "meta": meta or {},
         }
         self._close_staging()
-        _write_durable(
-            self.dir / "index.json", json.dumps(index, sort_keys=True, indent=1).encode()
-        )
-        _fsync_dir(self.dir)
-        _fsync_dir(self.root)
-        previous = _read_latest(self.root)
+        encoded = json.dumps(index, sort_keys=True, indent=1).encode()
+        with self._writing(self.dir / _INDEX):
+            _write_durable(self.dir / _INDEX, encoded)
+            _fsync_dir(self.dir)
+            _fsync_dir(self.root)
+        previous = _current_version(self.root)
         pointer = self.root / f".LATEST.{os.getpid()}"
-        _write_durable(pointer, self.version.encode())
-        os.replace(pointer, self.root / "LATEST")
-        _fsync_dir(self.root)
+        with self._writing(self.root / "LATEST"):
+            _write_durable(pointer, _pointer(self.version, encoded))
+            os.replace(pointer, self.root / "LATEST")
+            _fsync_dir(self.root)
         self.committed = True
         if previous and previous != self.version:
             shutil.rmtree(self.root / previous, ignore_errors=True)
         return self.dir
+
+    @contextlib.contextmanager
+    def _writing(self, path: Path) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            if isinstance(exc, DiskIOError):
+                raise
+            raise self._write_error(path, exc) from exc
 
     def abort(self) -> None:
         """Remove this partial version; the previous checkpoint stays as it was."""
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _read_latest(root: Path) -> str | None:
+def _pointer(version: str, index: bytes) -> bytes:
+    """What ``LATEST`` holds: the version, its index's size and CRC-32."""
+    return f"{version} {_INDEX} {len(index)} {zlib.crc32(index):08x}\n".encode()
+
+
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+def _kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _open_regular(name: str, dir_fd: int, shown: Path) -> tuple[int, os.stat_result]:
+    """Open ``name`` in the directory ``dir_fd`` for reading, only if it is a regular
+    file: looked at with ``lstat`` first (a FIFO or device is never opened), then opened
+    without following a symlink and without blocking, and checked again by ``fstat``
+    (the same file, still regular). ``shown`` is its path, for messages."""
     try:
-        name = (root / "LATEST").read_text().strip()
+        before = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {str(shown)!r} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(
+            f"checkpoint file {str(shown)!r} cannot be read: {exc.strerror}"
+        ) from exc
+    if not stat.S_ISREG(before.st_mode):
+        raise CheckpointError(
+            f"checkpoint file {str(shown)!r} is {_kind(before.st_mode)}, not a regular file: "
+            "refused (a checkpoint is made of regular files only)"
+        )
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        raise CheckpointError(
+            f"checkpoint file {str(shown)!r} cannot be opened: {exc.strerror}"
+        ) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (
+            before.st_dev,
+            before.st_ino,
+        ):
+            raise CheckpointError(f"checkpoint file {str(shown)!r} was replaced while opened")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _pread_exact(fd: int, n: int, shown: Path) -> bytes:
+    """The first ``n`` bytes of a file known to hold at least ``n``."""
+    parts, done = [], 0
+    while done < n:
+        part = os.pread(fd, min(n - done, _READ_BLOCK), done)
+        if not part:
+            raise CheckpointError(
+                f"checkpoint file {str(shown)!r} is truncated: it ends at byte {done}, {n} expected"
+            )
+        parts.append(part)
+        done += len(part)
+    return b"".join(parts)
+
+
+def _json(data: bytes, shown: Path):
+    try:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"checkpoint file {str(shown)!r} is not valid JSON: {exc}") from None
+
+
+def _current_version(root: Path) -> str | None:
+    """The version ``LATEST`` names, read leniently (by a save, to know what to keep and
+    what to remove; a load reads it strictly): None when ``LATEST`` is missing or says
+    nothing usable."""
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
         return None
-    return name if _VERSION.match(name) else None
+    try:
+        fd, _ = _open_regular("LATEST", root_fd, root / "LATEST")
+    except CheckpointError:
+        return None
+    finally:
+        os.close(root_fd)
+    try:
+        words = os.pread(fd, _MAX_POINTER, 0).decode("ascii", "replace").split()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return words[0] if words and _VERSION.match(words[0]) else None
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class CheckpointReader:
-    """The complete version ``LATEST`` names, every file checked before use."""
+    """The complete version ``LATEST`` names, every file checked before use.
+
+    Opening reads and checks ``LATEST``, the index (its size and CRC-32 against
+    ``LATEST``, its entries) and every file the index names (a regular file of the
+    indexed size); :meth:`verify` checks the files' CRC-32. Files are opened relative to
+    the version directory's descriptor (held until :meth:`close`), never through a
+    symlink. Any failure is a :class:`CheckpointError` naming the file.
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.root = Path(path)
-        latest = _read_latest(self.root)
-        if latest is None:
-            raise CheckpointError(
-                f"no complete checkpoint at {str(self.root)!r} (no valid LATEST file)"
-            )
-        self.dir = self.root / latest
-        index_path = self.dir / "index.json"
+        self._dir_fd = -1
         try:
-            index = json.loads(index_path.read_text())
-        except (OSError, ValueError) as exc:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
             raise CheckpointError(
-                f"checkpoint index {str(index_path)!r} is unreadable: {exc}"
-            ) from exc
-        if index.get("format") != FORMAT or index.get("version") != FORMAT_VERSION:
-            raise CheckpointError(f"{str(index_path)!r} is not a {FORMAT} v{FORMAT_VERSION} index")
-        self.files: dict[str, dict] = index["files"]
-        self.meta: dict = index.get("meta", {})
-        for name, entry in self.files.items():
-            file = self.dir / name
-            size = file.stat().st_size if file.exists() else None
-            if size != entry["bytes"]:
+                f"no complete checkpoint at {str(self.root)!r} ({exc.strerror})"
+            ) from None
+        try:
+            version, index_bytes, index_crc = self._read_pointer(root_fd)
+            self.dir = self.root / version
+            try:
+                self._dir_fd = os.open(
+                    version,
+                    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    dir_fd=root_fd,
+                )
+            except OSError as exc:
+                raise CheckpointError(
+                    f"checkpoint version {str(self.dir)!r} that {str(self.root / 'LATEST')!r} "
+                    f"names is not a directory of the checkpoint: {exc.strerror}"
+                ) from None
+        finally:
+            os.close(root_fd)
+        self._finalizer = weakref.finalize(self, os.close, self._dir_fd)
+        try:
+            self._read_index(index_bytes, index_crc)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_pointer(self, root_fd: int) -> tuple[str, int, int]:
+        shown = self.root / "LATEST"
+        try:
+            fd, _ = _open_regular("LATEST", root_fd, shown)
+        except CheckpointError as exc:
+            if "is missing" in str(exc):
+                raise CheckpointError(
+                    f"no complete checkpoint at {str(self.root)!r} (no LATEST file)"
+                ) from None
+            raise
+        try:
+            data = os.pread(fd, _MAX_POINTER + 1, 0)
+        finally:
+            os.close(fd)
+        try:
+            text = data.decode("ascii")
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(
+                f"checkpoint pointer {str(shown)!r} is damaged: byte {data[exc.start]:#04x} at "
+                f"offset {exc.start} is not ASCII"
+            ) from None
+        match = _POINTER.fullmatch(data)
+        if match is None:
+            if _VERSION.fullmatch(text.strip()):
+                raise CheckpointError(
+                    f"checkpoint pointer {str(shown)!r} names version {text.strip()!r} without "
+                    "its index's checksum: written by an earlier hetstore, whose index "
+                    "cannot be verified; refused (re-save it with this version)"
+                )
+            raise CheckpointError(
+                f"checkpoint pointer {str(shown)!r} is damaged: {text[:80]!r} is not "
+                "'vNNNNNN index.json <bytes> <crc32>'"
+            )
+        version, size, crc = match.groups()
+        return version.decode(), int(size), int(crc, 16)
+
+    def _read_index(self, size: int, crc: int) -> None:
+        shown = self.dir / _INDEX
+        if size > _MAX_INDEX:
+            raise CheckpointError(
+                f"checkpoint index {str(shown)!r}: {size} bytes announced, more than the "
+                f"{_MAX_INDEX} an index may have"
+            )
+        fd, st = _open_regular(_INDEX, self._dir_fd, shown)
+        try:
+            if st.st_size != size:
+                raise CheckpointError(
+                    f"checkpoint index {str(shown)!r} is truncated or damaged: {st.st_size} "
+                    f"bytes, LATEST says {size}"
+                )
+            data = _pread_exact(fd, size, shown)
+        finally:
+            os.close(fd)
+        if zlib.crc32(data) != crc:
+            raise CheckpointError(
+                f"checkpoint index {str(shown)!r} is corrupted: its CRC-32 does not match "
+                "the one LATEST gives"
+            )
+        index = _json(data, shown)
+        if (
+            not isinstance(index, dict)
+            or index.get("format") != FORMAT
+            or index.get("version") != FORMAT_VERSION
+        ):
+            raise CheckpointError(f"{str(shown)!r} is not a {FORMAT} v{FORMAT_VERSION} index")
+        files, meta = index.get("files"), index.get("meta", {})
+        if not isinstance(files, dict) or not isinstance(meta, dict):
+            raise CheckpointError(f"{str(shown)!r}: 'files' and 'meta' must be objects")
+        for name, entry in files.items():
+            if not _valid_name(name):
+                raise CheckpointError(
+                    f"{str(shown)!r} names a file {name!r} that is not a plain file name in "
+                    "the version directory (a path, '..', or other characters): refused"
+                )
+            if (
+                not isinstance(entry, dict)
+                or set(entry) != {"bytes", "crc32"}
+                or not _is_count(entry["bytes"])
+                or not _is_count(entry["crc32"])
+                or entry["crc32"] >= 2**32
+            ):
+                raise CheckpointError(
+                    f"{str(shown)!r}: the entry of {name!r} is not {{bytes, crc32}}: {entry!r}"
+                )
+        self.files: dict[str, dict] = files
+        self.meta: dict = meta
+        for name in files:
+            try:
+                st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            except OSError as exc:
+                raise CheckpointError(
+                    f"checkpoint file {str(self.dir / name)!r} cannot be read: {exc.strerror}"
+                ) from exc
+            if st is not None and not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(
+                    f"checkpoint file {str(self.dir / name)!r} is {_kind(st.st_mode)}, not a "
+                    "regular file: refused (a checkpoint is made of regular files only)"
+                )
+            size = None if st is None else st.st_size
+            if size != files[name]["bytes"]:
                 found = "missing" if size is None else f"{size} bytes"
                 raise CheckpointError(
-                    f"checkpoint file {str(file)!r} is truncated or damaged: "
-                    f"{found}, the index says {entry['bytes']}"
+                    f"checkpoint file {str(self.dir / name)!r} is truncated or damaged: "
+                    f"{found}, the index says {files[name]['bytes']}"
                 )
+
+    def close(self) -> None:
+        """Close the version directory's descriptor (files opened from it stay usable)."""
+        if self._dir_fd >= 0:
+            self._finalizer()
+            self._dir_fd = -1
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def names(self) -> list[str]:
         return list(self.files)
@@ -341,6 +644,20 @@ class CheckpointReader:
         if name not in self.files:
             raise CheckpointError(f"checkpoint {str(self.dir)!r} has no file {name!r}")
         return self.dir / name
+
+    def _open(self, name: str) -> int:
+        """A descriptor of the regular file ``name``, of the indexed size."""
+        shown = self._file(name)
+        if self._dir_fd < 0:
+            raise CheckpointError(f"the reader of {str(self.dir)!r} is closed")
+        fd, st = _open_regular(name, self._dir_fd, shown)
+        if st.st_size != self.files[name]["bytes"]:
+            os.close(fd)
+            raise CheckpointError(
+                f"checkpoint file {str(shown)!r} is truncated or damaged: {st.st_size} bytes, "
+                f"the index says {self.files[name]['bytes']}"
+            )
+        return fd
 
     def _corrupted(self, name: str) -> CheckpointError:
         return CheckpointError(
@@ -351,24 +668,40 @@ class CheckpointReader:
     def verify(self, names: list[str] | None = None) -> None:
         """Checksum every file (or ``names``) in blocks and compare with the index; a
         mismatch raises :class:`CheckpointError` naming the file. Nothing is kept in
-        memory but one block."""
-        block = bytearray(_READ_BLOCK)
+        memory but one block, and no more than the indexed size is read."""
+        block = bytearray(
+            min(_READ_BLOCK, max((e["bytes"] for e in self.files.values()), default=0)) or 1
+        )
         view = memoryview(block)
         for name in self.names() if names is None else names:
-            crc = 0
-            with open(self._file(name), "rb", buffering=0) as f:
+            fd = self._open(name)
+            size, crc, done = self.files[name]["bytes"], 0, 0
+            try:
                 # the load reads these bytes again: through the page cache, with a long
                 # readahead, so the second pass is served from memory
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                while n := f.readinto(block):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                while done < size:
+                    n = os.preadv(fd, [view[: min(len(view), size - done)]], done)
+                    if n == 0:
+                        break
                     crc = zlib.crc32(view[:n], crc)
-            if crc != self.files[name]["crc32"]:
+                    done += n
+            except OSError as exc:
+                raise CheckpointError(
+                    f"checkpoint file {str(self.dir / name)!r} cannot be read: {exc.strerror}"
+                ) from exc
+            finally:
+                os.close(fd)
+            if done != size or crc != self.files[name]["crc32"]:
                 raise self._corrupted(name)
 
     def _read(self, name: str) -> bytes:
-        data = self._file(name).read_bytes()
-        entry = self.files[name]
-        if len(data) != entry["bytes"] or zlib.crc32(data) != entry["crc32"]:
+        fd = self._open(name)
+        try:
+            data = _pread_exact(fd, self.files[name]["bytes"], self.dir / name)
+        finally:
+            os.close(fd)
+        if zlib.crc32(data) != self.files[name]["crc32"]:
             raise self._corrupted(name)
         return data
 
@@ -376,16 +709,24 @@ class CheckpointReader:
         """A small safetensors file whole (checked against its hash first)."""
         self.verify([name])
         with self.open_tensors(name) as f:
-            return {key: f.read(key) for key in f.keys()}
+            try:
+                return {key: f.read(key) for key in f.keys()}
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(
+                    f"checkpoint file {str(self.dir / name)!r} is unreadable: {exc}"
+                ) from exc
 
     def open_tensors(self, name: str) -> SafetensorsFile:
-        """A safetensors file to read in pieces. Its size was checked when the reader
-        opened; call :meth:`verify` first for the content."""
-        file = self._file(name)
+        """A safetensors file to read in pieces, its header parsed and checked (see
+        :class:`SafetensorsFile`). Its size was checked when the reader opened; call
+        :meth:`verify` first for the content."""
+        fd = self._open(name)
         try:
-            return SafetensorsFile(file)
+            return SafetensorsFile(self.dir / name, fd=fd)
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint file {str(file)!r} is unreadable: {exc}") from exc
+            raise CheckpointError(
+                f"checkpoint file {str(self.dir / name)!r} is unreadable: {exc}"
+            ) from exc
 
     def read_json(self, name: str):
-        return json.loads(self._read(name))
+        return _json(self._read(name), self.dir / name)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -118,6 +119,32 @@ class SafetensorsStreamWriter:
             raise ValueError(f"wrote {self.written} of {self.total} announced bytes")
 
 
+def _is_count(value) -> bool:
+    """A non-negative JSON integer (``true`` is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {twice!r} appears twice")
+    return out
+
+
+def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
+    """``n`` bytes at ``offset`` (the caller checked they lie inside the file)."""
+    parts, done = [], 0
+    while done < n:
+        part = os.pread(fd, n - done, offset + done)
+        if not part:
+            raise ValueError(f"{path}: the file ends at byte {offset + done}, {n} expected")
+        parts.append(part)
+        done += len(part)
+    return b"".join(parts)
+
+
 @dataclass(frozen=True)
 class _Entry:
     dtype: torch.dtype
@@ -127,39 +154,105 @@ class _Entry:
 
 
 class SafetensorsFile:
-    """An open safetensors file: its header parsed, tensors read in element ranges."""
+    """An open safetensors file: its header parsed and checked, tensors read in element
+    ranges.
 
-    def __init__(self, path: str | os.PathLike):
+    The header is checked whole before anything is read from the data: its declared
+    length against the file's size (never allocated beyond it), the JSON (an object of
+    objects, no duplicate keys), every dtype (known), shape (non-negative integers) and
+    ``data_offsets`` (the tensors' byte ranges tile the data exactly, in order, to the
+    end of the file, each as long as its shape and dtype say), as the safetensors library
+    itself requires. Anything else raises ``ValueError`` naming the file and the tensor.
+
+    ``fd``: an already opened descriptor of ``path`` (the checkpoint reader's, checked to
+    be a regular file); it is owned and closed by this object. Without it, ``path`` is
+    opened here and refused unless it is a regular file (a FIFO would block, a device
+    like ``/dev/zero`` never ends).
+    """
+
+    def __init__(self, path: str | os.PathLike, fd: int | None = None):
         self.path = os.fspath(path)
-        self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        if fd is None:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        self.fd = fd
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"{self.path}: not a regular file")
+            self.size = st.st_size
             self.entries, self.metadata = self._parse()
         except BaseException:
             os.close(self.fd)
+            self.fd = -1
             raise
 
     def _parse(self) -> tuple[dict[str, _Entry], dict[str, str]]:
-        size = os.fstat(self.fd).st_size
+        size = self.size
         head = os.pread(self.fd, 8, 0)
         if len(head) < 8:
-            raise ValueError(f"{self.path}: too short for a safetensors file")
+            raise ValueError(f"{self.path}: too short for a safetensors file ({size} bytes)")
         (length,) = struct.unpack("<Q", head)
         if length > min(_MAX_HEADER, size - 8):
-            raise ValueError(f"{self.path}: header length {length} does not fit the file")
-        header = json.loads(os.pread(self.fd, length, 8))
-        metadata = header.pop("__metadata__", None) or {}
+            raise ValueError(
+                f"{self.path}: header length {length} does not fit the file ({size} bytes)"
+            )
+        raw = _pread_exact(self.fd, length, 8, self.path)
+        try:
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"{self.path}: the header is not valid JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{self.path}: the header is a {type(header).__name__}, not an object")
+        metadata = header.pop("__metadata__", None)
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise ValueError(f"{self.path}: __metadata__ is not an object of strings")
         base = 8 + length
         entries = {}
         for name, info in header.items():
-            dtype = _DTYPES.get(info["dtype"])
-            if dtype is None:
-                raise ValueError(f"{self.path}: {name!r} has unsupported dtype {info['dtype']}")
-            begin, end = info["data_offsets"]
-            shape = tuple(int(d) for d in info["shape"])
-            if end - begin != math.prod(shape) * dtype.itemsize or base + end > size:
-                raise ValueError(f"{self.path}: {name!r} has an inconsistent byte range")
-            entries[name] = _Entry(dtype, shape, base + begin, base + end)
+            entries[name] = self._entry_of(name, info, base)
+        cursor = base  # the ranges must tile the data: in order, no gap, no overlap
+        for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
+            if entry.begin != cursor:
+                raise ValueError(
+                    f"{self.path}: {name!r} starts at data byte {entry.begin - base}, the "
+                    f"previous tensor ends at {cursor - base} (overlap or gap)"
+                )
+            cursor = entry.end
+        if cursor != size:
+            raise ValueError(
+                f"{self.path}: the tensors' data ends at byte {cursor}, the file at {size}"
+            )
         return entries, metadata
+
+    def _entry_of(self, name: str, info, base: int) -> _Entry:
+        where = f"{self.path}: tensor {name!r}"
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise ValueError(f"{where} is not {{dtype, shape, data_offsets}}")
+        dtype = _DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        if dtype is None:
+            raise ValueError(f"{where} has an unsupported dtype {info['dtype']!r}")
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise ValueError(f"{where} has an invalid shape {shape!r}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_count(o) for o in offsets)
+        ):
+            raise ValueError(f"{where} has invalid data_offsets {offsets!r}")
+        begin, end = offsets
+        if end < begin or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(
+                f"{where}: data_offsets {offsets} do not hold {tuple(shape)} of {dtype}"
+            )
+        if base + end > self.size:
+            raise ValueError(
+                f"{where}: data_offsets {offsets} reach past the end of the file "
+                f"({self.size - base} data bytes)"
+            )
+        return _Entry(dtype, tuple(shape), base + begin, base + end)
 
     def __enter__(self) -> SafetensorsFile:
         return self

@@ -69,24 +69,59 @@ def encode(value, tensors: dict[str, torch.Tensor], path: str = "extra"):
     )
 
 
-def decode(data, tensors: dict[str, torch.Tensor]):
-    """The value :func:`encode` turned into ``data``."""
+def decode(data, tensors: dict[str, torch.Tensor], path: str = "extra"):
+    """The value :func:`encode` turned into ``data``, checked on the way: a tag must be
+    its dict's only key and hold what :func:`encode` puts there, a tensor key must be
+    in ``tensors``, a dict key must be hashable. Anything else raises ``ValueError``
+    naming the place (``path``) in the value, so a crafted file cannot half-decode."""
     if isinstance(data, list):
-        return [decode(v, tensors) for v in data]
-    if not isinstance(data, dict):
+        return [decode(v, tensors, f"{path}[{i}]") for i, v in enumerate(data)]
+    if data is None or isinstance(data, (bool, int, float, str)):
         return data
-    if "__tensor__" in data:
-        return tensors[data["__tensor__"]]
-    if "__ndarray__" in data:
-        return tensors[data["__ndarray__"]].numpy()
-    if "__tuple__" in data:
-        return tuple(decode(v, tensors) for v in data["__tuple__"])
-    if "__dict__" in data:
-        return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in data["__dict__"]}
-    if "__float__" in data:
-        return float(data["__float__"])
-    return {k: decode(v, tensors) for k, v in data.items()}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a {type(data).__name__} is not a stored value")
+    tags = [k for k in data if k in _TAGS]
+    if not tags:
+        return {k: decode(v, tensors, f"{path}[{k!r}]") for k, v in data.items()}
+    tag = tags[0]
+    if len(data) != 1:
+        raise ValueError(
+            f"{path}: the tag {tag!r} must be alone in its object, found {sorted(data)}"
+        )
+    value = data[tag]
+    if tag in ("__tensor__", "__ndarray__"):
+        if not isinstance(value, str) or value not in tensors:
+            raise ValueError(f"{path}: tensor {value!r} is not in the tensor file")
+        if tag == "__tensor__":
+            return tensors[value]
+        try:
+            return tensors[value].numpy()
+        except (TypeError, RuntimeError) as exc:
+            raise ValueError(f"{path}: tensor {value!r} cannot be a numpy array: {exc}") from None
+    if tag == "__float__":
+        if value not in ("inf", "-inf", "nan"):
+            raise ValueError(f"{path}: __float__ holds {value!r}, not 'inf', '-inf' or 'nan'")
+        return float(value)
+    if not isinstance(value, list):
+        raise ValueError(f"{path}: {tag} holds a {type(value).__name__}, not a list")
+    if tag == "__tuple__":
+        return tuple(decode(v, tensors, f"{path}[{i}]") for i, v in enumerate(value))
+    out = {}
+    for i, pair in enumerate(value):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"{path}: __dict__ item {i} is not a [key, value] pair")
+        key = _hashable(decode(pair[0], tensors, f"{path} key {i}"))
+        if not _is_key(key):
+            raise ValueError(f"{path}: __dict__ key {i} is not a string, number, None or tuple")
+        out[key] = decode(pair[1], tensors, f"{path}[{key!r}]")
+    return out
 
 
 def _hashable(key):
     return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
+
+
+def _is_key(key) -> bool:
+    if isinstance(key, tuple):
+        return all(_is_key(k) for k in key)
+    return key is None or isinstance(key, (str, int, float, bool))

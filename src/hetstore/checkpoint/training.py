@@ -55,7 +55,8 @@ from torch.optim import Optimizer
 from hetstore.checkpoint import sharded, tagged
 from hetstore.checkpoint.files import CheckpointError, CheckpointReader, CheckpointWriter
 from hetstore.checkpoint.safetensors_stream import SafetensorsFile, TensorSpec
-from hetstore.errors import ConfigError
+from hetstore.errors import ConfigError, DiskIOError
+from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.offloaded import OffloadedOptimizer
 from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, DiskSlice, wait_all, wait_all_quiet
 from hetstore.runtime.unit import Unit
@@ -194,6 +195,20 @@ def save(
 
     shards = getattr(model, "_hetstore_shards", None)
     files = _file_plan(model, optimizer, runtime, names, shards)
+    try:
+        return _save_files(
+            path, model, files, shards, optimizer_json, groups_tensors, extra_json, extra_tensors
+        )
+    except OffloadReadFailed as failed:
+        raise failed.error(
+            f"the new checkpoint was discarded and the previous one at {str(path)!r} is "
+            "unchanged and loadable"
+        ) from failed.cause
+
+
+def _save_files(
+    path, model, files, shards, optimizer_json, groups_tensors, extra_json, extra_tensors
+) -> Path:
     buffers = _Buffers(_host(model))
     writer = CheckpointWriter(path) if shards is None else sharded.start_save(path, shards)
     with contextlib.closing(buffers), writer:
@@ -369,17 +384,44 @@ def _param_state(optimizer, param) -> dict:
     return optimizer.state.get(param, {})
 
 
+class OffloadReadFailed(Exception):
+    """Reading the model's state from the offload disk failed while a checkpoint or an
+    export was being written: the offload side is at fault, not the file being written.
+    Not an ``OSError``, so the writer does not take it for a failed write of its file;
+    :meth:`error` turns it into the :class:`DiskIOError` the caller sees."""
+
+    def __init__(self, cause: DiskIOError, key: str):
+        super().__init__(str(cause))
+        self.cause = cause
+        self.key = key
+
+    def error(self, consequence: str) -> DiskIOError:
+        cause = self.cause
+        return DiskIOError(
+            f"reading {self.key!r} back from the offload disk failed: {cause}. The failing "
+            f"side is the offload file {cause.path!r} (under offload_path), not the "
+            f"destination being written; {consequence}. The model's state in that file "
+            "may be lost: check that disk (dmesg) before training on",
+            path=cause.path,
+            offset=cause.offset,
+            errno=cause.errno,
+        )
+
+
 def _stream(items: list[_Item], buffers: _Buffers) -> Iterator[tuple[_Item, torch.Tensor]]:
     """Each item's data in order, in pieces of at most a chunk, with the item it belongs
     to. Memory pieces are views; disk pieces are read one ahead into two alternating
-    chunk buffers (a piece is valid until the next one is asked for)."""
+    chunk buffers (a piece is valid until the next one is asked for). A failed read of
+    the offload disk raises :class:`OffloadReadFailed`."""
     jobs: list[tuple[_Item, torch.Tensor | tuple[DiskArray, int, int]]] = []
+    owners: list[_Item] = []  # the item of each disk job
     for item in items:
         data = item.data
         if isinstance(data, DiskSlice):
             for a in range(0, data.numel, CHUNK_ELEMENTS):
                 n = min(CHUNK_ELEMENTS, data.numel - a)
                 jobs.append((item, (data.array, data.start + a, n)))
+                owners.append(item)
         else:
             flat = data.detach().reshape(-1)
             for a in range(0, max(flat.numel(), 1), CHUNK_ELEMENTS):
@@ -394,7 +436,10 @@ def _stream(items: list[_Item], buffers: _Buffers) -> Iterator[tuple[_Item, torc
 
     def issue(k: int) -> None:
         array, start, n = disk[k]
-        pending[k] = array.read(taken[k % 2][1][:n], start)
+        try:
+            pending[k] = array.read(taken[k % 2][1][:n], start)
+        except DiskIOError as exc:
+            raise OffloadReadFailed(exc, owners[k].key) from exc
 
     try:
         issue(0)
@@ -403,7 +448,10 @@ def _stream(items: list[_Item], buffers: _Buffers) -> Iterator[tuple[_Item, torc
             if not isinstance(job, tuple):
                 yield item, job
                 continue
-            pending.pop(k).wait()
+            try:
+                pending.pop(k).wait()
+            except DiskIOError as exc:
+                raise OffloadReadFailed(exc, item.key) from exc
             if k + 1 < len(disk):
                 issue(k + 1)
             yield item, taken[k % 2][1][: job[2]]
@@ -414,20 +462,156 @@ def _stream(items: list[_Item], buffers: _Buffers) -> Iterator[tuple[_Item, torc
 
 
 # ---------------------------------------------------------------------- load
+# A load is two phases. Verify (:func:`_verify`) reads and checks everything and changes
+# nothing: LATEST, the index (its CRC-32 is in LATEST), every file's size and CRC-32,
+# every tensor file's header, each parameter's master and states in them (names,
+# dtypes, shapes, pieces), the parameters against the model, the optimizer header and
+# the state keys against what the optimizer keeps, the buffers, and ``extra`` decoded
+# whole. Only then does apply (:func:`_apply`) write into the model and the optimizer;
+# what it can still meet is an IO error of the disks themselves.
+_PARAM_KEYS = {"file", "shape", "states", "values", "pieces"}
+_PIECE_KEYS = {"file", "start", "numel"}
+_SHARED_FILES = ("buffers.safetensors", "optimizer.safetensors", "extra.safetensors")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 class _Checkpoint:
-    """The files of one verified checkpoint, opened on demand."""
+    """The tensor files of one checkpoint, checked against its index when this is made:
+    every tensor file's header parsed (the files stay open), each parameter's pieces
+    tiling its elements, its master (floating point, its shape) and each listed state
+    present, no tensor the index does not list, and scalar states (step counters) read.
+    A failure is a :class:`CheckpointError` naming the file and the tensor."""
 
     def __init__(self, reader: CheckpointReader):
         self.reader = reader
-        self.params: dict[str, dict] = reader.meta["params"]
         self._open: dict[str, SafetensorsFile] = {}
-        # name -> [(file, start, numel)]: the parameter's pieces (one unless sharded)
-        self.pieces = {
-            name: [(p["file"], p["start"], p["numel"]) for p in meta["pieces"]]
-            if "pieces" in meta
-            else [(meta["file"], 0, _prod(meta["shape"]))]
-            for name, meta in self.params.items()
-        }
+        self.scalars: dict[tuple[str, str], torch.Tensor] = {}  # 0-d states, read now
+        self.values: dict[str, dict] = {}  # non-tensor states, decoded by check_values
+        self.index = str(reader.dir / "index.json")
+        try:
+            self.params: dict[str, dict] = self._check_params()
+            # name -> [(file, start, numel)]: the parameter's pieces (one unless sharded)
+            self.pieces = {name: self._check_pieces(name, m) for name, m in self.params.items()}
+            self._check_tensors()
+        except BaseException:
+            self.close()
+            raise
+
+    def _bad(self, what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint index {self.index!r}: {what}")
+
+    def _check_params(self) -> dict[str, dict]:
+        params = self.reader.meta.get("params")
+        if not isinstance(params, dict):
+            raise self._bad("meta.params is not an object")
+        for name, meta in params.items():
+            if not name or not isinstance(meta, dict) or not set(meta) <= _PARAM_KEYS:
+                raise self._bad(f"the entry of parameter {name!r} is not valid: {meta!r}")
+            shape, states = meta.get("shape"), meta.get("states")
+            if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+                raise self._bad(f"parameter {name!r} has an invalid shape {shape!r}")
+            if (
+                not isinstance(states, list)
+                or not all(isinstance(k, str) and k for k in states)
+                or len(set(states)) != len(states)
+            ):
+                raise self._bad(f"parameter {name!r} has an invalid state list {states!r}")
+            if ("file" in meta) == ("pieces" in meta):
+                raise self._bad(f"parameter {name!r} needs a 'file' or 'pieces', not both")
+        return params
+
+    def _check_pieces(self, name: str, meta: dict) -> list[tuple[str, int, int]]:
+        total = _prod(meta["shape"])
+        if "file" in meta:
+            raw = [{"file": meta["file"], "start": 0, "numel": total}]
+        else:
+            raw = meta["pieces"]
+            if not isinstance(raw, list) or not raw:
+                raise self._bad(f"parameter {name!r} has invalid pieces {raw!r}")
+        pieces, cursor = [], 0
+        for piece in raw:
+            if not isinstance(piece, dict) or set(piece) != _PIECE_KEYS:
+                raise self._bad(f"parameter {name!r} has an invalid piece {piece!r}")
+            file, start, numel = piece["file"], piece["start"], piece["numel"]
+            if (
+                not isinstance(file, str)
+                or file not in self.reader.files
+                or not file.endswith(".safetensors")
+                or file in _SHARED_FILES
+            ):
+                raise self._bad(f"parameter {name!r} is in {file!r}, not a unit file it lists")
+            if not _is_count(start) or not _is_count(numel) or start != cursor:
+                raise self._bad(f"the pieces of parameter {name!r} do not tile its elements")
+            pieces.append((file, start, numel))
+            cursor += numel
+        if cursor != total:
+            raise self._bad(
+                f"the pieces of parameter {name!r} hold {cursor} elements, its shape {total}"
+            )
+        return pieces
+
+    def _check_tensors(self) -> None:
+        listed: dict[str, set[str]] = {}
+        for name, meta in self.params.items():
+            whole = len(self.pieces[name]) == 1
+            for index, (file_name, _, numel) in enumerate(self.pieces[name]):
+                f = self.file(file_name)
+                shape = tuple(meta["shape"]) if whole else (numel,)
+                keys = listed.setdefault(file_name, set())
+                for key in [None, *meta["states"]]:
+                    tensor_key = name if key is None else f"{name}/{key}"
+                    keys.add(tensor_key)
+                    where = f"checkpoint file {f.path!r}: tensor {tensor_key!r}"
+                    entry = f.entries.get(tensor_key)
+                    if entry is None:
+                        raise CheckpointError(f"{where} is missing (the index lists it)")
+                    ok = entry.shape == shape and entry.dtype.is_floating_point
+                    if key is not None:  # a state: elementwise, 0-d, or (unsharded) any shape
+                        numeric = entry.dtype != torch.bool and not entry.dtype.is_complex
+                        ok = ok or numeric and (entry.shape == () or whole)
+                        if ok and entry.shape == () and index == 0:
+                            self.scalars[(name, key)] = self._read_whole(f, tensor_key)
+                    if not ok:
+                        raise CheckpointError(
+                            f"{where} is {entry.dtype} {list(entry.shape)}; parameter {name!r} "
+                            f"is {list(shape)} there (the index's shape), floating point"
+                        )
+        for file_name in self.reader.files:  # every unit file's header, listed or not
+            if file_name.endswith(".safetensors") and file_name not in _SHARED_FILES:
+                f = self.file(file_name)
+                unknown = sorted(set(f.entries) - listed.get(file_name, set()))
+                if unknown:
+                    raise CheckpointError(
+                        f"checkpoint file {f.path!r} holds tensors the index does not list: "
+                        f"{unknown[:_SHOWN]}"
+                    )
+
+    def _read_whole(self, f: SafetensorsFile, tensor_key: str) -> torch.Tensor:
+        try:
+            return f.read(tensor_key)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint file {f.path!r}: {exc}") from exc
+
+    def check_values(self, groups_tensors: dict) -> None:
+        """Decode every parameter's non-tensor states (``values``)."""
+        for name, meta in self.params.items():
+            if "values" not in meta:
+                continue
+            try:
+                values = tagged.decode(meta["values"], groups_tensors, f"state of {name!r}")
+            except (ValueError, RecursionError) as exc:
+                raise self._bad(str(exc)) from None
+            if not isinstance(values, dict) or set(values) & set(meta["states"]):
+                raise self._bad(f"the non-tensor states of {name!r} are not valid: {values!r}")
+            self.values[name] = values
+
+    def state_spec(self, name: str, key: str) -> list[tuple[int, ...]]:
+        """The stored shape of state ``key`` of ``name`` in each of its pieces."""
+        tensor_key = f"{name}/{key}"
+        return [self.file(f).entries[tensor_key].shape for f, _, _ in self.pieces[name]]
 
     def file(self, name: str) -> SafetensorsFile:
         if name not in self._open:
@@ -456,28 +640,52 @@ class _Checkpoint:
         for file_name, first, numel in self.pieces[name]:
             a, b = max(start, first), min(end, first + numel)
             if a < b:
-                self.file(file_name).read_into(tensor_key, flat[a - start : b - start], a - first)
+                f = self.file(file_name)
+                try:
+                    f.read_into(tensor_key, flat[a - start : b - start], a - first)
+                except (OSError, ValueError) as exc:  # after verification: the disk failed
+                    raise CheckpointError(
+                        f"checkpoint file {f.path!r}: reading {tensor_key!r} failed after "
+                        f"the checkpoint was verified (the file changed or its disk failed): "
+                        f"{exc}"
+                    ) from exc
         if not direct:
             out.copy_(flat.view(out.shape))
 
     def read(self, name: str, key: str | None) -> torch.Tensor:
         """A parameter's master or state whole (pieces joined), shaped like the parameter;
-        a scalar state (``step``) from its first piece."""
+        a scalar state (``step``) from its first piece, as read when verified."""
+        if key is not None and (name, key) in self.scalars:
+            return self.scalars[(name, key)].clone()
         f, tensor_key = self._tensor_key(name, key)
         spec = f.spec(tensor_key)
         shape = self.params[name]["shape"]
         if len(self.pieces[name]) == 1 or not spec.shape:
-            return f.read(tensor_key)
+            return self._read_whole(f, tensor_key)
         out = torch.empty(_prod(shape), dtype=spec.dtype)
         self.read_into(name, key, out)
         return out.view(shape)
 
-    def state(self, name: str, groups_tensors: dict) -> dict:
+    def state(self, name: str, groups_tensors: dict | None = None) -> dict:
         """A parameter's optimizer state as torch keeps it (tensors read whole)."""
         meta = self.params[name]
         values = {key: self.read(name, key) for key in meta["states"]}
-        values.update(tagged.decode(meta.get("values", {}), groups_tensors))
+        if name in self.values:
+            values.update(self.values[name])
+        elif "values" in meta:
+            values.update(tagged.decode(meta["values"], groups_tensors or {}))
         return values
+
+
+@dataclass
+class _Plan:
+    """What the verify phase found, for the apply phase."""
+
+    ckpt: _Checkpoint
+    groups_tensors: dict
+    header: dict | None
+    buffers: dict[str, torch.Tensor]
+    extra: object
 
 
 def load(
@@ -491,37 +699,76 @@ def load(
 
     The loading run's placement, units and tiers need not be the saving run's: each
     parameter is found by name and written into whatever tier holds it now. Before
-    anything is changed, every file is checked against its CRC-32 and the checkpoint
-    against the model (names, shapes) and the optimizer (class, param groups); a
-    mismatch raises :class:`CheckpointError` or :class:`ConfigError` and changes nothing.
-    With ``strict=False`` parameters missing from the checkpoint keep their values.
+    anything is changed, everything is read and checked: the index against its CRC-32
+    in ``LATEST``, every file against its size and CRC-32, every header, tensor name,
+    dtype and shape against the index, the checkpoint against the model (names, shapes,
+    buffers) and the optimizer (class, param groups, the state keys it keeps), and
+    ``extra`` decoded. A damaged or crafted checkpoint raises :class:`CheckpointError`
+    naming the file (and the tensor or key), a checkpoint of another model or optimizer
+    :class:`ConfigError`; either way the model and optimizer are unchanged. With
+    ``strict=False`` parameters missing from the checkpoint keep their values.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load() takes an nn.Module, got {type(model).__name__}")
     _check_optimizer(optimizer, model)
-    reader = CheckpointReader(path)
-    if reader.meta.get("kind") != KIND:
+    with CheckpointReader(path) as reader:
+        plan = _verify(reader, model, optimizer, strict)
+    try:
+        _apply(plan, model, optimizer)
+    finally:
+        plan.ckpt.close()
+    return plan.extra
+
+
+def _verify(reader: CheckpointReader, model: nn.Module, optimizer, strict: bool) -> _Plan:
+    """Everything a load needs, read and checked; the model and optimizer untouched."""
+    meta = reader.meta
+    if meta.get("kind") != KIND or not _is_count(meta.get("world_size")):
         raise CheckpointError(
             f"{str(reader.dir)!r} is not a training-state checkpoint of hetstore.save"
         )
+    for name in ("buffers.safetensors",) + (
+        ("extra.safetensors",) if "extra.json" in reader.files else ()
+    ):
+        if name not in reader.files:
+            raise CheckpointError(f"checkpoint {str(reader.dir)!r} has no file {name!r}")
     reader.verify()
     ckpt = _Checkpoint(reader)
-    names = _param_names(model)
-    _check_params(model, ckpt, strict)
-    groups_tensors = (
-        reader.read_tensors("optimizer.safetensors")
-        if "optimizer.safetensors" in reader.files
-        else {}
-    )
-    header = None
-    if optimizer is not None:
-        header = _check_optimizer_header(reader, optimizer, names)
-    buffers_file = reader.read_tensors("buffers.safetensors")
-    model_buffers = _buffers(model)
-    unknown = sorted(set(buffers_file) - set(model_buffers))
-    if strict and unknown:
-        raise ConfigError(f"load: buffers {unknown[:_SHOWN]} of the checkpoint are not the model's")
+    try:
+        names = _param_names(model)
+        _check_params(model, ckpt, strict)
+        groups_tensors = (
+            reader.read_tensors("optimizer.safetensors")
+            if "optimizer.safetensors" in reader.files
+            else {}
+        )
+        ckpt.check_values(groups_tensors)
+        header = None
+        if optimizer is not None:
+            header = _check_optimizer_header(reader, optimizer, names, groups_tensors)
+            _check_state_keys(ckpt, model, optimizer, names, header)
+        buffers = _check_buffers(reader, model, strict)
+        extra = None
+        if "extra.json" in reader.files:
+            data = reader.read_json("extra.json")
+            tensors = reader.read_tensors("extra.safetensors")
+            try:
+                extra = tagged.decode(data, tensors)
+            except (ValueError, RecursionError) as exc:
+                raise CheckpointError(
+                    f"checkpoint file {str(reader.dir / 'extra.json')!r}: {exc}"
+                ) from None
+    except BaseException:
+        ckpt.close()
+        raise
+    return _Plan(ckpt, groups_tensors, header, buffers, extra)
 
+
+def _apply(plan: _Plan, model: nn.Module, optimizer) -> None:
+    """Write a verified checkpoint into the model and optimizer."""
+    ckpt, groups_tensors = plan.ckpt, plan.groups_tensors
+    names = _param_names(model)
+    model_buffers = _buffers(model)
     buffers = _Buffers(_host(model))
     try:
         with torch.no_grad():
@@ -531,19 +778,15 @@ def load(
                     _load_unit(unit, ckpt, names, optimizer, groups_tensors, buffers)
             else:
                 _load_plain(model, ckpt, optimizer, groups_tensors)
-            for name, value in buffers_file.items():
+            for name, value in plan.buffers.items():
                 if name in model_buffers:
                     model_buffers[name].copy_(value)
     finally:
         buffers.close()
-        ckpt.close()
-    if header is not None:
-        _apply_optimizer_header(optimizer, header, groups_tensors)
+    if plan.header is not None:
+        _apply_optimizer_header(optimizer, plan.header)
     if isinstance(optimizer, OffloadedOptimizer):
         optimizer.zero_grad()
-    if "extra.json" not in reader.files:
-        return None
-    return tagged.decode(reader.read_json("extra.json"), reader.read_tensors("extra.safetensors"))
 
 
 def _check_params(model: nn.Module, ckpt: _Checkpoint, strict: bool) -> None:
@@ -572,16 +815,33 @@ def _check_params(model: nn.Module, ckpt: _Checkpoint, strict: bool) -> None:
         )
 
 
-def _check_optimizer_header(reader: CheckpointReader, optimizer, names) -> dict:
+def _check_optimizer_header(reader: CheckpointReader, optimizer, names, groups_tensors) -> dict:
+    """The optimizer header checked against ``optimizer`` and decoded: ``{"hypers": [each
+    group's saved hyper-parameters], "loss_scaler": its state or None}``."""
     if "optimizer.json" not in reader.files:
         raise ConfigError("load: the checkpoint has no optimizer state; call load() without one")
+    shown = str(reader.dir / "optimizer.json")
     header = reader.read_json("optimizer.json")
+    groups = header.get("param_groups") if isinstance(header, dict) else None
+    if (
+        not isinstance(header, dict)
+        or not isinstance(header.get("class"), str)
+        or not isinstance(groups, list)
+        or not all(
+            isinstance(g, dict)
+            and set(g) == {"params", "hyper"}
+            and isinstance(g["params"], list)
+            and all(isinstance(n, str) for n in g["params"])
+            for g in groups
+        )
+    ):
+        raise CheckpointError(f"checkpoint file {shown!r} is not an optimizer header of save()")
     mine = _optimizer_class(optimizer).__qualname__
     if header["class"] != mine:
         raise ConfigError(
             f"load: the checkpoint's optimizer is {header['class']}, this one is {mine}"
         )
-    saved = [g["params"] for g in header["param_groups"]]
+    saved = [g["params"] for g in groups]
     current = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
     if saved != current:
         raise ConfigError(
@@ -589,15 +849,159 @@ def _check_optimizer_header(reader: CheckpointReader, optimizer, names) -> dict:
             f"{[len(g) for g in saved]} vs {[len(g) for g in current]} parameters per group"
             + ("" if len(saved) != len(current) else " (or the same counts, other names)")
         )
-    return header
+    hypers = []
+    for i, group in enumerate(groups):
+        try:
+            hyper = tagged.decode(group["hyper"], groups_tensors, f"param_groups[{i}]")
+        except (ValueError, RecursionError) as exc:
+            raise CheckpointError(f"checkpoint file {shown!r}: {exc}") from None
+        if not isinstance(hyper, dict) or "params" in hyper:
+            raise CheckpointError(f"checkpoint file {shown!r}: param_groups[{i}] is not valid")
+        hypers.append(hyper)
+    scaler = header.get("loss_scaler")
+    known = DynamicLossScaler().state_dict()
+    if scaler is not None and (
+        not isinstance(scaler, dict)
+        or not set(scaler) <= set(known)
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in scaler.values())
+    ):
+        raise CheckpointError(f"checkpoint file {shown!r}: loss_scaler is not valid: {scaler!r}")
+    return {"hypers": hypers, "loss_scaler": scaler}
 
 
-def _apply_optimizer_header(optimizer, header: dict, groups_tensors: dict) -> None:
-    for group, saved in zip(optimizer.param_groups, header["param_groups"], strict=True):
-        group.update(tagged.decode(saved["hyper"], groups_tensors))
+def _apply_optimizer_header(optimizer, header: dict) -> None:
+    for group, hyper in zip(optimizer.param_groups, header["hypers"], strict=True):
+        group.update(hyper)
     scaler = getattr(optimizer, "loss_scaler", None)
-    if scaler is not None and header.get("loss_scaler"):
-        scaler.load_state_dict(header["loss_scaler"])
+    if scaler is not None and header["loss_scaler"]:
+        scaler.load_state_dict(dict(header["loss_scaler"]))
+
+
+# What torch's optimizers keep per parameter depends on the class, the group's settings
+# (amsgrad, momentum) and for some (Adafactor) the parameter's rank. Rather than a table
+# that would drift from torch, a fresh optimizer of the class, with the group's settings
+# as they will be after the load, steps once a small parameter of the same rank with a
+# zero gradient; its state's keys and kinds are what a checkpoint's must be.
+_NOT_HYPER = ("params", "foreach", "fused", "capturable", "differentiable")
+
+
+def _expected_state(optimizer_class: type, hyper: dict, ndim: int) -> dict[str, str] | None:
+    """``key -> "element"`` (shaped like the parameter), ``"scalar"`` (0-d tensor),
+    ``"other"`` (another tensor) or ``"value"`` (not a tensor); None when it cannot be
+    told (not one of torch's own optimizers, or the trial step failed)."""
+    if not (
+        isinstance(optimizer_class, type)
+        and issubclass(optimizer_class, Optimizer)
+        and optimizer_class.__module__.startswith("torch.optim")
+    ):
+        return None
+    settings = {k: v for k, v in hyper.items() if k not in _NOT_HYPER}
+    param = torch.zeros((2,) * ndim, requires_grad=True)
+    param.grad = torch.zeros_like(param)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trial = optimizer_class([{**settings, "params": [param]}])
+            trial.step()
+    except Exception:  # a setting the trial cannot take: the keys go unchecked
+        return None
+    kinds = {}
+    for key, value in trial.state.get(param, {}).items():
+        if not isinstance(value, torch.Tensor):
+            kinds[key] = "value"
+        elif value.shape == param.shape:
+            kinds[key] = "element"
+        else:
+            kinds[key] = "scalar" if value.dim() == 0 else "other"
+    return kinds
+
+
+def _check_state_keys(ckpt: _Checkpoint, model, optimizer, names, header: dict) -> None:
+    """Each stepped parameter's saved states are the ones the optimizer keeps: the same
+    keys, per-element ones shaped like the parameter, scalars 0-d; and for states on
+    disk, the arrays the optimizer streams (a key it lacks would be dropped, one it has
+    but the checkpoint lacks would load as zeros)."""
+    optimizer_class = _optimizer_class(optimizer)
+    cache: dict[tuple[int, int], dict | None] = {}
+    for i, group in enumerate(optimizer.param_groups):
+        hyper = {**{k: v for k, v in group.items() if k != "params"}, **header["hypers"][i]}
+        for param in group["params"]:
+            name = names.get(id(param))
+            meta = ckpt.params.get(name)
+            if meta is None:
+                continue
+            keys = set(meta["states"]) | set(ckpt.values.get(name, {}))
+            if not keys:
+                continue  # never stepped: fresh states, as torch starts them
+            ndim = len(meta["shape"])
+            if (i, ndim) not in cache:
+                cache[(i, ndim)] = _expected_state(optimizer_class, hyper, ndim)
+            expected = cache[(i, ndim)]
+            if expected is None:
+                continue
+            where = (
+                f"checkpoint file {ckpt.file(ckpt.pieces[name][0][0]).path!r}: parameter {name!r}"
+            )
+            if keys != set(expected):
+                raise CheckpointError(
+                    f"{where} has the optimizer states {sorted(keys)}; a {optimizer_class.__name__} "
+                    f"with its param group's settings keeps {sorted(expected)}"
+                )
+            pieces = ckpt.pieces[name]
+            element = [tuple(meta["shape"])] if len(pieces) == 1 else [(n,) for _, _, n in pieces]
+            for key, kind in expected.items():
+                if kind not in ("element", "scalar"):
+                    continue
+                if key not in meta["states"]:
+                    raise CheckpointError(f"{where}: state {key!r} is not a tensor")
+                want = element if kind == "element" else [()] * len(pieces)
+                got = ckpt.state_spec(name, key)
+                if got != want:
+                    raise CheckpointError(
+                        f"{where}: state {key!r} is shaped {[list(s) for s in got]}, the "
+                        f"optimizer keeps {[list(s) for s in want]}"
+                    )
+    runtime = _runtime(model)
+    if runtime is None or not isinstance(optimizer, OffloadedOptimizer):
+        return
+    for unit in runtime.units:
+        streamed = optimizer.streamed_step_of(unit)
+        if streamed is None:
+            continue
+        wanted = set(streamed.states) | ({"step"} if streamed.has_step else set())
+        for entry in unit.entries:
+            name = names[id(entry.param)]
+            meta = ckpt.params.get(name)
+            if entry.group is None or meta is None or not meta["states"]:
+                continue
+            if set(meta["states"]) != wanted:
+                raise ConfigError(
+                    f"load: parameter {name!r} has the optimizer states {sorted(meta['states'])} "
+                    f"in the checkpoint; this optimizer keeps {sorted(wanted)} on disk for it "
+                    "(other param group settings: momentum, amsgrad?); nothing was loaded"
+                )
+
+
+def _check_buffers(reader: CheckpointReader, model: nn.Module, strict: bool) -> dict:
+    """The saved buffers, each of the model's shape and a dtype it can take."""
+    saved = reader.read_tensors("buffers.safetensors")
+    mine = _buffers(model)
+    unknown = sorted(set(saved) - set(mine))
+    if strict and unknown:
+        raise ConfigError(f"load: buffers {unknown[:_SHOWN]} of the checkpoint are not the model's")
+    for name, value in saved.items():
+        if name not in mine:
+            continue
+        target = mine[name]
+        same_kind = value.dtype == target.dtype or (
+            value.dtype.is_floating_point and target.dtype.is_floating_point
+        )
+        if value.shape != target.shape or not same_kind:
+            raise ConfigError(
+                f"load: buffer {name!r} is {value.dtype} {list(value.shape)} in the checkpoint, "
+                f"{target.dtype} {list(target.shape)} in the model; nothing was loaded"
+            )
+    return saved
 
 
 def _load_plain(model: nn.Module, ckpt: _Checkpoint, optimizer, groups_tensors) -> None:
