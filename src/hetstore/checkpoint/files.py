@@ -557,8 +557,8 @@ class CheckpointReader:
         shown = self.dir / _INDEX
         if size > _MAX_INDEX:
             raise CheckpointError(
-                f"checkpoint index {str(shown)!r}: {size} bytes announced, more than the "
-                f"{_MAX_INDEX} an index may have"
+                f"checkpoint index {str(shown)!r}: LATEST gives it {size} bytes, more than "
+                f"the {_MAX_INDEX} an index may have"
             )
         fd, st = _open_regular(_INDEX, self._dir_fd, shown)
         try:
