@@ -560,7 +560,12 @@ CRAFTED = [
         "is a directory",
     ),
     ("index-is-a-fifo", lambda v: replace_with_fifo(v / "index.json"), "index.json", "is a FIFO"),
-    ("version-directory-is-a-symlink", version_dir_as_symlink, "LATEST", "not a directory"),
+    (
+        "version-directory-is-a-symlink",
+        version_dir_as_symlink,
+        "LATEST",
+        "not a directory of the checkpoint: it is a symbolic link",
+    ),
     # extra
     (
         "extra-names-a-missing-tensor",
@@ -692,7 +697,7 @@ def test_a_sound_checkpoint_of_another_model_is_a_config_error(ckpt):
     [
         (b"v000001 index.json 12\xff4 0123abcd\n", "byte 0xff at offset 21 is not ASCII"),
         (b"\xc3\xa9", "byte 0xc3 at offset 0 is not ASCII"),
-        (b"v000001\n", "without its index's checksum: written by an earlier hetstore"),
+        (b"v000001\n", "without its index's checksum (written by a hetstore from before"),
         (b"v000001 index.json 0100 0123abcd\n", "is damaged"),
         (b"v000001 index.json 100 0123ABCD\n", "is damaged"),
         (b"v" * 2**20, "is damaged"),
@@ -763,6 +768,13 @@ def test_a_failed_read_of_the_offload_disk_names_the_offload_file_not_the_checkp
     assert "saving checkpoint file" not in message
     assert "previous one at" in message and "unchanged" in message
     assert sorted(p.name for p in root.iterdir()) == ["LATEST", "v000001"]
+    # an export reads the masters from the same disk: same side named, nothing left
+    master_file = units[-1].master.region.file.path
+    os.truncate(master_file, 0)
+    with pytest.raises(DiskIOError, match="from the offload disk failed") as info:
+        hetstore.export_weights(tmp_path / "export", model)
+    assert info.value.path == master_file
+    assert "no file in" in str(info.value) and not list((tmp_path / "export").iterdir())
     other, other_optimizer = offload(tiny(seed=1, depth=2, width=32), tmp_path / "b", "disk")
     hetstore.load(root, other, other_optimizer)
     assert same(snapshot(other, other_optimizer), saved)

@@ -33,7 +33,8 @@ Files are written with O_DIRECT from page-aligned staging blocks, several in fli
 the disk tier's IO engine (buffered writes into the page cache ran at ~0.85 GB/s here,
 a quarter of the disk), and fsynced. CRC-32 rather than SHA-256: it catches any flipped
 byte or burst and ran at 6.2 GB/s against SHA-256's 1.7 on this machine; a checkpoint's
-safety against a malicious file comes from never unpickling, not from the checksum.
+safety against a malicious file comes from never unpickling and from checking every
+structure before it is used (here and in :mod:`.training`), not from the checksum.
 
 Tensors are stored as safetensors (no pickle: nothing executable is loaded from a file),
 other data as JSON. A tensor file can be streamed (:meth:`CheckpointWriter.stream_tensors`:
@@ -504,9 +505,13 @@ class CheckpointReader:
                     dir_fd=root_fd,
                 )
             except OSError as exc:
+                why = exc.strerror
+                if exc.errno in (errno_mod.ELOOP, errno_mod.ENOTDIR):
+                    st = os.stat(version, dir_fd=root_fd, follow_symlinks=False)
+                    why = f"it is {_kind(st.st_mode)}"
                 raise CheckpointError(
                     f"checkpoint version {str(self.dir)!r} that {str(self.root / 'LATEST')!r} "
-                    f"names is not a directory of the checkpoint: {exc.strerror}"
+                    f"names is not a directory of the checkpoint: {why}"
                 ) from None
         finally:
             os.close(root_fd)
@@ -519,14 +524,9 @@ class CheckpointReader:
 
     def _read_pointer(self, root_fd: int) -> tuple[str, int, int]:
         shown = self.root / "LATEST"
-        try:
-            fd, _ = _open_regular("LATEST", root_fd, shown)
-        except CheckpointError as exc:
-            if "is missing" in str(exc):
-                raise CheckpointError(
-                    f"no complete checkpoint at {str(self.root)!r} (no LATEST file)"
-                ) from None
-            raise
+        if not os.path.lexists(shown):
+            raise CheckpointError(f"no complete checkpoint at {str(self.root)!r} (no LATEST file)")
+        fd, _ = _open_regular("LATEST", root_fd, shown)
         try:
             data = os.pread(fd, _MAX_POINTER + 1, 0)
         finally:
@@ -543,8 +543,10 @@ class CheckpointReader:
             if _VERSION.fullmatch(text.strip()):
                 raise CheckpointError(
                     f"checkpoint pointer {str(shown)!r} names version {text.strip()!r} without "
-                    "its index's checksum: written by an earlier hetstore, whose index "
-                    "cannot be verified; refused (re-save it with this version)"
+                    "its index's checksum (written by a hetstore from before it had one): "
+                    "the index cannot be verified, refused. If you trust the checkpoint, "
+                    "write 'vNNNNNN index.json <bytes> <crc32 as 8 hex digits>' of its "
+                    "index.json into LATEST"
                 )
             raise CheckpointError(
                 f"checkpoint pointer {str(shown)!r} is damaged: {text[:80]!r} is not "

@@ -35,8 +35,14 @@ it was); in memory they are read straight into their flat buffers.
 
 Memory: a save holds two chunk buffers (double-buffered disk reads) besides what is
 already in memory; a load one chunk per array of a unit (master, compute-dtype copy,
-each state). Every file is verified against its CRC-32 *before* the model is touched,
-so a corrupt checkpoint is refused with the file named and changes nothing.
+each state).
+
+Verify, then apply: a load first reads and checks everything (the index against its
+CRC-32 in ``LATEST``, every file's size and CRC-32, every header and tensor against the
+index, the checkpoint against the model and the optimizer, ``extra`` decoded) and only
+then writes into the model and optimizer; a damaged or crafted checkpoint is refused
+with the file (and tensor or key) named and changes nothing. A save says which side
+failed: a read of the offload disk names the offload file, a write the checkpoint file.
 """
 
 from __future__ import annotations
@@ -576,8 +582,8 @@ class _Checkpoint:
                             self.scalars[(name, key)] = self._read_whole(f, tensor_key)
                     if not ok:
                         raise CheckpointError(
-                            f"{where} is {entry.dtype} {list(entry.shape)}; parameter {name!r} "
-                            f"is {list(shape)} there (the index's shape), floating point"
+                            f"{where} is {entry.dtype} {list(entry.shape)}; the index gives "
+                            f"{name!r} {list(shape)} there, and a master is floating point"
                         )
         for file_name in self.reader.files:  # every unit file's header, listed or not
             if file_name.endswith(".safetensors") and file_name not in _SHARED_FILES:
