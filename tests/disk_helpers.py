@@ -39,3 +39,63 @@ def small_tmpfs(parent, size: str):
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# EXT4_IOC_SHUTDOWN = _IOR('X', 125, __u32); NOLOGFLUSH: the file system stops at once,
+# as a disk that died would (every later IO on it fails with EIO)
+_EXT4_IOC_SHUTDOWN = 0x8004587D
+_EXT4_GOING_FLAGS_NOLOGFLUSH = 2
+
+
+class Ext4Loop:
+    """A real ext4 file system in an image file, loop-mounted at ``mnt`` (needs root):
+    ``shutdown()`` makes every IO on it fail with EIO; ``remount()`` brings it back as
+    after a reboot (the journal replayed: what was fsynced before is there)."""
+
+    def __init__(self, image, mnt, size: str):
+        self.image, self.mnt = image, mnt
+        subprocess.run(["truncate", "-s", size, str(image)], check=True)
+        made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True)
+        if made.returncode:
+            pytest.skip(f"cannot make an ext4 image: {made.stderr.decode().strip()}")
+        mnt.mkdir()
+        self._mount()
+
+    def _mount(self) -> None:
+        res = subprocess.run(
+            ["mount", "-o", "loop", str(self.image), str(self.mnt)], capture_output=True
+        )
+        if res.returncode:
+            pytest.skip(f"cannot loop-mount ext4 here (needs root): {res.stderr.decode().strip()}")
+
+    def shutdown(self) -> None:
+        import fcntl
+        import os
+        import struct
+
+        fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.ioctl(fd, _EXT4_IOC_SHUTDOWN, struct.pack("I", _EXT4_GOING_FLAGS_NOLOGFLUSH))
+        finally:
+            os.close(fd)
+
+    def remount(self) -> None:
+        subprocess.run(["umount", str(self.mnt)], check=True)
+        self._mount()
+
+    def close(self) -> None:
+        subprocess.run(["umount", "-l", str(self.mnt)], check=False)
+
+
+@contextlib.contextmanager
+def ext4_loop(parent, size: str = "128M"):
+    """An :class:`Ext4Loop` under ``parent``, unmounted after; skips without root,
+    ``mkfs.ext4`` or loop devices."""
+    for tool in ("mkfs.ext4", "mount", "umount", "truncate"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"no {tool} command")
+    fs = Ext4Loop(parent / "ext4.img", parent / "ext4", size)
+    try:
+        yield fs
+    finally:
+        fs.close()

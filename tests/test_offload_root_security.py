@@ -210,3 +210,33 @@ def test_a_second_user_cannot_redirect_training_writes(tmp_path):
     assert sorted(os.listdir(victim)) == ["target"]
     tries, wins = map(int, out.split())
     assert tries > 0 and wins == 0, (tries, wins)  # it saw hetstore's directory, and lost
+
+
+def test_checkpoint_and_export_directories_get_the_same_care(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(vocab=128, width=32, depth=2, heads=2, ctx=8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = hetstore.offload(model, optimizer, _disk_config(tmp_path / "offload"))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    for call in (
+        lambda: hetstore.save(shared, model, optimizer),
+        lambda: hetstore.export_weights(shared, model),
+    ):
+        with pytest.raises(hetstore.ConfigError, match="sticky") as info:
+            call()
+        assert str(shared) in str(info.value)
+        assert list(shared.iterdir()) == []
+    # with the sticky bit it is accepted; links planted at the names a save and an export
+    # write through first are never followed
+    os.chmod(shared, 0o1777)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    for name in (f".LATEST.{os.getpid()}", f".model.safetensors.tmp-{os.getpid()}"):
+        os.symlink(victim, shared / name)
+    hetstore.save(shared, model, optimizer)
+    hetstore.export_weights(shared, model)
+    assert victim.read_bytes() == b"precious"
+    assert (shared / "model.safetensors").is_file() and not (shared / "LATEST").is_symlink()
+    hetstore.release(model)

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hetstore._safefs import check_shared_root
 from hetstore._sizes import parse_size
-from hetstore.checkpoint.files import _DirectFile, _fsync_dir, _Staging
+from hetstore.checkpoint.files import _DirectFile, _fsync_dir, _Staging, _write_durable
 from hetstore.checkpoint.safetensors_stream import SafetensorsStreamWriter, TensorSpec
 from hetstore.checkpoint.training import (
     OffloadReadFailed,
@@ -99,6 +100,9 @@ def export_weights(
     )
 
     root.mkdir(parents=True, exist_ok=True)
+    check_shared_root(os.stat(root), str(root), "export path")  # see CheckpointWriter._start
+    for file_name in [*file_names, INDEX_FILE]:  # this pid's own leftovers, from a crash
+        (root / f".{file_name}.tmp-{os.getpid()}").unlink(missing_ok=True)
     temps: list[tuple[Path, Path]] = []
     weight_map: dict[str, str] = {}
     total = 0
@@ -114,11 +118,8 @@ def export_weights(
         if count > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             temp = root / f".{INDEX_FILE}.tmp-{os.getpid()}"
-            with open(temp, "w") as f:
-                json.dump(index, f, indent=2, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
             temps.append((temp, root / INDEX_FILE))
+            _write_durable(temp, json.dumps(index, indent=2, sort_keys=True).encode())
         for temp, final in temps:
             os.replace(temp, final)
         _fsync_dir(root)

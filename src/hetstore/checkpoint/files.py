@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from hetstore._safefs import check_shared_root
 from hetstore.checkpoint.safetensors_stream import (
     SafetensorsFile,
     SafetensorsStreamWriter,
@@ -99,8 +100,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_CREATE_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def _write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    """Create ``path`` (new: never through a link or over a file) with ``data``, fsynced."""
+    fd = os.open(path, _CREATE_NEW, 0o644)
+    with open(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -128,7 +134,10 @@ class _DirectFile:
     def __init__(self, path: Path, staging: _Staging):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # the buffered fallback is fine
-            self.file = DiskFile(path, direct=True, create=True, mode=0o644)
+            # created new, never through a link (a planted one fails the open); reopened
+            # for direct IO where no one else can swap it (see CheckpointWriter._start)
+            os.close(os.open(path, _CREATE_NEW, 0o644))
+            self.file = DiskFile(path, direct=True, create=False)
         self.staging = staging
         self.handles: list = [None] * _STAGING_DEPTH
         self.current = 0  # staging block being filled
@@ -229,7 +238,22 @@ class CheckpointWriter:
             raise CheckpointError(
                 f"checkpoint path {str(self.root)!r} exists and is not a directory"
             )
+        try:
+            self._start()
+        except OSError as exc:  # the checkpoint's disk failed before any file was written
+            if isinstance(exc, DiskIOError):
+                raise
+            raise self._write_error(self.root, exc) from exc
+        self.files: dict[str, dict] = {}
+        self.committed = False
+        self._staging: _Staging | None = None
+
+    def _start(self) -> None:
+        """Check the root, clear what dead saves left, and make this version's directory."""
         self.root.mkdir(parents=True, exist_ok=True)
+        # where others may write and rename, they could plant a link where the next
+        # LATEST goes (see hetstore._safefs); a root like /tmp, with the sticky bit, is fine
+        check_shared_root(os.stat(self.root), str(self.root), "checkpoint path")
         latest = _current_version(self.root)
         # partial versions of saves that died; none when LATEST exists but cannot be read
         # (a damaged pointer must not cost the version it pointed at)
@@ -242,10 +266,7 @@ class CheckpointWriter:
         number = max((int(_VERSION.match(v).group(1)) for v in _versions(self.root)), default=0)
         self.version = f"v{number + 1:06d}"
         self.dir = self.root / self.version
-        self.dir.mkdir()
-        self.files: dict[str, dict] = {}
-        self.committed = False
-        self._staging: _Staging | None = None
+        self.dir.mkdir()  # never through a link: mkdir fails on anything already there
 
     def __enter__(self) -> CheckpointWriter:
         return self
