@@ -95,7 +95,7 @@ def test_no_offload_stops_with_the_statistics(tmp_path):
         (["--steps", "0"], "--steps must be at least 1"),
         (["--budget-fraction", "-1"], "--budget-fraction must be in"),
         (["--device", "tpu"], "device"),
-        (["--offload-path", "/proc/hetstore"], "pass --offload-path DIR"),
+        (["--offload-path", "/proc/hetstore"], "offload_path: cannot use '/proc/hetstore'"),
         (["--config", "missing.yaml"], "cannot read config file"),
         (["--steps", "many"], "invalid int value"),
     ],
