@@ -6,7 +6,6 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -14,6 +13,7 @@ from hetstore._sizes import format_size
 from hetstore.config import OffloadConfig
 from hetstore.errors import ConfigError
 from hetstore.optim import DynamicLossScaler, OffloadedOptimizer
+from hetstore.optim.registry import FLAT_NAMES, flat_steppable
 from hetstore.planner import Capacities, Plan, UnitChoice, make_plan
 from hetstore.planner.calibrate import calibrated_trace, steady_profile
 from hetstore.planner.machine import machine_capacities, measure_machine
@@ -93,10 +93,10 @@ def offload(
     shards = resolve_process_group(process_group, device)
     if shards is not None:
         device = rank_device(device)
-        if optimizer is not None and not _streamable(optimizer):
+        if optimizer is not None and not flat_steppable(optimizer):
             raise ConfigError(
                 f"sharded over {shards.world_size} ranks, hetstore steps flat shards of "
-                "torch.optim.Adam, AdamW and SGD (non-differentiable); got "
+                f"{FLAT_NAMES} (non-differentiable); got "
                 f"{type(optimizer).__name__}. Use one of those, or process_group=False"
             )
     groups_of = _group_index(model, optimizer)
@@ -242,18 +242,10 @@ def _ranks_on_host() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def _streamable(optimizer: Optimizer) -> bool:
-    """Whether the disk tier's streamed step can run this optimizer."""
-    streamable = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-    return isinstance(optimizer, streamable) and not any(
-        g.get("differentiable") for g in optimizer.param_groups
-    )
-
-
 def _check_streamable(optimizer: Optimizer) -> None:
-    if not _streamable(optimizer):
+    if not flat_steppable(optimizer):
         raise ConfigError(
-            f"offload_optimizer='disk' streams the states of torch.optim.Adam, AdamW and SGD "
+            f"offload_optimizer='disk' streams the states of {FLAT_NAMES} "
             f"chunk by chunk; got {type(optimizer).__name__}. Use one of those, or "
             "offload_optimizer='cpu'"
         )
@@ -312,7 +304,7 @@ def _plan_for(model, optimizer, config, specs, device, units, example_inputs):
         )
     else:
         trace = model_data_trace(model, config, machine, optimizer=optimizer, specs=specs)
-    streamable = optimizer is None or _streamable(optimizer)
+    streamable = optimizer is None or flat_steppable(optimizer)
     capacities = machine_capacities(config, device)
     return trace, make_plan(trace, capacities, config, disk_optimizer=streamable)
 

@@ -29,15 +29,13 @@ from torch.optim import Optimizer
 
 from hetstore.errors import ConfigError
 from hetstore.optim.loss_scaler import DynamicLossScaler
-from hetstore.optim.streamed import StreamedUnitStep, state_keys_for
+from hetstore.optim.registry import FLAT_NAMES, flat_spec, flat_steppable
+from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.flat import DiskArray, DiskSlice
 from hetstore.runtime.sharding import ShardGroup
 from hetstore.runtime.unit import ParamEntry, Unit
 
 __all__ = ["OffloadedOptimizer"]
-
-_FUSED_FLAT = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-_ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 
 class _UnitStep:
@@ -75,9 +73,8 @@ class OffloadedOptimizer(Optimizer):
         self.loss_scaler = loss_scaler
         self._on_step = on_step
         self._on_step_begin = on_step_begin
-        self._flat = isinstance(original, _FUSED_FLAT) and not any(
-            g.get("differentiable") for g in groups
-        )
+        self._flat = flat_steppable(original)
+        self._spec = flat_spec(original)  # what states a flat step keeps
         self._entry_of: dict[int, tuple[Unit, ParamEntry]] = {}
         for unit in units:
             for entry in unit.entries:
@@ -125,10 +122,10 @@ class OffloadedOptimizer(Optimizer):
         if isinstance(unit.master, DiskArray):
             if not self._flat:
                 raise TypeError(
-                    f"offload_optimizer='disk' streams the states of Adam, AdamW and SGD; "
+                    f"offload_optimizer='disk' streams the states of {FLAT_NAMES}; "
                     f"{self.optimizer_class.__name__} is not supported there"
                 )
-            keys = state_keys_for(self.optimizer_class, self.param_groups)
+            keys = self._spec.state_keys(self.param_groups)
             return StreamedUnitStep(
                 unit, self.optimizer_class, self._hyper, keys, self._chunk_numel
             )
@@ -152,16 +149,17 @@ class OffloadedOptimizer(Optimizer):
                 owners.append(group_index)
         inner = self.optimizer_class(inner_groups)
         step = _UnitStep(unit, inner, tensors, owners)
-        if self._flat and self.optimizer_class is not torch.optim.SGD:
-            self._preallocate_adam_states(step)
+        if self._flat and self._spec.preallocate_states:
+            self._preallocate_states(step)
         return step
 
-    def _preallocate_adam_states(self, step: _UnitStep) -> None:
-        """Allocate Adam's moments in the unit's optimizer tier now, so a placement that
-        cannot hold them is refused before training starts, not at the first step."""
+    def _preallocate_states(self, step: _UnitStep) -> None:
+        """Allocate the states (Adam's moments) in the unit's optimizer tier now, so a
+        placement that cannot hold them is refused before training starts, not at the
+        first step."""
         unit = step.unit
         for group, master in zip(step.optimizer.param_groups, step.tensors, strict=True):
-            keys = _ADAM_STATES + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+            keys = self._spec.state_keys([group])
             state = {"step": torch.zeros((), dtype=torch.float32, device=master.device)}
             for key in keys:
                 tensor = unit.allocate(unit.placement.optimizer, master.numel(), torch.float32, key)
@@ -643,7 +641,7 @@ class OffloadedOptimizer(Optimizer):
                 state = unit_step.optimizer.state.get(tensor)
                 if not state:
                     continue
-                if self._flat and self.optimizer_class is not torch.optim.SGD:
+                if self._flat and self._spec.preallocate_states:
                     for value in state.values():  # preallocated: keep the buffers
                         value.zero_()
                 else:

@@ -26,23 +26,13 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
+from hetstore.optim.registry import flat_spec
 from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, wait_all, wait_all_quiet
 from hetstore.runtime.unit import Unit
 
-__all__ = ["StreamedUnitStep", "state_keys_for"]
+__all__ = ["StreamedUnitStep"]
 
-_ADAM = (torch.optim.Adam, torch.optim.AdamW)
 SLOT_SETS = 3
-
-
-def state_keys_for(optimizer_class: type, groups: list[dict]) -> tuple[str, ...]:
-    """The per-element state tensors ``optimizer_class`` keeps for these param groups."""
-    if issubclass(optimizer_class, _ADAM):
-        amsgrad = any(g.get("amsgrad") for g in groups)
-        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
-    if issubclass(optimizer_class, torch.optim.SGD):
-        return ("momentum_buffer",) if any(g.get("momentum", 0) for g in groups) else ()
-    raise TypeError(optimizer_class)
 
 
 @dataclass(frozen=True)
@@ -85,7 +75,7 @@ class StreamedUnitStep:
         self.optimizer_class = optimizer_class
         self.hyper = hyper
         self.chunk_numel = max(ALIGN_ELEMENTS, chunk_numel // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
-        self.has_step = issubclass(optimizer_class, _ADAM)
+        self.has_step = flat_spec(optimizer_class).has_step
         self.states: dict[str, DiskArray] = {
             key: unit.allocate("disk", unit.trainable_numel, torch.float32, key)
             for key in state_keys

@@ -24,19 +24,11 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 
+from hetstore.optim.registry import state_itemsize
 from hetstore.planner.trace import MachineRates, Trace, UnitTrace
 from hetstore.runtime.units import UnitSpec, find_units
 
 __all__ = ["trace_model", "model_data_trace", "state_itemsize"]
-
-
-def state_itemsize(optimizer: torch.optim.Optimizer | None) -> int:
-    if optimizer is None or isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        amsgrad = optimizer is not None and any(g.get("amsgrad") for g in optimizer.param_groups)
-        return 12 if amsgrad else 8
-    if isinstance(optimizer, torch.optim.SGD):
-        return 4 if any(g.get("momentum") for g in optimizer.param_groups) else 0
-    return 8  # unknown: assume two fp32 states, as most adaptive optimizers keep
 
 
 def _trainable(param: nn.Parameter, optimizer) -> bool:
