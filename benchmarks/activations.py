@@ -136,7 +136,7 @@ class SavedBytes:
 
 def copied_bytes(model) -> int:
     """Bytes hetstore's activation hooks have copied off the device so far; 0 if none."""
-    activations = getattr(getattr(model, "_hetstore_runtime", None), "activations", None)
+    activations = getattr(getattr(hetstore.state_of(model), "runtime", None), "activations", None)
     return getattr(activations, "packed_bytes", 0) or 0
 
 

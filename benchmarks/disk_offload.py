@@ -30,7 +30,7 @@ same directory as the offload path:
   (see docs/BENCHMARKS.md), so both are shown.
 
 For a disk variant, the bytes it read and wrote per step
-(``model._hetstore_tiers.disk.stats()``, summed over the timed steps / their number) give
+(``hetstore.state_of(model).tiers.disk.stats()``, summed over the timed steps / their number) give
 the time the disk alone needs, ``t_disk = read_bytes / read_bw + write_bytes / write_bw``,
 and the *disk-bound fraction* ``t_disk / step time``: 1.0 means the step runs at the
 disk's limit. The same is reported per phase (forward, backward, optimizer step).
@@ -124,7 +124,7 @@ def disk_counters(model, variant: str) -> tuple[int, int]:
     """(bytes read, bytes written) by the disk tier since it was made; 0, 0 off disk."""
     if not on_disk(variant):
         return 0, 0
-    stats = model._hetstore_tiers.disk.stats()
+    stats = hetstore.state_of(model).tiers.disk.stats()
     return stats["bytes_read"], stats["bytes_written"]
 
 

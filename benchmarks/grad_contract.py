@@ -36,7 +36,7 @@ def offloaded(model):
 
 
 def without_contract(model) -> None:
-    for handle in model._hetstore_runtime._handles:
+    for handle in hetstore.state_of(model).runtime._handles:
         if isinstance(handle, GradContract):
             handle.remove()
 

@@ -123,7 +123,7 @@ def main() -> None:
     rows, peaks = [], []
     for budget in BUDGETS:
         model, _ = variants[budget]
-        runtime = model._hetstore_runtime
+        runtime = hetstore.state_of(model).runtime
         planned, calibrated = runtime.plan.estimate, runtime.calibrated_plan.estimate
         measured = median(samples[budget])
         moved = sum(u.choice != UnitChoice() for u in runtime.plan.units)

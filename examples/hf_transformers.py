@@ -124,7 +124,7 @@ def compare(arch: str, data: torch.Tensor, args, offload_path: str) -> bool:
         model, optimizer = hetstore.offload(
             model, adamw(model.parameters()), config, example_inputs=(example,)
         )
-    runtime = model._hetstore_runtime
+    runtime = hetstore.state_of(model).runtime
     print(f"units: {', '.join(u.name for u in runtime.units)}")
     print(f"plan:\n{runtime.plan}")
     device = config.resolved_device()

@@ -83,7 +83,7 @@ def main(argv=None) -> None:
             device="cpu",
         )
         model, optimizer = hetstore.offload(model, optimizer, config)
-        disk = model._hetstore_tiers.disk
+        disk = hetstore.state_of(model).tiers.disk
         n_trainable = sum(p.numel() for p in trainable)
         print(
             f"Llama {total / 1e9:.2f}B parameters ({n_trainable / 1e6:.1f}M trainable LoRA), "

@@ -90,7 +90,7 @@ def train(name: str, offload_config: dict, args) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     example = batch()  # auto_offload traces one batch to plan activations too
     model, optimizer = hetstore.offload(model, optimizer, config, example_inputs=example)
-    print(f"plan ({model._hetstore_runtime.plan.source}):\n{model._hetstore_runtime.plan}")
+    print(f"plan ({hetstore.state_of(model).plan.source}):\n{hetstore.state_of(model).plan}")
     device = config.resolved_device()
     losses = []
     for step in range(args.steps):

@@ -169,7 +169,7 @@ def main() -> None:
             enable_pinned_mem=torch.cuda.is_available(),
         )
         model, optimizer = hetstore.offload(model, optimizer, config, example_inputs=example)
-        print(f"\nthe plan auto_offload chose:\n{model._hetstore_runtime.plan}\n")
+        print(f"\nthe plan auto_offload chose:\n{hetstore.state_of(model).plan}\n")
         device = config.resolved_device()
 
         # an LR scheduler over the returned optimizer: its param_groups are live

@@ -32,7 +32,7 @@ def test_gpt_parity_with_activations_offloaded(tmp_path, acts, param, optim):
     ref, mine, (ref_losses, _), (losses, _) = train_both(GPT, batches(4), cfg, clip=1.0)
     torch.testing.assert_close(losses, ref_losses, **TIGHT)
     assert_same_weights(ref, mine)
-    assert mine._hetstore_runtime.activations.packed_bytes > 0
+    assert hetstore.state_of(mine).runtime.activations.packed_bytes > 0
 
 
 @pytest.mark.parametrize("acts", ["cpu", "disk"])
@@ -55,8 +55,8 @@ def test_activation_checkpointing_regions_are_left_to_checkpoint(tmp_path):
     _, plain = pair(GPT)
     plain, opt = hetstore.offload(plain, adamw(plain.parameters()), act_config(tmp_path, "cpu"))
     run(plain, opt, batches(1))
-    ckpt_bytes = mine._hetstore_runtime.activations.packed_bytes / 4
-    assert ckpt_bytes < plain._hetstore_runtime.activations.packed_bytes / 2
+    ckpt_bytes = hetstore.state_of(mine).runtime.activations.packed_bytes / 4
+    assert ckpt_bytes < hetstore.state_of(plain).runtime.activations.packed_bytes / 2
 
 
 def test_each_saved_storage_is_copied_once(tmp_path):
@@ -80,7 +80,7 @@ def test_each_saved_storage_is_copied_once(tmp_path):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         plain(x, y).backward()
     mine(x, y).backward()
-    packed = mine._hetstore_runtime.activations.packed_bytes
+    packed = hetstore.state_of(mine).runtime.activations.packed_bytes
     assert packed == sum(distinct.values()) < sum(per_save)
 
 
@@ -117,7 +117,7 @@ def test_activations_are_released_after_backward(tmp_path):
     _, mine = pair(GPT)
     mine, opt = hetstore.offload(mine, adamw(mine.parameters()), act_config(tmp_path, "none"))
     x, y = batches(1)[0]
-    device = mine._hetstore_tiers.device_tier.account
+    device = hetstore.state_of(mine).tiers.device_tier.account
     before = device.current
     loss = mine(x, y)
     assert device.current > before  # counted while saved
@@ -128,7 +128,7 @@ def test_activations_are_released_after_backward(tmp_path):
 
 def _one_step(model, opt, data):
     losses, _ = run(model, opt, data)
-    return losses, model._hetstore_runtime.activations
+    return losses, hetstore.state_of(model).runtime.activations
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
@@ -157,11 +157,11 @@ def test_per_unit_activation_tier(tmp_path):
     _, everything = pair(GPT)
     everything, opt = hetstore.offload(everything, adamw(everything.parameters()), cfg)
     run(everything, opt, batches(1))
-    all_bytes = everything._hetstore_runtime.activations.packed_bytes
+    all_bytes = hetstore.state_of(everything).runtime.activations.packed_bytes
 
     ref, mine = pair(GPT)
     mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
-    hooks = mine._hetstore_runtime.activations
+    hooks = hetstore.state_of(mine).runtime.activations
     hooks.set_unit_tier("blocks.0", "none")
     hooks.set_unit_tier("blocks.1", "disk")
     losses, _ = run(mine, opt, batches(3))

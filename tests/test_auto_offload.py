@@ -50,7 +50,7 @@ def test_auto_offload_trains_within_budget_and_as_predicted(tmp_path, fraction):
     ref, mine = pair(deep)
     cfg = auto_config(tmp_path, max_device_memory=budget)
     mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg, example_inputs=data[0])
-    plan = mine._hetstore_runtime.plan
+    plan = hetstore.state_of(mine).plan
     print(f"\n{fraction:.0%} of the states: budget {budget} bytes\n{plan}")
     assert plan.source == "auto"
     losses, _ = run(mine, opt, data)
@@ -73,7 +73,7 @@ def test_a_model_that_fits_is_left_on_the_device(tmp_path):
     mine, opt = hetstore.offload(
         mine, adamw(mine.parameters()), auto_config(tmp_path), example_inputs=data[0]
     )
-    assert {u.choice for u in mine._hetstore_runtime.plan.units} == {UnitChoice()}
+    assert {u.choice for u in hetstore.state_of(mine).plan.units} == {UnitChoice()}
     run(mine, opt, data)
 
 
@@ -88,7 +88,7 @@ def test_too_small_a_budget_is_refused_before_any_work(tmp_path):
             auto_config(tmp_path, max_device_memory=4096),
             example_inputs=data[0],
         )
-    assert getattr(mine, "_hetstore_runtime", None) is None
+    assert hetstore.state_of(mine) is None
     for p, b in zip(mine.parameters(), before, strict=True):
         assert torch.equal(p, b)
 
@@ -159,7 +159,7 @@ def test_the_first_steps_are_profiled_and_recalibrate_the_prediction(tmp_path):
     _, mine = pair(deep)
     cfg = auto_config(tmp_path, max_device_memory=states_bytes(deep, data) // 2)
     mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg, example_inputs=data[0])
-    runtime = mine._hetstore_runtime
+    runtime = hetstore.state_of(mine).runtime
     run(mine, opt, data[:PROFILED_STEPS])
     profile = runtime.profile
     assert profile is not None and runtime.calibrated_plan is not None
@@ -192,7 +192,7 @@ def test_a_larger_batch_than_traced_is_replanned_within_the_budget(tmp_path):
     ref, mine = pair(deep)
     cfg = auto_config(tmp_path, max_device_memory=budget)
     mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg, example_inputs=small[0])
-    runtime = mine._hetstore_runtime
+    runtime = hetstore.state_of(mine).runtime
     assert not runtime.plan.offloads_anything
     with pytest.warns(UserWarning, match="re-planned the activations"):
         losses, _ = run(mine, opt, big)

@@ -753,7 +753,7 @@ def test_a_failed_read_of_the_offload_disk_names_the_offload_file_not_the_checkp
     train_step(model, optimizer)
     # the last array the save reads (the last unit's last state) loses its bytes: the
     # save has written the earlier units' files by the time it reads there
-    units = [u for u in model._hetstore_runtime.units if u.entries]
+    units = [u for u in hetstore.state_of(model).runtime.units if u.entries]
     assert len(units) > 1
     victim = list(optimizer.streamed_step_of(units[-1]).states.values())[-1]
     region_file = victim.region.file.path

@@ -109,7 +109,7 @@ def test_cuda_activation_offload_parity_and_freed_memory(tmp_path, acts):
         ),
     )
     loss, left = after_forward(mine)
-    packed = mine._hetstore_runtime.activations.packed_bytes
+    packed = hetstore.state_of(mine).runtime.activations.packed_bytes
     assert packed > kept / 2
     assert left < kept - packed * 0.8, (left, kept, packed)  # freed, not just copied
     loss.backward()

@@ -164,9 +164,9 @@ def test_disk_states_leave_no_files_after_close(tmp_path):
     _, mine = pair(GPT)
     mine, opt = hetstore.offload(mine, adamw(mine.parameters()), disk_config(tmp_path))
     run(mine, opt, batches(2))
-    tier_dir = mine._hetstore_tiers.disk.path
+    tier_dir = hetstore.state_of(mine).tiers.disk.path
     assert os.listdir(tier_dir)
-    mine._hetstore_tiers.close()
+    hetstore.state_of(mine).tiers.close()
     assert not os.path.exists(tier_dir)
 
 
@@ -192,7 +192,7 @@ def test_disk_full_mid_step_raises_then_step_again_completes(tmp_path):
         ref_opt = adamw(ref.parameters())
         cfg = disk_config(mnt, offload_disk_size="4MB")
         mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
-        root = mine._hetstore_runtime.root
+        root = hetstore.state_of(mine).runtime.root
         block_shadow = 3 * 53248  # master + 2 moments of a block, page-rounded
         filler = mnt / "filler"
         with open(filler, "wb") as f:
@@ -209,7 +209,7 @@ def test_disk_full_mid_step_raises_then_step_again_completes(tmp_path):
         assert "offload_path" in message
         torch.testing.assert_close(root.master_copy(), root_before, rtol=0, atol=0)
         ref_params = dict(ref.named_parameters())
-        for block in mine._hetstore_runtime.block_units:  # stepped before the failure
+        for block in hetstore.state_of(mine).runtime.block_units:  # stepped before the failure
             master = block.master_copy()
             for e in block.entries:
                 got = master[e.offset : e.offset + e.numel].view(e.shape)
@@ -222,7 +222,7 @@ def test_disk_full_mid_step_raises_then_step_again_completes(tmp_path):
         losses, _ = run(mine, opt, data[1:])
         torch.testing.assert_close(losses, ref_losses, **TIGHT)
         assert_same_weights(ref, mine)
-        mine._hetstore_tiers.close()
+        hetstore.state_of(mine).tiers.close()
 
 
 def test_disk_capacity_smaller_than_states_refused_before_training(tmp_path):
@@ -245,10 +245,10 @@ def test_disk_reads_are_prefetched_in_forward_and_backward(tmp_path, depth):
     mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
     data = batches(3)
     run(mine, opt, data[:1])
-    stager = mine._hetstore_runtime.root.param_stager
+    stager = hetstore.state_of(mine).runtime.root.param_stager
     stager.prefetched = stager.unprefetched = 0
     run(mine, opt, data[1:])
-    blocks = len(mine._hetstore_runtime.block_units)
+    blocks = len(hetstore.state_of(mine).runtime.block_units)
     assert stager.prefetched == 2 * blocks * 2  # forward + backward, two steps
     assert stager.unprefetched == 2  # the root, once per step
 
@@ -280,4 +280,4 @@ def test_a_killed_runs_swap_files_are_removed_by_the_next_run(tmp_path):
     _, mine = pair(GPT)
     mine, _ = hetstore.offload(mine, adamw(mine.parameters()), disk_config(tmp_path))
     remaining = [p for p in os.listdir(tmp_path) if p.startswith("hetstore-")]
-    assert remaining == [os.path.basename(mine._hetstore_tiers.disk.path)]
+    assert remaining == [os.path.basename(hetstore.state_of(mine).tiers.disk.path)]

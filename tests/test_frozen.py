@@ -94,8 +94,8 @@ def test_lora_base_on_disk_is_only_read_after_the_first_step():
     states change in host memory. (Before: every unit's whole home, base included.)"""
     mine = lora(tiny_llama())
     mine, opt = hetstore.offload(mine, trainable_adamw(mine), config("disk"))
-    runtime = mine._hetstore_runtime
-    disk = mine._hetstore_tiers.disk
+    runtime = hetstore.state_of(mine).runtime
+    disk = hetstore.state_of(mine).tiers.disk
     data = llama_batches(3)
     train_llama(mine, opt, data[:1])
     read, written = disk.bytes_read, disk.bytes_written
@@ -141,7 +141,7 @@ def test_wholly_frozen_blocks_are_released_during_backward():
     for block in model.blocks[:4]:
         block.requires_grad_(False)
     model, opt = hetstore.offload(model, trainable_adamw(model), config("cpu"))
-    units = model._hetstore_runtime.block_units
+    units = hetstore.state_of(model).runtime.block_units
     seen = []
 
     def count(grad):

@@ -113,7 +113,7 @@ def test_managed_parameters_stay_parameters_and_come_back():
     _, _, mine, _ = offloaded_pair(config())
     p = mine.blocks[0].fc.weight
     assert isinstance(p, torch.nn.Parameter) and type(p).__name__ == "Parameter"
-    mine._hetstore_runtime.remove()
+    hetstore.state_of(mine).runtime.remove()
     assert type(p) is torch.nn.Parameter
 
 

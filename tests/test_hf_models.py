@@ -107,7 +107,7 @@ def test_trains_like_plain_pytorch(tmp_path, make, placement):
     )
     # one unit per decoder layer, the rest (embeddings, final norm, head) in the root
     layers = "transformer.h" if isinstance(model, transformers.GPT2LMHeadModel) else "model.layers"
-    names = [u.name for u in model._hetstore_runtime.units]
+    names = [u.name for u in hetstore.state_of(model).runtime.units]
     assert names == [f"{layers}.0", f"{layers}.1", "root"]
     batches = data()
     losses = train(model, optimizer, batches)

@@ -330,9 +330,9 @@ def test_disk_load_holds_about_one_unit_in_host_memory(tmp_path):
     model = deep()
     model_bytes = sum(p.numel() * 4 for p in model.parameters())
     mine, _ = hetstore.offload(model, adamw(model.parameters()), cfg(tmp_path, "disk", "disk"))
-    units = mine._hetstore_runtime.units
+    units = hetstore.state_of(mine).runtime.units
     largest = max(u.numel for u in units) * 4
-    mine._hetstore_tiers.reset_peaks()
+    hetstore.state_of(mine).tiers.reset_peaks()
     before = hetstore.memory_stats(mine)["host"]["current"]
 
     hetstore.load_weights(mine, file)

@@ -85,7 +85,7 @@ def test_host_memory_holds_one_unit_at_a_time_while_materializing(tmp_path):
     total = sum(p.numel() for p in model.parameters()) * 4
     model, _ = hetstore.offload(model, adamw(model.parameters()), disk_config(tmp_path))
     host_peak = hetstore.memory_stats(model)["host"]["peak"]
-    unit_bytes = max(u.numel for u in model._hetstore_runtime.units) * 4
+    unit_bytes = max(u.numel for u in hetstore.state_of(model).runtime.units) * 4
     # one unit's scratch (+ its compute copy) at a time, not the model
     assert host_peak <= 2 * unit_bytes + 2 * 4096 < total / 2
 

@@ -18,6 +18,7 @@ from hetstore.errors import (
     OutOfTierMemory,
 )
 from hetstore.lifetime import offloaded, release
+from hetstore.model_state import ModelState, state_of
 from hetstore.planner import Plan, Trace
 from hetstore.stats import memory_stats
 from hetstore.weights import load_weights
@@ -26,6 +27,8 @@ __all__ = [
     "offload",
     "offloaded",
     "release",
+    "state_of",
+    "ModelState",
     "OffloadConfig",
     "ConfigError",
     "OutOfDeviceMemory",

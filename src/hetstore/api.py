@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from hetstore._sizes import format_size
 from hetstore.config import OffloadConfig
 from hetstore.errors import ConfigError
+from hetstore.model_state import ModelState, attach, is_released, state_of
 from hetstore.optim import DynamicLossScaler, OffloadedOptimizer
 from hetstore.optim.registry import FLAT_NAMES, flat_steppable
 from hetstore.planner import Capacities, Plan, UnitChoice, make_plan
@@ -64,7 +65,7 @@ def offload(
     With ``auto_offload=True`` the planner chooses every unit's placement (see
     :func:`hetstore.plan`); ``example_inputs`` (the arguments of one forward, real or
     meta tensors) lets it trace the activations too, on fake tensors, before anything
-    moves. The plan used is ``model._hetstore_runtime.plan``.
+    moves. The plan used is ``hetstore.state_of(model).plan``.
 
     Under ``torchrun`` (any initialized default process group with more than one rank),
     or with ``process_group=`` (a ``ProcessGroup`` or one-dimensional ``DeviceMesh``),
@@ -80,9 +81,9 @@ def offload(
     config = config if config is not None else OffloadConfig()
     if not isinstance(config, OffloadConfig):
         raise ConfigError(f"config must be a hetstore.OffloadConfig, got {type(config).__name__}")
-    if getattr(model, "_hetstore_runtime", None) is not None:
+    if state_of(model) is not None:
         raise ConfigError("this model was already passed to hetstore.offload()")
-    if getattr(model, "_hetstore_released", False):
+    if is_released(model):
         raise ConfigError(
             "this model was released by hetstore.release() and its weights freed; build a "
             "new model to offload"
@@ -200,9 +201,7 @@ def offload(
         runtime.drop_grads_of(unoptimized)
     runtime.adopt(install_state_dict_hooks(model, unit_list))
     runtime.adopt([GradContract(unit_list)])  # p.grad reads hetstore's gradient buffers
-    model._hetstore_tiers = tiers
-    model._hetstore_shards = shards
-    model._hetstore_runtime = runtime
+    attach(model, ModelState(runtime, tiers, shards))
     runtime.plan = plan
     runtime.trace = trace
     runtime.profile = None  # the measured steps, once profiled

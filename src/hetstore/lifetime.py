@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hetstore.errors import ConfigError
+from hetstore.model_state import is_released, mark_released, state_of
 from hetstore.tiers._hostmem import return_free_heap
 
 __all__ = ["release", "offloaded"]
@@ -38,16 +39,17 @@ def release(model: nn.Module) -> None:
     model twice does nothing the second time. Must not be called during a forward or
     backward of the model.
     """
-    if getattr(model, "_hetstore_released", False):
+    if is_released(model):
         return
-    runtime = getattr(model, "_hetstore_runtime", None)
-    if runtime is None:
+    state = state_of(model)
+    if state is None:
         raise ConfigError(
             f"release() takes a model returned by hetstore.offload(); this "
             f"{type(model).__name__} is not offloaded"
         )
     if torch._C._current_graph_task_id() != -1:
         raise ConfigError("release() called during a backward: call it between steps")
+    runtime = state.runtime
     optimizer = runtime.optimizer() if runtime.optimizer is not None else None
     if optimizer is not None:
         optimizer.release()
@@ -64,12 +66,9 @@ def release(model: nn.Module) -> None:
         empty = torch.empty(1, dtype=param.dtype, device=param.device).expand(param.shape)
         empty.untyped_storage().resize_(0)
         param.data = empty
-    tiers = model._hetstore_tiers
-    tiers.close()  # stops the IO threads, closes the files, removes the directory
+    state.tiers.close()  # stops the IO threads, closes the files, removes the directory
     return_free_heap()  # freed CPU tensors (device tier on CPU, scratch) leave the RSS too
-    for name in ("_hetstore_runtime", "_hetstore_tiers", "_hetstore_shards"):
-        delattr(model, name)
-    model._hetstore_released = True
+    mark_released(model)  # the state goes: nothing of the model's tiers is referenced
     model.register_forward_pre_hook(_refuse_released)
 
 

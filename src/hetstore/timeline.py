@@ -65,9 +65,12 @@ class TimelineRecorder:
     """Records a :class:`MemoryTimeline` of a model returned by ``hetstore.offload``."""
 
     def __init__(self, model, title: str = ""):
-        tiers = getattr(model, "_hetstore_tiers", None)
-        if tiers is None:
+        from hetstore.model_state import state_of
+
+        state = state_of(model)
+        if state is None:
             raise TypeError("TimelineRecorder takes a model returned by hetstore.offload()")
+        tiers = state.tiers
         self.tiers = tiers
         stats = tiers.memory_stats()
         self.timeline = MemoryTimeline(

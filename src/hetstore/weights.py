@@ -50,6 +50,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from hetstore.errors import ConfigError
+from hetstore.model_state import state_of
 
 __all__ = ["load_weights", "LoadResult"]
 
@@ -151,7 +152,8 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
         )
 
     # ------------------------------------------------------------------ load
-    runtime = getattr(model, "_hetstore_runtime", None)
+    state = state_of(model)
+    runtime = state.runtime if state is not None else None
     loaded = [t for t in targets if t.source is not None]
     with _Shards() as shards:
 
@@ -180,7 +182,7 @@ def _targets(model: nn.Module) -> list[_Target]:
                 continue
             _add(targets, f"{prefix}.{attr}" if prefix else attr, buffer, is_param=False)
     meta = [t.names[0] for t in targets.values() if t.tensor.is_meta]
-    if meta and getattr(model, "_hetstore_runtime", None) is None:
+    if meta and state_of(model) is None:
         raise ConfigError(
             f"load_weights: the model has tensors on the meta device ({_show(meta)}) and was "
             "not passed to hetstore.offload(); call hetstore.offload(model, optimizer, config) "

@@ -119,7 +119,7 @@ def run_scenario(name: str, out: str, path: str) -> None:
     result["sharded_seconds"] = time.perf_counter() - start
     result["sharded_losses"], result["sharded_norms"] = losses, norms
     result["sharded_stats"] = hetstore.memory_stats(model)
-    disk = model._hetstore_tiers._disk
+    disk = hetstore.state_of(model).tiers._disk
     result["disk_dir"] = disk.path if disk is not None else ""
     result["sharded_weights"] = weights(model)  # a collective: full weights on every rank
 

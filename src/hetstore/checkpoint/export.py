@@ -38,6 +38,7 @@ from hetstore.checkpoint.training import (
     _stream,
 )
 from hetstore.errors import ConfigError
+from hetstore.model_state import state_of
 from hetstore.runtime.flat import DiskSlice
 from hetstore.weights import _targets
 
@@ -65,7 +66,7 @@ def export_weights(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"export_weights() takes an nn.Module, got {type(model).__name__}")
-    ranks = getattr(model, "_hetstore_shards", None)
+    ranks = state.shards if (state := state_of(model)) is not None else None
     if ranks is not None:
         raise ConfigError(
             f"export_weights: the model is sharded over {ranks.world_size} ranks; save it with "

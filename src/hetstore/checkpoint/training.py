@@ -62,6 +62,7 @@ from hetstore.checkpoint import sharded, tagged
 from hetstore.checkpoint.files import CheckpointError, CheckpointReader, CheckpointWriter
 from hetstore.checkpoint.safetensors_stream import SafetensorsFile, TensorSpec
 from hetstore.errors import ConfigError, DiskIOError
+from hetstore.model_state import state_of
 from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.offloaded import OffloadedOptimizer
 from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, DiskSlice, wait_all, wait_all_quiet
@@ -91,7 +92,8 @@ def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _runtime(model: nn.Module):
-    return getattr(model, "_hetstore_runtime", None)
+    state = state_of(model)
+    return state.runtime if state is not None else None
 
 
 def _check_optimizer(optimizer, model: nn.Module) -> None:
@@ -111,8 +113,8 @@ def _optimizer_class(optimizer: Optimizer) -> type:
 
 
 def _host(model: nn.Module):
-    tiers = getattr(model, "_hetstore_tiers", None)
-    return tiers.host if tiers is not None else None
+    state = state_of(model)
+    return state.tiers.host if state is not None else None
 
 
 class _Buffers:
@@ -199,7 +201,7 @@ def save(
             stacklevel=2,
         )
 
-    shards = getattr(model, "_hetstore_shards", None)
+    shards = state.shards if (state := state_of(model)) is not None else None
     files = _file_plan(model, optimizer, runtime, names, shards)
     try:
         return _save_files(

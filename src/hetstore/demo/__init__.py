@@ -29,6 +29,7 @@ import hetstore
 from hetstore._sizes import format_size
 from hetstore.demo.gpt import GPT
 from hetstore.errors import ConfigError, OutOfTierMemory
+from hetstore.model_state import state_of
 
 __all__ = ["DemoSettings", "run_demo", "load_corpus"]
 
@@ -169,7 +170,7 @@ def run_demo(settings: DemoSettings = DemoSettings(), out=sys.stdout, err=sys.st
     try:
         model, optimizer = hetstore.offload(model, optimizer, config, example_inputs=batches[0])
         if not settings.no_offload:
-            print(f"\nthe plan:\n{model._hetstore_runtime.plan}\n", file=out)
+            print(f"\nthe plan:\n{state_of(model).plan}\n", file=out)
         losses, timeline, step_times = _train(model, optimizer, batches, settings, device, err)
     except OutOfTierMemory as exc:
         print(f"\nhetstore demo: {exc}", file=err)
@@ -211,7 +212,7 @@ def _train(model, optimizer, batches, settings, device, err, label="hetstore"):
     from hetstore.api import PROFILED_STEPS
     from hetstore.timeline import TimelineRecorder
 
-    managed = hasattr(model, "_hetstore_tiers")
+    managed = state_of(model) is not None
     recorded = min(PROFILED_STEPS, len(batches) - 1)
     timeline = None
     losses, step_times = [], []
@@ -264,7 +265,7 @@ def _timeline_title(settings: DemoSettings, step: int) -> str:
 
 
 def _summary(model, n_params, states, budget, stats, losses, step_times, curves, out) -> None:
-    runtime = model._hetstore_runtime
+    runtime = state_of(model).runtime
     plan = runtime.plan
     moved = {"parameters": "param", "optimizer states": "optimizer", "activations": "activations"}
     where = {"none": "device", "cpu": "host", "disk": "disk"}
