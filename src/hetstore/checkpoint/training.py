@@ -65,7 +65,8 @@ from hetstore.errors import ConfigError, DiskIOError
 from hetstore.model_state import state_of
 from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.offloaded import OffloadedOptimizer
-from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, DiskSlice, wait_all, wait_all_quiet
+from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, DiskSlice, wait_all_quiet
+from hetstore.runtime.rewrite import ChunkedRewrite, Span
 from hetstore.runtime.unit import Unit
 
 __all__ = ["save", "load"]
@@ -1065,67 +1066,41 @@ def _load_unit(unit: Unit, ckpt, names, optimizer, groups_tensors, buffers: _Buf
 
 def _rewrite_disk_unit(unit: Unit, entries, ckpt: _Checkpoint, streamed, buffers) -> None:
     """Rebuild a unit whose master (and states, when ``streamed``) are on disk, chunk by
-    chunk into shadow regions; commit them together at the end (all or nothing)."""
-    home = unit.home
-    targets: dict[str, DiskArray] = {"master": unit.master}
-    if isinstance(home, DiskArray) and home is not unit.master:
-        targets["home"] = home
-    keys = list(streamed.states) if streamed is not None else []
-    for key in keys:
-        targets[key] = streamed.states[key]
-    dtypes = {name: array.dtype for name, array in targets.items()}
+    chunk into shadow regions; commit them together at the end (all or nothing: the
+    pipeline the streamed step uses, :class:`hetstore.runtime.rewrite.ChunkedRewrite`)."""
+    rewrite = ChunkedRewrite(unit, dict(streamed.states) if streamed is not None else {})
     chunk = max(ALIGN_ELEMENTS, CHUNK_ELEMENTS // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
-    starts = list(range(0, unit.numel, chunk))
-    shadows: dict[str, DiskArray] = {}
+    spans = [
+        Span(a, min(a + chunk, unit.numel), min(a + chunk, unit.trainable_numel))
+        for a in range(0, unit.numel, chunk)
+    ]
     taken: list = []
-    writes: dict[int, list] = {}
+
+    def fill(i: int, span: Span, slot) -> None:
+        _fill(
+            slot["master"][: span.end - span.start],
+            span.start,
+            entries,
+            ckpt,
+            None,
+            keep=unit.master,
+        )
+        for key in rewrite.states if span.state_end > span.start else ():
+            _fill(slot[key][: span.state_end - span.start], span.start, entries, ckpt, key)
+
     try:
-        for name, array in targets.items():
-            shadows[name] = array.shadow()
-        sets = []
-        for _ in range(min(2, len(starts))):
+        slots = []
+        for _ in range(min(2, len(spans))):
             slot = {}
-            for name, dtype in dtypes.items():
+            for name, dtype in rewrite.slot_arrays():
                 pair = buffers.take(min(chunk, unit.numel), dtype, f"load {name}")
                 taken.append(pair)
                 slot[name] = pair[1]
-            sets.append(slot)
-        for i, a in enumerate(starts):
-            b = min(a + chunk, unit.numel)
-            slot = sets[i % len(sets)]
-            wait_all(writes.pop(i % len(sets), []))
-            master = slot["master"][: b - a]
-            _fill(master, a, entries, ckpt, None, keep=unit.master)
-            handles = [unit.master.write(master, a, into=shadows["master"])]
-            if "home" in targets:
-                cast = slot["home"][: b - a]
-                cast.copy_(master)
-                handles.append(home.write(cast, a, into=shadows["home"]))
-            elif home is not unit.master:
-                home[a:b].copy_(master)
-            if unit.materialized and unit.device_flat is not home:
-                unit.device_flat[a:b].copy_(master)
-            state_end = min(b, unit.trainable_numel)
-            for key in keys if state_end > a else ():
-                view = slot[key][: state_end - a]
-                _fill(view, a, entries, ckpt, key)
-                handles.append(targets[key].write(view, a, into=shadows[key]))
-            writes[i % len(sets)] = handles
-        for handles in writes.values():
-            wait_all(handles)
-        for name, array in targets.items():
-            array.commit(shadows.pop(name))
-    except BaseException:
-        for handles in writes.values():
-            wait_all_quiet(handles)
-        for shadow in shadows.values():
-            shadow.discard()
-        raise
+            slots.append(slot)
+        rewrite.run(spans, slots, fill)
     finally:
         buffers.give(taken)
     unit.home_stale = False
-    if unit.param_stager is not None:
-        unit.param_stager.forget(unit)
     if streamed is not None:
         streamed.mark_loaded(_segment_steps(unit, entries, ckpt))
 

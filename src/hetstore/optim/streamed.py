@@ -27,7 +27,8 @@ import torch
 from torch.optim import Optimizer
 
 from hetstore.optim.registry import flat_spec
-from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, wait_all, wait_all_quiet
+from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, wait_all_quiet
+from hetstore.runtime.rewrite import ChunkedRewrite
 from hetstore.runtime.unit import Unit
 
 __all__ = ["StreamedUnitStep"]
@@ -151,88 +152,38 @@ class StreamedUnitStep:
         """Step every segment of the unit; all-or-nothing (see module doc)."""
         unit = self.unit
         grad_on_disk = isinstance(unit.grad, DiskArray)
-        home = unit.home
-        home_on_disk = isinstance(home, DiskArray) and home is not unit.master
-        targets: dict[str, DiskArray] = {"master": unit.master, **self.states}
-        if home_on_disk:
-            targets["home"] = home
-        names = [("master", torch.float32)] + [(k, torch.float32) for k in self.states]
-        if grad_on_disk:
-            names.append(("grad", torch.float32))
-        if home_on_disk:
-            names.append(("home", unit.compute_dtype))
+        rewrite = ChunkedRewrite(unit, self.states)
+        names = rewrite.slot_arrays() + ([("grad", torch.float32)] if grad_on_disk else [])
         chunks = self._chunks
-        shadows: dict[str, DiskArray] = {}
-        sets, buffers = [], []
-        loads: dict[int, list] = {}
-        writes: dict[int, list] = {}
-        touched_memory_home = False
         if unit.grad_stager is not None:
             unit.grad_stager.finish()  # backward's gradient writes, and their errors
-        try:
-            for name, array in targets.items():
-                shadows[name] = array.shadow()
-            longest = max(c.end - c.start for c in chunks)
-            sets, buffers = self._slot_sets(min(SLOT_SETS, len(chunks)), names, longest)
+        longest = max(c.end - c.start for c in chunks)
+        sets, buffers = self._slot_sets(min(SLOT_SETS, len(chunks)), names, longest)
 
-            def load(i: int) -> None:
-                slot = sets[i % len(sets)]
-                wait_all(writes.pop(i % len(sets), []))  # the buffer set is free again
-                c = chunks[i]
-                handles = [unit.master.read(slot["master"][: c.end - c.start], c.start)]
-                n_state = c.state_end - c.start
-                if n_state > 0:
-                    if grad_on_disk:
-                        handles.append(unit.grad.read(slot["grad"][:n_state], c.start))
-                    for key, array in self.states.items():
-                        if not self._states_absent:
-                            handles.append(array.read(slot[key][:n_state], c.start))
-                loads[i] = handles
+        def read(c: _Chunk, slot) -> list:
+            handles = [unit.master.read(slot["master"][: c.end - c.start], c.start)]
+            n_state = c.state_end - c.start
+            if n_state > 0:
+                if grad_on_disk:
+                    handles.append(unit.grad.read(slot["grad"][:n_state], c.start))
+                for key, array in self.states.items():
+                    if not self._states_absent:
+                        handles.append(array.read(slot[key][:n_state], c.start))
+            return handles
 
-            load(0)
-            for i, c in enumerate(chunks):
-                if i + 1 < len(chunks):
-                    load(i + 1)
-                wait_all(loads.pop(i))
-                slot = sets[i % len(sets)]
+        def fill(i: int, c: _Chunk, slot) -> None:
+            if c.segment is not None and c.step_end > c.start:
                 master = slot["master"][: c.end - c.start]
-                n_state = c.state_end - c.start
-                if c.segment is not None and c.step_end > c.start:
-                    self._step_chunk(c, slot, master, grad_on_disk, grad_multipliers)
-                handles = [unit.master.write(master, c.start, into=shadows["master"])]
-                if n_state > 0:
-                    for key, array in self.states.items():
-                        handles.append(array.write(slot[key][:n_state], c.start, into=shadows[key]))
-                if home_on_disk:
-                    cast = slot["home"][: c.end - c.start]
-                    cast.copy_(master)
-                    handles.append(home.write(cast, c.start, into=shadows["home"]))
-                elif home is not unit.master:
-                    touched_memory_home = True
-                    home[c.start : c.end].copy_(master, non_blocking=True)
-                if unit.materialized and unit.device_flat is not home:
-                    unit.device_flat[c.start : c.end].copy_(master, non_blocking=True)
-                writes[i % len(sets)] = handles
-            for handles in writes.values():
-                wait_all(handles)
-            for name, array in targets.items():
-                array.commit(shadows.pop(name))
-        except BaseException:
-            for handles in list(loads.values()) + list(writes.values()):
-                wait_all_quiet(handles)
-            for shadow in shadows.values():
-                shadow.discard()
-            if touched_memory_home:
-                self._restore_home()
-            raise
+                self._step_chunk(c, slot, master, grad_on_disk, grad_multipliers)
+
+        try:
+            rewrite.run(chunks, sets, fill, read)
         finally:
             for buffer in buffers:
                 unit.tiers.host.free(buffer)
         for counter in self.steps:
             counter += 1
         self.stepped = True
-        if unit.param_stager is not None:
-            unit.param_stager.forget(unit)
 
     def _step_chunk(self, c: _Chunk, slot, master, grad_on_disk: bool, multipliers) -> None:
         unit = self.unit
@@ -263,19 +214,6 @@ class StreamedUnitStep:
                 view.copy_(value)  # a state torch created itself (SGD's first momentum)
         param.grad = None
         inner.state.clear()
-
-    def _restore_home(self) -> None:
-        """After a failed step: the in-memory compute-dtype copy back from the (intact)
-        master on disk."""
-        unit = self.unit
-        scratch = unit.scratch(unit.numel, torch.float32, "restore scratch")
-        try:
-            unit.master.read(scratch.tensor).wait()
-            unit.home.copy_(scratch.tensor)
-            if unit.materialized and unit.device_flat is not unit.home:
-                unit.device_flat.copy_(scratch.tensor)
-        finally:
-            unit.tiers.host.free(scratch)
 
     # ------------------------------------------------------------------ state dict
     def mark_loaded(self, segment_steps: list[float] | None) -> None:

@@ -1,0 +1,141 @@
+"""One all-or-nothing, chunked rewrite of a disk unit's flat arrays.
+
+Used by the optimizer's streamed step (:mod:`hetstore.optim.streamed`) and by loading a
+checkpoint into a disk unit (:mod:`hetstore.checkpoint.training`): both produce a unit's
+new fp32 master (and optimizer states) chunk by chunk through a few host buffer sets
+and must replace the old arrays only when every chunk is written.
+
+The pipeline, per chunk ``i``: start the reads of chunk ``i+1`` (if the caller reads
+anything), wait for chunk ``i``'s, let the caller fill the chunk's master and states,
+then write them, and the compute-dtype ``home`` cast from the master, into shadow
+regions (:meth:`DiskArray.shadow`); an in-memory home and a materialized device copy are
+refreshed in place. Buffer set ``i mod depth`` is reused only after its writes are done.
+All shadows are committed together at the end. If anything fails (a read, the caller,
+a write, disk full), every shadow is discarded, an in-memory home and device copy are
+rebuilt from the (untouched) master on disk, and the error is raised: the unit is
+exactly as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from hetstore.runtime.flat import DiskArray, wait_all, wait_all_quiet
+
+__all__ = ["Span", "ChunkedRewrite"]
+
+
+class _SpanLike(Protocol):
+    start: int
+    end: int  # master/home elements [start, end)
+    state_end: int  # state (and gradient) elements [start, state_end)
+
+
+@dataclass(frozen=True)
+class Span:
+    start: int
+    end: int
+    state_end: int
+
+
+Slot = dict[str, torch.Tensor]  # one buffer set: array name -> host buffer of a chunk
+
+
+class ChunkedRewrite:
+    """Rewrites ``unit``'s master, the given ``states`` (disk arrays over its trainable
+    elements) and its compute-dtype copies (see module doc)."""
+
+    def __init__(self, unit, states: dict[str, DiskArray]):
+        self.unit = unit
+        self.states = states
+        home = unit.home
+        self.home_on_disk = isinstance(home, DiskArray) and home is not unit.master
+        self.targets: dict[str, DiskArray] = {"master": unit.master, **states}
+        if self.home_on_disk:
+            self.targets["home"] = home
+
+    def slot_arrays(self) -> list[tuple[str, torch.dtype]]:
+        """The host buffers one chunk needs here: the master, each state, the cast home."""
+        names = [("master", torch.float32)] + [(key, torch.float32) for key in self.states]
+        if self.home_on_disk:
+            names.append(("home", self.unit.compute_dtype))
+        return names
+
+    def run(
+        self,
+        spans: Sequence[_SpanLike],
+        slots: list[Slot],
+        fill: Callable[[int, _SpanLike, Slot], None],
+        read: Callable[[_SpanLike, Slot], list] | None = None,
+    ) -> None:
+        """Rewrite ``spans`` in order. ``read(span, slot)`` starts the reads a chunk needs
+        and returns their handles (read one chunk ahead); ``fill(i, span, slot)`` leaves
+        the chunk's new master in ``slot["master"]`` and states in ``slot[key]``."""
+        unit = self.unit
+        shadows: dict[str, DiskArray] = {}
+        reads: dict[int, list] = {}
+        writes: dict[int, list] = {}
+        touched_memory = False
+        try:
+            for name, array in self.targets.items():
+                shadows[name] = array.shadow()
+
+            def start_reads(i: int) -> None:
+                wait_all(writes.pop(i % len(slots), []))  # the buffer set is free again
+                reads[i] = read(spans[i], slots[i % len(slots)]) if read is not None else []
+
+            start_reads(0)
+            for i, span in enumerate(spans):
+                if i + 1 < len(spans):
+                    start_reads(i + 1)
+                wait_all(reads.pop(i))
+                slot = slots[i % len(slots)]
+                fill(i, span, slot)
+                n, n_state = span.end - span.start, span.state_end - span.start
+                master = slot["master"][:n]
+                handles = [unit.master.write(master, span.start, into=shadows["master"])]
+                for key, array in self.states.items() if n_state > 0 else ():
+                    handles.append(array.write(slot[key][:n_state], span.start, into=shadows[key]))
+                if self.home_on_disk:
+                    cast = slot["home"][:n]
+                    cast.copy_(master)
+                    handles.append(unit.home.write(cast, span.start, into=shadows["home"]))
+                elif unit.home is not unit.master:
+                    touched_memory = True
+                    unit.home[span.start : span.end].copy_(master)
+                if unit.materialized and unit.device_flat is not unit.home:
+                    touched_memory = True
+                    unit.device_flat[span.start : span.end].copy_(master)
+                writes[i % len(slots)] = handles
+            for handles in writes.values():
+                wait_all(handles)
+            for name, array in self.targets.items():
+                array.commit(shadows.pop(name))
+        except BaseException:
+            for handles in list(reads.values()) + list(writes.values()):
+                wait_all_quiet(handles)
+            for shadow in shadows.values():
+                shadow.discard()
+            if touched_memory:
+                self._restore_memory_copies()
+            raise
+        if unit.param_stager is not None:
+            unit.param_stager.forget(unit)
+
+    def _restore_memory_copies(self) -> None:
+        """After a failed rewrite: the in-memory home and device copy back from the
+        master on disk, which no write touched."""
+        unit = self.unit
+        scratch = unit.scratch(unit.numel, torch.float32, "restore scratch")
+        try:
+            unit.master.read(scratch.tensor).wait()
+            if not self.home_on_disk and unit.home is not unit.master:
+                unit.home.copy_(scratch.tensor)
+            if unit.materialized and unit.device_flat is not unit.home:
+                unit.device_flat.copy_(scratch.tensor)
+        finally:
+            unit.tiers.host.free(scratch)
