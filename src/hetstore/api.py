@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from hetstore._sizes import format_size
 from hetstore.config import OffloadConfig
 from hetstore.errors import ConfigError
+from hetstore.footprints import param_staging_slots
 from hetstore.model_state import ModelState, attach, is_released, state_of
 from hetstore.optim import DynamicLossScaler, OffloadedOptimizer
 from hetstore.optim.registry import FLAT_NAMES, flat_steppable
@@ -312,7 +313,9 @@ def _attach_stagers(units: list[Unit], tiers: Tiers, prefetch_depth: int) -> Gra
     """Give disk-resident units their bounded host staging (see runtime.staging)."""
     disk_home = [u for u in units if isinstance(u.home, DiskArray)]
     if disk_home:
-        stager = ParamStager(tiers.host, max(u.home_bytes for u in disk_home), prefetch_depth + 1)
+        stager = ParamStager(
+            tiers.host, max(u.home_bytes for u in disk_home), param_staging_slots(prefetch_depth)
+        )
         for unit in disk_home:
             unit.param_stager = stager
     disk_grad = [u for u in units if isinstance(u.grad, DiskArray)]

@@ -26,14 +26,13 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
+from hetstore.footprints import STREAMED_STEP_SLOT_SETS
 from hetstore.optim.registry import flat_spec
 from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, wait_all_quiet
 from hetstore.runtime.rewrite import ChunkedRewrite
 from hetstore.runtime.unit import Unit
 
 __all__ = ["StreamedUnitStep"]
-
-SLOT_SETS = 3
 
 
 @dataclass(frozen=True)
@@ -158,7 +157,7 @@ class StreamedUnitStep:
         if unit.grad_stager is not None:
             unit.grad_stager.finish()  # backward's gradient writes, and their errors
         longest = max(c.end - c.start for c in chunks)
-        sets, buffers = self._slot_sets(min(SLOT_SETS, len(chunks)), names, longest)
+        sets, buffers = self._slot_sets(min(STREAMED_STEP_SLOT_SETS, len(chunks)), names, longest)
 
         def read(c: _Chunk, slot) -> list:
             handles = [unit.master.read(slot["master"][: c.end - c.start], c.start)]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetstore.footprints import grad_staging_bytes, param_staging_bytes, streamed_step_bytes
 from hetstore.planner.trace import Trace, UnitTrace
 
 __all__ = ["UnitChoice", "Estimate", "estimate", "TIERS"]
@@ -127,16 +128,23 @@ def memory(
         u.param_bytes for u, c in units if c.param == "disk" and not _aliases_master(u, c)
     ]
     if disk_params:
-        persistent += (depth + 1) * max(disk_params)
-    disk_opt = [u for u, c in units if c.optimizer == "disk"]
+        persistent += param_staging_bytes(depth, max(disk_params))
+    disk_opt = [(u, c) for u, c in units if c.optimizer == "disk"]
     if disk_opt:
-        persistent += 3 * _max(u.grad_bytes for u in disk_opt)
-        largest = max(disk_opt, key=lambda u: u.master_bytes)
-        arrays = 2 + largest.state_itemsize // 4
-        chunk = min(chunk_bytes, largest.master_bytes)
-        sets = min(3, -(-largest.master_bytes // max(chunk, 1)))
-        step += sets * arrays * chunk
-        disk += _max(u.master_bytes + u.state_bytes for u in disk_opt)  # the shadow
+        persistent += grad_staging_bytes(_max(u.grad_bytes for u, _ in disk_opt))
+        step += _max(
+            streamed_step_bytes(
+                u.master_bytes // 4,
+                u.state_itemsize // 4,
+                chunk_bytes // 4,
+                grad_on_disk=True,  # the planner puts gradients in the optimizer's tier
+                home_itemsize=u.compute_itemsize
+                if c.param == "disk" and not _aliases_master(u, c)
+                else 0,
+            )
+            for u, c in disk_opt
+        )
+        disk += _max(u.master_bytes + u.state_bytes for u, _ in disk_opt)  # the shadow
     forward_backward += sum(u.saved_bytes for u, c in units if c.activations == "cpu")
     disk_saved = [u.saved_bytes for u, c in units if c.activations == "disk"]
     if disk_saved:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hetstore.footprints import GRAD_STAGING_SLOTS
 from hetstore.tiers import HostBuffer, HostTier
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ class ParamStager:
 class GradStager:
     """Host buffers gathering fp32 gradients of disk-gradient units (see module doc)."""
 
-    def __init__(self, host: HostTier, nbytes: int, count: int = 3):
+    def __init__(self, host: HostTier, nbytes: int, count: int = GRAD_STAGING_SLOTS):
         self._slots = _Slots(host, nbytes, count, "grad staging")
         # unit -> (gradient view, the whole buffer it is a prefix of)
         self._holders: OrderedDict[Unit, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()

@@ -1,0 +1,56 @@
+"""The host staging the runtime's disk paths allocate, as functions of sizes.
+
+The components size their buffers from here (``api`` for the parameter and gradient
+stagers, ``optim.streamed`` for the step's chunk buffers) and the cost model predicts
+from here, so prediction and allocation cannot drift apart, and the planner needs no
+import of the runtime. A leaf module: numbers in, bytes out.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "GRAD_STAGING_SLOTS",
+    "STREAMED_STEP_SLOT_SETS",
+    "param_staging_slots",
+    "param_staging_bytes",
+    "grad_staging_bytes",
+    "streamed_step_bytes",
+]
+
+# gradient staging of disk-gradient units: the unit whose write is in flight, the one
+# filling, and one for the next unit's first gradient arriving meanwhile
+GRAD_STAGING_SLOTS = 3
+# the streamed step: chunk i is stepped while chunk i+1 is read and chunk i-1 written
+STREAMED_STEP_SLOT_SETS = 3
+
+
+def param_staging_slots(prefetch_depth: int) -> int:
+    """Parameter staging buffers of disk-home units: the running unit and the prefetched."""
+    return prefetch_depth + 1
+
+
+def param_staging_bytes(prefetch_depth: int, largest_home_bytes: int) -> int:
+    return param_staging_slots(prefetch_depth) * largest_home_bytes
+
+
+def grad_staging_bytes(largest_grad_bytes: int) -> int:
+    return GRAD_STAGING_SLOTS * largest_grad_bytes
+
+
+def streamed_step_bytes(
+    master_numel: int,
+    state_count: int,
+    chunk_numel: int,
+    *,
+    grad_on_disk: bool,
+    home_itemsize: int,
+) -> int:
+    """Host bytes of one unit's streamed step: buffer sets of one chunk for the fp32
+    master, each fp32 state, the fp32 gradient when it is on disk, and the home's cast
+    (``home_itemsize``: 0 when the home is not a separate disk array)."""
+    if master_numel <= 0:
+        return 0
+    chunk = max(1, min(chunk_numel, master_numel))
+    sets = min(STREAMED_STEP_SLOT_SETS, -(-master_numel // chunk))
+    per_element = 4 * (1 + state_count + int(grad_on_disk)) + home_itemsize
+    return sets * chunk * per_element
