@@ -30,6 +30,7 @@ from hetstore.runtime.profiler import StepProfiler
 from hetstore.runtime.sharding import rank_device, resolve_process_group
 from hetstore.runtime.staging import GradStager, ParamStager
 from hetstore.runtime.state_dict import install_state_dict_hooks
+from hetstore.runtime.streams import CudaStreams
 from hetstore.runtime.unit import Placement, Unit
 from hetstore.runtime.units import UnitSpec, find_units
 from hetstore.tiers import Tiers
@@ -151,6 +152,7 @@ def offload(
     root = next((u for u, s in zip(unit_list, specs, strict=True) if s.is_root), None)
     unit_modules = {u.index: s.module for u, s in zip(unit_list, specs, strict=True)}
     grad_stager = _attach_stagers(unit_list, tiers, plan.prefetch_depth)
+    streams = CudaStreams.for_device(device)  # the model's side streams (CUDA), one owner
     activations = None
     default_tier = "none" if plan.source == "auto" else config.offload_activations
     # a plan made for a traced batch may move activations later (a larger batch)
@@ -167,6 +169,7 @@ def offload(
             default_tier,
             config.activation_min_bytes,
             prefetch_depth=plan.prefetch_depth,
+            stream=streams.activations if streams is not None else None,
         )
         for unit_plan in plan.units:
             if unit_plan.choice.activations != default_tier:
@@ -189,6 +192,7 @@ def offload(
         activations=activations,
         profiler=profiler,
         batch_guard=BatchGuard(trace, plan, config, replan) if replannable else None,
+        copy_stream=streams.params if streams is not None else None,
     )
     unoptimized = [
         e.param for u in unit_list for e in u.entries if e.param.requires_grad and e.group is None

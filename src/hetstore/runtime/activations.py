@@ -259,6 +259,7 @@ class ActivationHooks:
         tier: str,
         min_bytes: int,
         prefetch_depth: int = 1,
+        stream: torch.cuda.Stream | None = None,
     ):
         self.units = units
         self.tiers = tiers
@@ -266,9 +267,9 @@ class ActivationHooks:
         self.min_bytes = min_bytes
         self.prefetch_depth = prefetch_depth
         self.count = tiers.device.type == "cpu"
-        # Why a stream of our own: copies out of the device overlap compute, and run
-        # beside the parameter copies coming in (the link is full duplex).
-        self.stream = torch.cuda.Stream(tiers.device) if tiers.device.type == "cuda" else None
+        # CUDA: copies out of the device overlap compute, and run beside the parameter
+        # copies coming in (runtime.streams.CudaStreams.activations); None on CPU
+        self.stream = stream
         self._unit_tiers: dict[str, str] = {}
         self._buffer_ptrs = {b.untyped_storage().data_ptr() for b in model.buffers()}
         self._records: dict[tuple[int, int], tuple[StorageWeakRef, _Storage]] = {}

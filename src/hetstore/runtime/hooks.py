@@ -77,6 +77,7 @@ class OffloadRuntime:
         activations=None,
         profiler: StepProfiler | None = None,
         batch_guard=None,
+        copy_stream: torch.cuda.Stream | None = None,
     ):
         self.model = model
         self.units = units
@@ -90,10 +91,9 @@ class OffloadRuntime:
         # checks each forward's inputs against the batch the plan was made for
         self.batch_guard = batch_guard
         self._root_name = root.name if root is not None else "root"
-        device = units[0].device if units else torch.device("cpu")
-        # Why a side stream: host-to-device copies of the next unit overlap this unit's
-        # compute. Lives as long as the runtime.
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # host-to-device copies of the next unit overlap this unit's compute (CUDA only;
+        # owned by runtime.streams.CudaStreams)
+        self.copy_stream = copy_stream
         self.order: list[Unit] = []  # execution order recorded on the first forward
         self._order_done = False
         self._callback_task: int | None = None
