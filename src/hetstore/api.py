@@ -32,8 +32,8 @@ from hetstore.runtime.staging import GradStager, ParamStager
 from hetstore.runtime.state_dict import install_state_dict_hooks
 from hetstore.runtime.streams import CudaStreams
 from hetstore.runtime.unit import Placement, Unit
-from hetstore.runtime.units import UnitSpec, find_units
 from hetstore.tiers import Tiers
+from hetstore.units import UnitSpec, find_units
 
 __all__ = ["offload"]
 

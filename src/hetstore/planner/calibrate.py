@@ -16,8 +16,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
-from hetstore.planner.trace import Trace
-from hetstore.runtime.profiler import StepProfile
+from hetstore.planner.trace import StepProfile, Trace
 
 __all__ = ["calibrated_trace", "steady_profile"]
 

@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-__all__ = ["MachineRates", "UnitTrace", "Trace"]
+__all__ = ["MachineRates", "UnitTrace", "Trace", "StepProfile"]
 
 
 @dataclass(frozen=True)
@@ -123,3 +123,18 @@ class Trace:
     @classmethod
     def load(cls, path: str | Path) -> Trace:
         return cls.from_json(Path(path).read_text())
+
+
+@dataclass
+class StepProfile:
+    """One profiled step's seconds per label (``(unit, phase)``, ``"transfer"``,
+    ``"optimizer"``, ...; see runtime.profiler, which measures it) and in all."""
+
+    seconds: dict[tuple[str, str] | str, float] = field(default_factory=dict)
+    total_s: float = 0.0
+
+    def unit_s(self, name: str, phase: str) -> float:
+        return self.seconds.get((name, phase), 0.0)
+
+    def of(self, label: str) -> float:
+        return self.seconds.get(label, 0.0)

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hetstore.optim.registry import state_itemsize
 from hetstore.planner.trace import MachineRates, Trace, UnitTrace
-from hetstore.runtime.units import UnitSpec, find_units
+from hetstore.units import UnitSpec, find_units
 
 __all__ = ["trace_model", "model_data_trace", "state_itemsize"]
 

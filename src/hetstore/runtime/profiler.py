@@ -20,25 +20,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["StepProfile", "StepProfiler"]
+from hetstore.planner.trace import StepProfile
 
-
-@dataclass
-class StepProfile:
-    """One step's seconds per label (see module doc) and in all."""
-
-    seconds: dict[tuple[str, str] | str, float] = field(default_factory=dict)
-    total_s: float = 0.0
-
-    def unit_s(self, name: str, phase: str) -> float:
-        return self.seconds.get((name, phase), 0.0)
-
-    def of(self, label: str) -> float:
-        return self.seconds.get(label, 0.0)
+__all__ = ["StepProfile", "StepProfiler"]  # StepProfile: defined with the Trace it calibrates
 
 
 class StepProfiler:
