@@ -489,3 +489,14 @@ def test_from_file_bad_paths(tmp_path):
         OffloadConfig.from_file(tmp_path / "dir.json")
     with pytest.raises(ConfigError, match="expected a path"):
         OffloadConfig.from_file(5)
+
+
+@pytest.mark.parametrize(
+    "key, too_big",
+    [("aio_block_size", 2**31), ("host_mem_block_size", 2**62), ("optimizer_chunk_size", 2**62)],
+)
+def test_block_sizes_no_machine_can_allocate_are_refused(key, too_big):
+    with pytest.raises(hetstore.ConfigError, match=key) as info:
+        hetstore.OffloadConfig(**{key: too_big})
+    assert "at most" in str(info.value)
+    hetstore.OffloadConfig(**{key: 2**20})  # an ordinary size passes

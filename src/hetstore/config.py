@@ -170,7 +170,10 @@ class OffloadConfig:
     )
     aio_block_size: int = field(
         default=8 * 2**20,
-        metadata=_doc("Bytes per disk IO request; a transfer is split into requests of this size."),
+        metadata=_doc(
+            "Bytes per disk IO request, at most 1 GiB; a transfer is split into requests "
+            "of this size."
+        ),
     )
     aio_queue_depth: int = field(
         default=32, metadata=_doc("Disk IO requests kept in flight at once, 1 to 1024.")
@@ -233,6 +236,11 @@ class OffloadConfig:
                 raise ConfigError(
                     f"{key}={short_repr(getattr(self, key))}: must be a positive multiple of "
                     f"4096 bytes (disk IO is page-aligned), e.g. '1GB' or '8MB'"
+                )
+            if size > _MAX_BLOCK[key]:
+                raise ConfigError(
+                    f"{key}={short_repr(getattr(self, key))}: at most "
+                    f"{format_size(_MAX_BLOCK[key])} (each is one buffer allocated whole)"
                 )
             _set(self, key, size)
         for key, low_open in (("hbm_ratio", True), ("cpu_ratio", True)):
@@ -477,6 +485,16 @@ _INT_RANGES = {
     "aio_queue_depth": (1, 1024),
     "aio_threads": (0, 256),
     "prefetch_depth": (0, 64),
+}
+
+# Block sizes are single allocations: an IO request's bounce buffer (aio_block_size),
+# one host mapping (host_mem_block_size, further capped by the host tier's room), one
+# chunk of the streamed step per array (optimizer_chunk_size, capped by the unit's size).
+# The bounds refuse sizes no machine can allocate before anything is built.
+_MAX_BLOCK = {
+    "aio_block_size": 2**30,
+    "host_mem_block_size": 2**40,
+    "optimizer_chunk_size": 2**40,
 }
 
 
