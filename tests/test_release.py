@@ -182,3 +182,26 @@ def test_offloaded_context_releases_at_the_end_and_on_error(tmp_path):
             assert any(tmp_path.iterdir())
             raise KeyError("inside")
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("activations", ["none", "cpu", "disk"])
+def test_a_backward_through_a_released_model_is_refused(tmp_path, activations):
+    torch.manual_seed(0)
+    model = GPT(**SHAPE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = hetstore.OffloadConfig(
+        offload_param="disk",
+        offload_optimizer="disk",
+        offload_activations=activations,
+        activation_min_bytes=0,
+        offload_path=str(tmp_path),
+        enable_pinned_mem=False,
+        device="cpu",
+    )
+    model, optimizer = hetstore.offload(model, optimizer, config)
+    idx = torch.randint(0, SHAPE["vocab"], (2, SHAPE["ctx"] + 1))
+    loss = model(idx[:, :-1], idx[:, 1:])  # a graph alive across the release
+    hetstore.release(model)
+    with pytest.raises(hetstore.ConfigError, match="Run backward .* before releasing"):
+        loss.backward()
+    assert not any(tmp_path.iterdir())

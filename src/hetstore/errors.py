@@ -65,3 +65,13 @@ class DistributedError(HetstoreError, RuntimeError):
 class GradientAccessError(HetstoreError, RuntimeError):
     """``p.grad`` of a parameter whose gradient has no whole tensor to show (on disk, or
     sharded over ranks). The message names the parameter and the way out."""
+
+
+# Raised (as ConfigError) by a backward through a graph whose model was released: its
+# parameters and offloaded activations are gone. Shared by runtime.hooks and
+# runtime.activations, which each meet it first in some graph.
+BACKWARD_AFTER_RELEASE = (
+    "backward through a model that was released by hetstore.release() (or dropped and "
+    "collected): its parameters and offloaded activations are freed. Run backward (and "
+    "the optimizer step) before releasing the model"
+)

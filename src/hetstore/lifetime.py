@@ -54,6 +54,9 @@ def release(model: nn.Module) -> None:
     if optimizer is not None:
         optimizer.release()
     runtime.remove()  # hooks, the gradient contract, the state-dict hooks
+    runtime.released = True  # a graph built before the release refuses its backward
+    if runtime.activations is not None:
+        runtime.activations.released = True
     params = [e.param for u in runtime.units for e in u.entries]
     stagers = {id(s): s for u in runtime.units for s in (u.param_stager, u.grad_stager) if s}
     for stager in stagers.values():

@@ -33,7 +33,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hetstore.config import TIERS as ACTIVATION_TIERS
-from hetstore.errors import ConfigError
+from hetstore.errors import BACKWARD_AFTER_RELEASE, ConfigError
 from hetstore.runtime.flat import DiskArray, wait_all_quiet
 from hetstore.tiers import Tiers
 
@@ -283,6 +283,7 @@ class ActivationHooks:
         self._groups: list[list[weakref.ref]] = []
         self._prefetched: set[int] = set()
         self._unsettled: list[_Storage] = []
+        self.released = False  # set by hetstore.release: the tiers are closed
         self.packed_bytes = 0  # bytes moved off the device, for tests and stats
         self.restores = 0  # storages brought back ...
         self.restored_ahead = 0  # ... of which a prefetch had started bringing
@@ -352,6 +353,8 @@ class ActivationHooks:
     # ------------------------------------------------------------------ backward
     def backward_reached(self, group: int) -> None:
         """A saved tensor of ``group`` is being unpacked: prefetch the groups before it."""
+        if self.released:
+            raise ConfigError(BACKWARD_AFTER_RELEASE)
         if group in self._prefetched:
             return
         self._prefetched.add(group)
@@ -401,6 +404,7 @@ class ActivationHooks:
             self.packed_bytes += nbytes
         return _View(record, tensor)
 
-    @staticmethod
-    def unpack(packed) -> torch.Tensor:
+    def unpack(self, packed) -> torch.Tensor:
+        if self.released:  # even a tensor kept on the device: the weights it needs are gone
+            raise ConfigError(BACKWARD_AFTER_RELEASE)
         return packed.unpack()

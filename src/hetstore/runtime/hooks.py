@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from hetstore.errors import ConfigError
+from hetstore.errors import BACKWARD_AFTER_RELEASE, ConfigError
 from hetstore.runtime.grads import set_torch_grad, torch_grad
 from hetstore.runtime.profiler import StepProfiler
 from hetstore.runtime.unit import Unit
@@ -85,6 +85,7 @@ class OffloadRuntime:
         self.block_units = [u for u in units if u is not root]
         self.unit_by_index = {u.index: u for u in units}
         self.optimizer: weakref.ref | None = None  # the OffloadedOptimizer, set by offload()
+        self.released = False  # set by hetstore.release: a graph still alive must not run
         self.prefetch_depth = prefetch_depth
         self.grad_stager = grad_stager
         self.profiler = profiler
@@ -365,5 +366,6 @@ class _PreBackwardHook:
 
     def __call__(self, grad) -> None:
         runtime = self.runtime()
-        if runtime is not None:
-            runtime._pre_backward(runtime.unit_by_index[self.unit])
+        if runtime is None or runtime.released:
+            raise ConfigError(BACKWARD_AFTER_RELEASE)
+        runtime._pre_backward(runtime.unit_by_index[self.unit])
