@@ -145,6 +145,18 @@ def test_a_two_rank_checkpoint_resumes_bitwise_on_two_ranks_in_another_placement
         assert_same(found["resumed_weights"], found["continued_weights"])
 
 
+def test_a_checkpoint_one_rank_refuses_is_refused_by_every_rank_at_once(results):
+    # rank 1's copy has a changed byte in LATEST; rank 0's copy is sound
+    mine, other = results("checkpoint", 1), results("checkpoint", 0)
+    assert mine["split_verify"].startswith("CheckpointError") and "LATEST" in mine["split_verify"]
+    assert other["split_verify"].startswith("CheckpointError")
+    assert "rank 1 refused the checkpoint" in other["split_verify"]
+    for found in (mine, other):
+        assert found["split_verify_unchanged"]
+        # well under the process group's 60 s timeout: nobody waited for a rank that left
+        assert found["split_verify_s"] < 20, found["split_verify_s"]
+
+
 def test_a_two_rank_checkpoint_loads_in_one_process_and_back(results):
     found = results("checkpoint", 0)
     # 2 ranks -> 1 process: the weights bitwise; the next steps as one process trains

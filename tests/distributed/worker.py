@@ -21,6 +21,7 @@ import argparse
 import datetime
 import gc
 import os
+import shutil
 import sys
 import time
 
@@ -251,6 +252,28 @@ def run_checkpoint(out: str, path: str) -> None:
     result["from_one_loaded"] = weights(model)
     result["from_one_resumed"] = train(model, optimizer, mine[2:], clip=CLIP, world_mean=True)
     result["from_one_resumed_weights"] = weights(model)
+
+    # A checkpoint only rank 1 refuses (its own copy, one byte of LATEST changed): every
+    # rank must refuse at once, before any changes its model. Without agreeing, rank 0
+    # would wait in the load's collectives until the process group's timeout.
+    copy = os.path.join(out, f"ckpt-copy-rank{rank}")
+    shutil.copytree(two, copy)
+    if rank == 1:
+        with open(os.path.join(copy, "LATEST"), "r+b") as f:
+            line = f.read()
+            f.seek(len(line) - 2)  # the last hex digit of the index's CRC-32
+            f.write(b"0" if line[-2:-1] != b"0" else b"1")
+    before = weights(model)
+    start = time.monotonic()
+    try:
+        hetstore.load(copy, model, optimizer)
+        result["split_verify"] = "loaded"
+    except Exception as exc:  # noqa: BLE001 - the test checks the type and message
+        result["split_verify"] = f"{type(exc).__name__}: {exc}"
+    result["split_verify_s"] = time.monotonic() - start
+    result["split_verify_unchanged"] = all(
+        torch.equal(value, before[key]) for key, value in weights(model).items()
+    )
     torch.save(result, os.path.join(out, f"checkpoint-rank{rank}.pt"))
 
 

@@ -84,6 +84,29 @@ def start_save(path, shards: ShardGroup) -> CheckpointWriter:
     return _JoinedWriter(path, value)
 
 
+def agree_to_load(shards: ShardGroup, path, failure: BaseException | None) -> None:
+    """Every rank's verdict on the checkpoint it verified. If any rank refused it, every
+    rank raises (its own error, or one naming the rank that refused) before any rank
+    changes its model: no rank is left waiting in the load's collectives for one that
+    has already given up (which would end only at the process group's timeout)."""
+    report = None if failure is None else f"{type(failure).__name__}: {failure}"
+    reports: list = [None] * shards.world_size
+    try:
+        dist.all_gather_object(reports, report, group=shards.group)
+    except (RuntimeError, ValueError) as exc:
+        raise shards.error("agreeing on the checkpoint's verification", exc) from exc
+    failed = [(rank, r) for rank, r in enumerate(reports) if r is not None]
+    if not failed:
+        return
+    if failure is not None:
+        raise failure
+    rank, message = failed[0]
+    raise CheckpointError(
+        f"rank {rank} refused the checkpoint at {str(path)!r} ({message}); no rank changed "
+        "its model or optimizer"
+    )
+
+
 def gather_reports(
     writer: CheckpointWriter, shards: ShardGroup, params: dict, failure: BaseException | None
 ) -> dict:

@@ -720,8 +720,22 @@ def load(
     if not isinstance(model, nn.Module):
         raise TypeError(f"load() takes an nn.Module, got {type(model).__name__}")
     _check_optimizer(optimizer, model)
-    with CheckpointReader(path) as reader:
-        plan = _verify(reader, model, optimizer, strict)
+    shards = state.shards if (state := state_of(model)) is not None else None
+    plan, failure = None, None
+    try:
+        with CheckpointReader(path) as reader:
+            plan = _verify(reader, model, optimizer, strict)
+    except Exception as exc:
+        if shards is None:
+            raise
+        failure = exc
+    if shards is not None:  # sharded: apply only if every rank's verification passed
+        try:
+            sharded.agree_to_load(shards, path, failure)
+        except BaseException:
+            if plan is not None:
+                plan.ckpt.close()
+            raise
     try:
         _apply(plan, model, optimizer)
     finally:
