@@ -9,6 +9,31 @@ import subprocess
 import pytest
 import torch
 
+import hetstore
+
+
+def disk_config(offload_path) -> hetstore.OffloadConfig:
+    """Everything on disk under ``offload_path``, on the CPU device."""
+    return hetstore.OffloadConfig(
+        offload_param="disk",
+        offload_optimizer="disk",
+        offload_path=str(offload_path),
+        enable_pinned_mem=False,
+        device="cpu",
+    )
+
+
+def train_steps(model, optimizer, batches) -> list[float]:
+    """One step per batch of token ids (inputs and next-token targets); the losses."""
+    losses = []
+    for idx in batches:
+        loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
 
 def random_bytes(n: int, seed: int) -> torch.Tensor:
     return torch.randint(

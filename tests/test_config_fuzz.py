@@ -16,7 +16,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hetstore import ConfigError, OffloadConfig  # noqa: E402
-from hetstore.config import _MINDSPORE_KEYS  # noqa: E402
+from hetstore.config import _MINDSPORE_KEYS, _SIZE_KEYS  # noqa: E402
 
 # HETSTORE_FUZZ_EXAMPLES=5000 fuzzes longer; the default keeps the file at a few seconds
 FUZZ = settings(max_examples=int(os.environ.get("HETSTORE_FUZZ_EXAMPLES", "200")), deadline=None)
@@ -184,15 +184,7 @@ def _paths(root: Path):
 
 def _check_config(config: OffloadConfig) -> None:
     """A configuration that was accepted holds normalized values only."""
-    for key in (
-        "max_device_memory",
-        "offload_cpu_size",
-        "offload_disk_size",
-        "host_mem_block_size",
-        "aio_block_size",
-        "optimizer_chunk_size",
-        "activation_min_bytes",
-    ):
+    for key in sorted(_SIZE_KEYS | {"activation_min_bytes"}):
         value = getattr(config, key)
         assert value is None or (type(value) is int and 0 <= value < 2**63), (key, value)
     for key in ("hbm_ratio", "cpu_ratio", "gpu_margin_mem_ratio"):

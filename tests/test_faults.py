@@ -19,27 +19,17 @@ import torch
 
 import hetstore
 from hetstore.demo.gpt import GPT
-from tests.disk_helpers import ext4_loop
+from tests.disk_helpers import disk_config, ext4_loop, train_steps
 
 SHAPE = dict(vocab=128, width=32, depth=2, heads=2, ctx=8)
 BOUND_S = 30  # an error, not a hang: far above the few milliseconds a step takes here
-
-
-def _config(offload_path) -> hetstore.OffloadConfig:
-    return hetstore.OffloadConfig(
-        offload_param="disk",
-        offload_optimizer="disk",
-        offload_path=str(offload_path),
-        enable_pinned_mem=False,
-        device="cpu",
-    )
 
 
 def _fresh(offload_path):
     torch.manual_seed(0)
     model = GPT(**SHAPE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return hetstore.offload(model, optimizer, _config(offload_path))
+    return hetstore.offload(model, optimizer, disk_config(offload_path))
 
 
 BATCHES = [
@@ -50,17 +40,6 @@ BATCHES = [
 ]
 
 
-def _steps(model, optimizer, batches) -> list[float]:
-    losses = []
-    for idx in batches:
-        loss = model(idx[:, :-1], idx[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _weights(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -69,8 +48,8 @@ def _weights(model) -> dict[str, torch.Tensor]:
 def uninterrupted(tmp_path_factory):
     """Losses of steps 3-4 and the final weights of a run no fault touched."""
     model, optimizer = _fresh(tmp_path_factory.mktemp("reference"))
-    _steps(model, optimizer, BATCHES[:2])
-    losses = _steps(model, optimizer, BATCHES[2:])
+    train_steps(model, optimizer, BATCHES[:2])
+    losses = train_steps(model, optimizer, BATCHES[2:])
     weights = _weights(model)
     hetstore.release(model)
     return losses, weights
@@ -80,10 +59,19 @@ def _resume_matches(checkpoint, offload_path, uninterrupted) -> None:
     model, optimizer = _fresh(offload_path)
     hetstore.load(checkpoint, model, optimizer)
     losses, weights = uninterrupted
-    assert _steps(model, optimizer, BATCHES[2:]) == losses  # bit for bit
+    assert train_steps(model, optimizer, BATCHES[2:]) == losses  # bit for bit
     for name, value in _weights(model).items():
         assert torch.equal(value, weights[name]), name
     hetstore.release(model)
+
+
+def _one_step_past_a_save(offload_path, checkpoint):
+    """A model trained two steps, saved to ``checkpoint``, then stepped once more."""
+    model, optimizer = _fresh(offload_path)
+    train_steps(model, optimizer, BATCHES[:2])
+    hetstore.save(checkpoint, model, optimizer)
+    train_steps(model, optimizer, BATCHES[2:3])
+    return model, optimizer
 
 
 def _raises_in_time(kinds, call):
@@ -98,11 +86,11 @@ def test_the_offload_disk_dying_mid_training_is_a_disk_io_error(tmp_path, uninte
     checkpoint = tmp_path / "ckpt"  # on a healthy disk
     with ext4_loop(tmp_path) as fs:
         model, optimizer = _fresh(fs.mnt / "offload")
-        _steps(model, optimizer, BATCHES[:2])
+        train_steps(model, optimizer, BATCHES[:2])
         hetstore.save(checkpoint, model, optimizer)
         fs.shutdown()
         error = _raises_in_time(
-            hetstore.DiskIOError, lambda: _steps(model, optimizer, BATCHES[2:3])
+            hetstore.DiskIOError, lambda: train_steps(model, optimizer, BATCHES[2:3])
         )
         assert error.errno == errno.EIO
         assert str(fs.mnt) in str(error) and str(fs.mnt) in error.path
@@ -116,10 +104,7 @@ def test_the_checkpoint_disk_dying_during_a_save_keeps_the_previous_checkpoint(
 ):
     with ext4_loop(tmp_path) as fs:
         checkpoint = fs.mnt / "ckpt"
-        model, optimizer = _fresh(tmp_path / "offload")
-        _steps(model, optimizer, BATCHES[:2])
-        hetstore.save(checkpoint, model, optimizer)
-        _steps(model, optimizer, BATCHES[2:3])
+        model, optimizer = _one_step_past_a_save(tmp_path / "offload", checkpoint)
         fs.shutdown()
         error = _raises_in_time(
             (hetstore.DiskIOError, hetstore.CheckpointError),
@@ -134,10 +119,7 @@ def test_the_checkpoint_disk_dying_during_a_save_keeps_the_previous_checkpoint(
 def test_the_offload_disk_dying_during_a_save_is_named_as_the_failing_side(tmp_path, uninterrupted):
     checkpoint = tmp_path / "ckpt"  # on a healthy disk
     with ext4_loop(tmp_path) as fs:
-        model, optimizer = _fresh(fs.mnt / "offload")
-        _steps(model, optimizer, BATCHES[:2])
-        hetstore.save(checkpoint, model, optimizer)
-        _steps(model, optimizer, BATCHES[2:3])
+        model, optimizer = _one_step_past_a_save(fs.mnt / "offload", checkpoint)
         fs.shutdown()
         error = _raises_in_time(
             (hetstore.DiskIOError, hetstore.CheckpointError),

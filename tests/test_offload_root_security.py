@@ -24,6 +24,7 @@ import hetstore
 from hetstore import _safefs
 from hetstore.demo.gpt import GPT
 from hetstore.tiers.disk import DiskTier, reclaim_leftovers
+from tests.disk_helpers import disk_config, train_steps
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(
@@ -31,30 +32,12 @@ needs_root = pytest.mark.skipif(
 )
 
 
-def _disk_config(root) -> hetstore.OffloadConfig:
-    return hetstore.OffloadConfig(
-        offload_param="disk",
-        offload_optimizer="disk",
-        offload_path=str(root),
-        enable_pinned_mem=False,
-        device="cpu",
-    )
-
-
 def _train(config, steps=2) -> list[float]:
     torch.manual_seed(0)
     model = GPT(vocab=128, width=32, depth=2, heads=2, ctx=8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
     with hetstore.offloaded(model, optimizer, config) as (model, optimizer):
-        for _ in range(steps):
-            idx = torch.randint(0, 128, (2, 9))
-            loss = model(idx[:, :-1], idx[:, 1:])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-    return losses
+        return train_steps(model, optimizer, (torch.randint(0, 128, (2, 9)) for _ in range(steps)))
 
 
 def test_a_root_others_can_write_without_the_sticky_bit_is_refused_before_anything(tmp_path):
@@ -62,12 +45,12 @@ def test_a_root_others_can_write_without_the_sticky_bit_is_refused_before_anythi
     root.mkdir()
     os.chmod(root, 0o777)
     with pytest.raises(hetstore.ConfigError, match="offload_path") as info:
-        _train(_disk_config(root))
+        _train(disk_config(root))
     message = str(info.value)
     assert str(root) in message and "sticky" in message and "chmod +t" in message
     assert list(root.iterdir()) == []  # nothing was created there
     os.chmod(root, 0o1777)  # the fix the message names: as /tmp is
-    assert _train(_disk_config(root))
+    assert _train(disk_config(root))
     assert list(root.iterdir()) == []
 
 
@@ -199,8 +182,8 @@ def test_a_second_user_cannot_redirect_training_writes(tmp_path):
     )
     try:
         time.sleep(0.5)  # the attacker is looping before the first directory appears
-        reference = _train(_disk_config(tmp_path / "alone"))
-        assert _train(_disk_config(root)) == reference  # trained exactly, undisturbed
+        reference = _train(disk_config(tmp_path / "alone"))
+        assert _train(disk_config(root)) == reference  # trained exactly, undisturbed
         assert [n for n in os.listdir(root) if not n.endswith(".moved")] == []  # cleaned up
     finally:
         attacker.terminate()
@@ -216,7 +199,7 @@ def test_checkpoint_and_export_directories_get_the_same_care(tmp_path):
     torch.manual_seed(0)
     model = GPT(vocab=128, width=32, depth=2, heads=2, ctx=8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer = hetstore.offload(model, optimizer, _disk_config(tmp_path / "offload"))
+    model, optimizer = hetstore.offload(model, optimizer, disk_config(tmp_path / "offload"))
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)

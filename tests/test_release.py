@@ -35,21 +35,29 @@ def _footprint(offload_dir) -> dict[str, int]:
     }
 
 
-def _offload_and_step(placement: str, offload_dir, seed: int = 0):
+def _offload(placement: str, activations: str, offload_dir, seed: int = 0):
     torch.manual_seed(seed)
     model = GPT(**SHAPE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     config = hetstore.OffloadConfig(
         offload_param=placement,
         offload_optimizer=placement,
-        offload_activations=placement,
+        offload_activations=activations,
         activation_min_bytes=0,
         offload_path=str(offload_dir),
         enable_pinned_mem=False,
         device="cpu",
     )
-    model, optimizer = hetstore.offload(model, optimizer, config)
-    idx = torch.randint(0, SHAPE["vocab"], (2, SHAPE["ctx"] + 1))
+    return hetstore.offload(model, optimizer, config)
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, SHAPE["vocab"], (2, SHAPE["ctx"] + 1))
+
+
+def _offload_and_step(placement: str, offload_dir, seed: int = 0):
+    model, optimizer = _offload(placement, placement, offload_dir, seed)
+    idx = _batch()
     model(idx[:, :-1], idx[:, 1:]).backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -119,7 +127,7 @@ def test_released_model_and_optimizer_refuse_to_run(tmp_path):
     model, optimizer = _offload_and_step("disk", tmp_path)
     hetstore.release(model)
     hetstore.release(model)  # a second release does nothing
-    idx = torch.randint(0, SHAPE["vocab"], (2, SHAPE["ctx"] + 1))
+    idx = _batch()
     with pytest.raises(hetstore.ConfigError, match="released by hetstore.release"):
         model(idx[:, :-1], idx[:, 1:])
     for call in (optimizer.step, optimizer.zero_grad, optimizer.state_dict):
@@ -138,7 +146,7 @@ def test_release_refuses_a_plain_model_and_a_running_backward(tmp_path):
     with pytest.raises(hetstore.ConfigError, match="not offloaded"):
         hetstore.release(torch.nn.Linear(2, 2))
     model, optimizer = _offload_and_step("cpu", tmp_path)
-    idx = torch.randint(0, SHAPE["vocab"], (2, SHAPE["ctx"] + 1))
+    idx = _batch()
     loss = model(idx[:, :-1], idx[:, 1:])
     seen = []
 
@@ -168,7 +176,7 @@ def test_offloaded_context_releases_at_the_end_and_on_error(tmp_path):
         model,
         optimizer,
     ):
-        idx = torch.randint(0, SHAPE["vocab"], (2, SHAPE["ctx"] + 1))
+        idx = _batch()
         model(idx[:, :-1], idx[:, 1:]).backward()
         optimizer.step()
         assert any(tmp_path.iterdir())
@@ -186,20 +194,8 @@ def test_offloaded_context_releases_at_the_end_and_on_error(tmp_path):
 
 @pytest.mark.parametrize("activations", ["none", "cpu", "disk"])
 def test_a_backward_through_a_released_model_is_refused(tmp_path, activations):
-    torch.manual_seed(0)
-    model = GPT(**SHAPE)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = hetstore.OffloadConfig(
-        offload_param="disk",
-        offload_optimizer="disk",
-        offload_activations=activations,
-        activation_min_bytes=0,
-        offload_path=str(tmp_path),
-        enable_pinned_mem=False,
-        device="cpu",
-    )
-    model, optimizer = hetstore.offload(model, optimizer, config)
-    idx = torch.randint(0, SHAPE["vocab"], (2, SHAPE["ctx"] + 1))
+    model, _ = _offload("disk", activations, tmp_path)
+    idx = _batch()
     loss = model(idx[:, :-1], idx[:, 1:])  # a graph alive across the release
     hetstore.release(model)
     with pytest.raises(hetstore.ConfigError, match="Run backward .* before releasing"):

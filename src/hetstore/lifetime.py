@@ -53,22 +53,7 @@ def release(model: nn.Module) -> None:
     optimizer = runtime.optimizer() if runtime.optimizer is not None else None
     if optimizer is not None:
         optimizer.release()
-    runtime.remove()  # hooks, the gradient contract, the state-dict hooks
-    runtime.released = True  # a graph built before the release refuses its backward
-    if runtime.activations is not None:
-        runtime.activations.released = True
-    params = [e.param for u in runtime.units for e in u.entries]
-    stagers = {id(s): s for u in runtime.units for s in (u.param_stager, u.grad_stager) if s}
-    for stager in stagers.values():
-        stager.close()
-    for unit in runtime.units:
-        unit.close()
-    for param in params:
-        # drop the last reference to the unit's buffers; the shape stays, with no bytes
-        # (one element, expanded: never a full-size allocation)
-        empty = torch.empty(1, dtype=param.dtype, device=param.device).expand(param.shape)
-        empty.untyped_storage().resize_(0)
-        param.data = empty
+    runtime.release()  # hooks off, units' buffers freed, parameters left without bytes
     state.tiers.close()  # stops the IO threads, closes the files, removes the directory
     return_free_heap()  # freed CPU tensors (device tier on CPU, scratch) leave the RSS too
     mark_released(model)  # the state goes: nothing of the model's tiers is referenced

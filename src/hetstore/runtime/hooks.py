@@ -83,7 +83,8 @@ class OffloadRuntime:
         self.units = units
         self.root = root
         self.block_units = [u for u in units if u is not root]
-        self.unit_by_index = {u.index: u for u in units}
+        # hooks on tensors find their unit by its index, which is its place in ``units``
+        assert all(u.index == i for i, u in enumerate(units))
         self.optimizer: weakref.ref | None = None  # the OffloadedOptimizer, set by offload()
         self.released = False  # set by hetstore.release: a graph still alive must not run
         self.prefetch_depth = prefetch_depth
@@ -132,11 +133,13 @@ class OffloadRuntime:
         # Hooks on tensors live in autograd's C++ side, which the garbage collector cannot
         # see through: they hold the runtime only weakly, by position, so that a model
         # nobody references any more is collected (and its tiers freed) like any other.
-        weak = weakref.ref(self)
-        for u, unit in enumerate(units):
+        self._weak = weakref.ref(self)
+        for unit in units:
             for e, entry in enumerate(unit.trainable_entries):
                 self._handles.append(
-                    entry.param.register_post_accumulate_grad_hook(_GradReadyHook(weak, u, e))
+                    entry.param.register_post_accumulate_grad_hook(
+                        _GradReadyHook(self._weak, unit.index, e)
+                    )
                 )
 
     def adopt(self, handles: list) -> None:
@@ -221,7 +224,7 @@ class OffloadRuntime:
         if torch.is_grad_enabled():
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(_PreBackwardHook(weakref.ref(self), unit.index))
+                    tensor.register_hook(_PreBackwardHook(self._weak, unit.index))
         unit.release()
 
     # ------------------------------------------------------------------ backward
@@ -340,6 +343,26 @@ class OffloadRuntime:
             handle.remove()
         self._handles.clear()
 
+    def release(self) -> None:
+        """Take every hook off and free every unit's buffers (``hetstore.release``): a
+        graph built before refuses its backward, and each parameter keeps its shape with
+        a zero-byte storage of its own, so nothing references the units' buffers."""
+        self.remove()  # hooks, the gradient contract, the state-dict hooks
+        self.released = True
+        if self.activations is not None:
+            self.activations.released = True
+        stagers = {id(s): s for u in self.units for s in (u.param_stager, u.grad_stager) if s}
+        for stager in stagers.values():
+            stager.close()
+        params = [e.param for u in self.units for e in u.entries]
+        for unit in self.units:
+            unit.close()
+        for param in params:
+            # one element, expanded: never a full-size allocation
+            empty = torch.empty(1, dtype=param.dtype, device=param.device).expand(param.shape)
+            empty.untyped_storage().resize_(0)
+            param.data = empty
+
 
 class _GradReadyHook:
     """A parameter's post-accumulate-grad hook: holds its runtime weakly (see __init__)."""
@@ -368,4 +391,4 @@ class _PreBackwardHook:
         runtime = self.runtime()
         if runtime is None or runtime.released:
             raise ConfigError(BACKWARD_AFTER_RELEASE)
-        runtime._pre_backward(runtime.unit_by_index[self.unit])
+        runtime._pre_backward(runtime.units[self.unit])
