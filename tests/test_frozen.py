@@ -11,9 +11,12 @@ import copy
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import hetstore
 from hetstore import OffloadConfig
+from hetstore.runtime.flat import DiskArray
+from hetstore.runtime.rewrite import ChunkedRewrite, Span
 from tests.models.gpt import GPT, batches
 from tests.test_hf_models import build, llama
 from tests.test_host_offload import TIGHT, assert_same_weights
@@ -23,14 +26,15 @@ peft = pytest.importorskip("peft")
 PLACEMENTS = ["none", "cpu", "disk"]
 
 
-def config(param: str) -> OffloadConfig:
+def config(param: str, optim: str = "cpu", **kwargs) -> OffloadConfig:
     # gradients in host memory, so torch's gradient APIs work on every placement
     return OffloadConfig(
         offload_param=param,
-        offload_optimizer="cpu",
+        offload_optimizer=optim,
         offload_grad="cpu",
         enable_pinned_mem=False,
         device="cpu",
+        **kwargs,
     )
 
 
@@ -157,3 +161,237 @@ def test_wholly_frozen_blocks_are_released_during_backward():
     assert len(seen) == 6
     assert max(seen) == 1, seen
     assert not any(u.materialized for u in units)
+
+
+# ---------------------------------------------------------------------- frozen masters
+# Frozen parameters already in the compute dtype are stored only in it: no fp32 master
+# (Unit.master_numel), never part of a step, saved and loaded from their home.
+
+
+def bf16_lora(r: int = 4):
+    """A LoRA model built in bf16 (the usual way to load a base for fine-tuning)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return lora(tiny_llama()) if r == 4 else lora_r(tiny_llama(), r)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def lora_r(model, r):
+    cfg = peft.LoraConfig(
+        r=r, lora_alpha=2 * r, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    model = peft.get_peft_model(model, cfg)
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def frozen_values(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def master_numel(unit) -> int:
+    master = unit.master
+    return master.numel if isinstance(master, DiskArray) else master.numel()
+
+
+@pytest.mark.parametrize(("param", "optim"), [("none", "cpu"), ("disk", "cpu"), ("disk", "disk")])
+def test_frozen_bf16_parameters_have_no_fp32_master(tmp_path, param, optim):
+    """A bf16 base under bf16 compute: each unit's fp32 master covers only the adapters
+    (up to the aligned start of the frozen part), the host tier holds only their bytes,
+    training changes the adapters and leaves every frozen value as it was, bit for bit,
+    and every placement gives the same losses bit for bit (same arithmetic)."""
+    model = bf16_lora()
+    before = frozen_values(model)
+    opt = trainable_adamw(model)
+    cfg = config(param, optim, compute_dtype="bf16", offload_path=str(tmp_path))
+    model, opt = hetstore.offload(model, opt, cfg)
+    state = hetstore.state_of(model)
+    units = state.runtime.units
+    for unit in units:
+        assert master_numel(unit) == unit.master_numel == unit.frozen_start < unit.numel
+    masters = sum(4 * u.master_numel for u in units)
+    frozen = sum(4 * (u.numel - u.master_numel) for u in units)
+    assert masters * 5 < frozen  # the fp32 copy of the base it no longer has
+    if optim == "cpu":
+        held = dict(state.tiers.host.account.holders(n=10_000))
+        pages = sum(-(-4 * u.master_numel // 4096) * 4096 or 4096 for u in units)
+        assert sum(v for k, v in held.items() if k.startswith("master params")) == pages
+    losses = train_llama(model, opt, llama_batches(3))
+    after = {n: p for n, p in model.state_dict().items() if n in before}
+    assert after.keys() == before.keys()
+    for name, value in before.items():
+        assert torch.equal(after[name].to(value.dtype), value), name
+    reference = bf16_lora()
+    reference, ref_opt = hetstore.offload(
+        reference, trainable_adamw(reference), config("cpu", compute_dtype="bf16")
+    )
+    assert train_llama(reference, ref_opt, llama_batches(3)) == losses
+
+
+def test_lora_step_with_states_on_disk_never_writes_the_frozen_base(tmp_path):
+    """Master and states of the adapters on disk, the bf16 base on disk: a step writes
+    the adapters' master, moments and bf16 copy, and not one byte of the base (before,
+    the streamed step copied each unit's frozen part through a shadow of its home, and
+    its fp32 master through one of the master: every step)."""
+    model = bf16_lora()
+    model, opt = hetstore.offload(
+        model,
+        trainable_adamw(model),
+        config("disk", "disk", compute_dtype="bf16", offload_path=str(tmp_path)),
+    )
+    runtime, disk = hetstore.state_of(model).runtime, hetstore.state_of(model).tiers.disk
+    data = llama_batches(3)
+    train_llama(model, opt, data[:1])
+    written = disk.bytes_written
+    train_llama(model, opt, data[1:])
+    per_step = (disk.bytes_written - written) / 2
+    adapters = sum(
+        u.master_numel * 4  # the fp32 master
+        + 2 * u.trainable_numel * 4  # AdamW's moments
+        + u.master_numel * 2  # the bf16 copy the next forward reads
+        for u in runtime.units
+    )
+    base = sum((u.numel - u.master_numel) * 2 for u in runtime.units)
+    assert adapters <= per_step <= adapters + 4096 * len(runtime.units), per_step - adapters
+    assert per_step < adapters + base
+
+
+@pytest.mark.parametrize("optim", ["cpu", "disk"])
+def test_checkpoint_of_a_lora_model_resumes_exactly(tmp_path, optim):
+    """save -> load into a model whose base differs (so the load must restore it too) ->
+    the same losses and weights, bit for bit, as training on without a break. The
+    frozen parameters are saved from their home, in the compute dtype."""
+    data = llama_batches(4)
+
+    def offloaded(model, where):
+        cfg = config("disk", optim, compute_dtype="bf16", offload_path=str(tmp_path / where))
+        return hetstore.offload(model, trainable_adamw(model), cfg)
+
+    model, opt = offloaded(bf16_lora(), "a")
+    train_llama(model, opt, data[:2])
+    hetstore.save(tmp_path / "ckpt", model, opt)
+    losses = train_llama(model, opt, data[2:])
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    hetstore.release(model)
+
+    other = bf16_lora()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)  # nothing of it may survive the load
+    other, other_opt = offloaded(other, "b")
+    hetstore.load(tmp_path / "ckpt", other, other_opt)
+    assert train_llama(other, other_opt, data[2:]) == losses
+    for name, value in other.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+
+    dtypes = {}
+    for f in (tmp_path / "ckpt").rglob("unit-*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():
+                dtypes[key] = st.get_slice(key).get_dtype()
+    frozen = [n for n, p in other.named_parameters() if not p.requires_grad]
+    assert {dtypes[n] for n in frozen} == {"BF16"}
+    assert {dtypes[n] for n, p in other.named_parameters() if p.requires_grad} == {"F32"}
+
+
+def test_a_failed_rewrite_keeps_the_frozen_part_and_the_next_fetch_rebuilds_the_head(tmp_path):
+    """The streamed rewrite of a unit with a master-less frozen part writes the head of
+    its disk home in place (a shadow would copy the whole base). A failure after one
+    chunk of it was written: the master, the states and the frozen part are untouched,
+    the next fetch rebuilds the head from the master, and training goes on exactly as a
+    run without the failure."""
+    data = llama_batches(3)
+
+    def run(fail: bool):
+        model = bf16_lora(r=16)  # heads of several 2048-element chunks
+        cfg = config("disk", "disk", compute_dtype="bf16", offload_path=str(tmp_path / str(fail)))
+        model, opt = hetstore.offload(model, trainable_adamw(model), cfg)
+        train_llama(model, opt, data[:1])
+        if fail:
+            unit = hetstore.state_of(model).runtime.block_units[0]
+            assert unit.master_numel >= 2 * 2048
+            home_before = torch.empty(unit.numel, dtype=unit.compute_dtype)
+            unit.home.read(home_before).wait()
+            master_before = unit.master_copy().clone()
+            states = opt.streamed_step_of(unit).states
+            rewrite = ChunkedRewrite(unit, dict(states))
+            assert rewrite.home_in_place
+            slots = [
+                {name: torch.empty(2048, dtype=dtype) for name, dtype in rewrite.slot_arrays()}
+                for _ in range(2)
+            ]
+
+            def fill(i, span, slot):
+                if i == 1:
+                    raise KeyboardInterrupt("stopped in the middle of the rewrite")
+                unit.master.read(slot["master"], span.start).wait()
+                slot["master"].add_(1.0)  # a new head, written in place into the home
+                for key, array in states.items():
+                    array.read(slot[key], span.start).wait()
+
+            spans = [Span(a, a + 2048, a + 2048) for a in range(0, unit.master_numel, 2048)]
+            with pytest.raises(KeyboardInterrupt):
+                rewrite.run(spans, slots, fill)
+            assert unit.home_stale
+            torch.testing.assert_close(unit.master_copy(), master_before, rtol=0, atol=0)
+            home_now = torch.empty(unit.numel, dtype=unit.compute_dtype)
+            unit.home.read(home_now).wait()
+            tail = slice(unit.master_numel, unit.numel)
+            assert torch.equal(home_now[tail], home_before[tail])
+            assert not torch.equal(home_now[:2048], home_before[:2048])  # written in place
+            unit.fetch()  # rebuilds the head from the master
+            assert not unit.home_stale
+            assert torch.equal(unit.device_flat.cpu(), home_before)
+            unit.release()
+        losses = train_llama(model, opt, data[1:])
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        hetstore.release(model)
+        return losses, weights
+
+    clean, broken = run(False), run(True)
+    assert broken[0] == clean[0]
+    for name, value in broken[1].items():
+        assert torch.equal(value, clean[1][name]), name
+
+
+@pytest.mark.parametrize("param", ["none", "disk"])
+def test_load_state_dict_reaches_frozen_parameters_without_a_master(tmp_path, param):
+    """torch's own ``load_state_dict`` writes the frozen base too (into its home: it has
+    no master), and ``state_dict`` gives it back exactly."""
+    source = bf16_lora()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.mul_(2.0)  # exact in bf16: differs from the fresh model everywhere
+    wanted = source.state_dict()
+    model = bf16_lora()
+    cfg = config(param, compute_dtype="bf16", offload_path=str(tmp_path))
+    model, _ = hetstore.offload(model, trainable_adamw(model), cfg)
+    assert any(u.has_home_only for u in hetstore.state_of(model).runtime.units)
+    model.load_state_dict(wanted)
+    got = model.state_dict()
+    for name, value in wanted.items():
+        assert torch.equal(got[name].to(value.dtype), value), name
+    # and computes with it: as the source offloaded the same way (the same bf16 arithmetic)
+    source, _ = hetstore.offload(
+        source, trainable_adamw(source), config("cpu", compute_dtype="bf16")
+    )
+    ids = llama_batches(1)[0]
+    assert model(input_ids=ids, labels=ids).loss == source(input_ids=ids, labels=ids).loss
+
+
+def test_printing_an_offloaded_parameter_describes_it():
+    """A released parameter has no bytes; torch's repr would read them (it crashed the
+    interpreter). Its repr says what it is instead; a fetched one prints as usual."""
+    model = FrozenNormGPT()
+    model, _ = hetstore.offload(model, trainable_adamw(model), config("cpu"))
+    text = repr(model.blocks[0].ln1.weight)
+    assert "offloaded by hetstore" in text and "shape=(" in text
+    unit = hetstore.state_of(model).runtime.block_units[0]
+    unit.fetch()
+    assert repr(model.blocks[0].ln1.weight).startswith("Parameter containing:")
+    unit.release()

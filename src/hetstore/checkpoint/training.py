@@ -382,9 +382,12 @@ def _shard_file(unit: Unit, index: int, optimizer, names, rank: int) -> tuple:
 
 
 def _master_of(unit: Unit, entry) -> torch.Tensor | DiskSlice:
-    if isinstance(unit.master, DiskArray):
-        return DiskSlice(unit.master, entry.offset, entry.numel, entry.shape)
-    return unit.master[entry.offset : entry.offset + entry.numel].view(entry.shape)
+    """A parameter's saved value: its fp32 master, or for a frozen parameter without one
+    its compute-dtype ``home`` (saved in that dtype; a load casts)."""
+    source = unit.master if entry.offset < unit.master_numel else unit.home
+    if isinstance(source, DiskArray):
+        return DiskSlice(source, entry.offset, entry.numel, entry.shape)
+    return source[entry.offset : entry.offset + entry.numel].view(entry.shape)
 
 
 def _param_state(optimizer, param) -> dict:
@@ -434,19 +437,28 @@ def _stream(items: list[_Item], buffers: _Buffers) -> Iterator[tuple[_Item, torc
         else:
             flat = data.detach().reshape(-1)
             for a in range(0, max(flat.numel(), 1), CHUNK_ELEMENTS):
-                jobs.append((item, flat[a : a + CHUNK_ELEMENTS]))
+                jobs.append((item, flat[a : a + CHUNK_ELEMENTS].cpu()))  # a device home: host
     disk = [job for _, job in jobs if isinstance(job, tuple)]
     if not disk:
         yield from jobs
         return
     numel = max(n for _, _, n in disk)
-    taken = [buffers.take(numel, torch.float32, f"checkpoint chunk {k}") for k in range(2)]
+    taken: dict[torch.dtype, list] = {}  # two alternating chunk buffers per dtype
+    for array, _, _ in disk:
+        if array.dtype not in taken:
+            taken[array.dtype] = [
+                buffers.take(numel, array.dtype, f"checkpoint chunk {k}") for k in range(2)
+            ]
     pending: dict[int, object] = {}
 
+    def chunk(k: int) -> torch.Tensor:
+        array, _, n = disk[k]
+        return taken[array.dtype][k % 2][1][:n]
+
     def issue(k: int) -> None:
-        array, start, n = disk[k]
+        array, start, _ = disk[k]
         try:
-            pending[k] = array.read(taken[k % 2][1][:n], start)
+            pending[k] = array.read(chunk(k), start)
         except DiskIOError as exc:
             raise OffloadReadFailed(exc, owners[k].key) from exc
 
@@ -463,11 +475,12 @@ def _stream(items: list[_Item], buffers: _Buffers) -> Iterator[tuple[_Item, torc
                 raise OffloadReadFailed(exc, item.key) from exc
             if k + 1 < len(disk):
                 issue(k + 1)
-            yield item, taken[k % 2][1][: job[2]]
+            yield item, chunk(k)
             k += 1
     finally:
         wait_all_quiet(list(pending.values()))
-        buffers.give(taken)
+        for pairs in taken.values():
+            buffers.give(pairs)
 
 
 # ---------------------------------------------------------------------- load
@@ -1066,10 +1079,11 @@ def _load_unit(unit: Unit, ckpt, names, optimizer, groups_tensors, buffers: _Buf
     if isinstance(unit.master, DiskArray):
         _rewrite_disk_unit(unit, entries, ckpt, streamed, buffers)
     else:
+        flat = unit.master_copy()  # the master itself unless frozen parameters lack one
         for name, e in entries:
             if ckpt.has(name):
-                ckpt.read_into(name, None, unit.master[e.offset : e.offset + e.numel])
-        unit.store_master(unit.master)
+                ckpt.read_into(name, None, flat[e.offset : e.offset + e.numel])
+        unit.store_master(flat)
     if optimizer is None or streamed is not None:
         return
     optimizer.reset_unit_state(unit)
@@ -1084,9 +1098,10 @@ def _rewrite_disk_unit(unit: Unit, entries, ckpt: _Checkpoint, streamed, buffers
     pipeline the streamed step uses, :class:`hetstore.runtime.rewrite.ChunkedRewrite`)."""
     rewrite = ChunkedRewrite(unit, dict(streamed.states) if streamed is not None else {})
     chunk = max(ALIGN_ELEMENTS, CHUNK_ELEMENTS // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
+    end = unit.master_numel
     spans = [
-        Span(a, min(a + chunk, unit.numel), min(a + chunk, unit.trainable_numel))
-        for a in range(0, unit.numel, chunk)
+        Span(a, min(a + chunk, end), min(a + chunk, unit.trainable_numel))
+        for a in range(0, end, chunk)
     ]
     taken: list = []
 
@@ -1104,19 +1119,32 @@ def _rewrite_disk_unit(unit: Unit, entries, ckpt: _Checkpoint, streamed, buffers
 
     try:
         slots = []
-        for _ in range(min(2, len(spans))):
+        for _ in range(min(2, len(spans))):  # none: every parameter is frozen, home-only
             slot = {}
             for name, dtype in rewrite.slot_arrays():
                 pair = buffers.take(min(chunk, unit.numel), dtype, f"load {name}")
                 taken.append(pair)
                 slot[name] = pair[1]
             slots.append(slot)
-        rewrite.run(spans, slots, fill)
+        if spans:
+            rewrite.run(spans, slots, fill)
     finally:
         buffers.give(taken)
     unit.home_stale = False
+    if unit.has_home_only:
+        _load_home_only(unit, entries, ckpt)
     if streamed is not None:
         streamed.mark_loaded(_segment_steps(unit, entries, ckpt))
+
+
+def _load_home_only(unit: Unit, entries, ckpt: _Checkpoint) -> None:
+    """The frozen parameters without a master (``[master_numel, numel)``), cast to the
+    compute dtype, straight into ``home``; those the checkpoint lacks keep their values."""
+    with unit.edit_home_only() as tail:
+        start = unit.master_numel
+        for name, e in entries:
+            if e.offset >= start and ckpt.has(name):
+                ckpt.read_into(name, None, tail[e.offset - start : e.offset - start + e.numel])
 
 
 def _fill(

@@ -14,8 +14,9 @@ run again.
 A chunk never straddles two optimizer segments (param groups), so one call of the fused
 kernel steps it with its group's hyper-parameters; chunks start at multiples of
 ``chunk_numel`` from the segment start, which keeps every element's arithmetic identical
-to stepping the whole segment at once. The padding after a segment and the frozen
-parameters at the end of the unit are copied through unchanged.
+to stepping the whole segment at once. The padding after a segment and frozen
+parameters that keep a master are copied through unchanged; frozen parameters stored
+only in the compute dtype are not touched (see :class:`ChunkedRewrite`).
 """
 
 from __future__ import annotations
@@ -45,14 +46,17 @@ class _Chunk:
 
 
 def _chunks(unit: Unit, chunk_numel: int) -> list[_Chunk]:
+    """The master's elements ``[0, master_numel)`` in chunks: frozen parameters without
+    a master are not part of a step at all."""
+    end = unit.master_numel
     spans = [(i, s.start, s.end) for i, s in enumerate(unit.segments)]
     tail = unit.segments[-1].end if unit.segments else 0
     tail += -tail % ALIGN_ELEMENTS
-    if tail < unit.numel:
-        spans.append((None, tail, unit.numel))
+    if tail < end:
+        spans.append((None, tail, end))
     chunks = []
     for k, (segment, start, seg_end) in enumerate(spans):
-        span_end = spans[k + 1][1] if k + 1 < len(spans) else unit.numel
+        span_end = spans[k + 1][1] if k + 1 < len(spans) else end
         for a in range(start, span_end, chunk_numel):
             b = min(a + chunk_numel, span_end)
             stepped = min(b, seg_end) if segment is not None else a

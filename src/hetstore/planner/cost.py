@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from hetstore.footprints import grad_staging_bytes, param_staging_bytes, streamed_step_bytes
 from hetstore.planner.trace import Trace, UnitTrace
 
-__all__ = ["UnitChoice", "Estimate", "estimate", "TIERS"]
+__all__ = ["UnitChoice", "Estimate", "estimate", "optimizer_bytes", "TIERS"]
 
 TIERS = ("none", "cpu", "disk")
 
@@ -78,8 +78,13 @@ def _aliases_master(u: UnitTrace, c: UnitChoice) -> bool:
     return c.param == c.optimizer and u.compute_itemsize == 4
 
 
-def _optimizer_bytes(u: UnitTrace) -> int:
-    return u.master_bytes + u.grad_bytes + u.state_bytes
+def _master_bytes(u: UnitTrace, c: UnitChoice) -> int:
+    """A home that is the master holds every element, frozen ones too."""
+    return u.numel * 4 if _aliases_master(u, c) else u.master_bytes
+
+
+def optimizer_bytes(u: UnitTrace, c: UnitChoice) -> int:
+    return _master_bytes(u, c) + u.grad_bytes + u.state_bytes
 
 
 def _max(values) -> int:
@@ -106,7 +111,7 @@ def memory(
             if not aliased:
                 host += u.param_bytes if c.param == "cpu" else 0
                 disk += u.param_bytes if c.param == "disk" else 0
-        opt = _optimizer_bytes(u)
+        opt = optimizer_bytes(u, c)
         device += opt if c.optimizer == "none" else 0
         host += opt if c.optimizer == "cpu" else 0
         disk += opt if c.optimizer == "disk" else 0
@@ -134,7 +139,7 @@ def memory(
         persistent += grad_staging_bytes(_max(u.grad_bytes for u, _ in disk_opt))
         step += _max(
             streamed_step_bytes(
-                u.master_bytes // 4,
+                _master_bytes(u, c) // 4,
                 u.state_itemsize // 4,
                 chunk_bytes // 4,
                 grad_on_disk=True,  # the planner puts gradients in the optimizer's tier
@@ -144,7 +149,7 @@ def memory(
             )
             for u, c in disk_opt
         )
-        disk += _max(u.master_bytes + u.state_bytes for u, _ in disk_opt)  # the shadow
+        disk += _max(_master_bytes(u, c) + u.state_bytes for u, c in disk_opt)  # the shadow
     forward_backward += sum(u.saved_bytes for u, c in units if c.activations == "cpu")
     disk_saved = [u.saved_bytes for u, c in units if c.activations == "disk"]
     if disk_saved:
@@ -227,10 +232,10 @@ def times(trace: Trace, choices: list[UnitChoice], depth: int) -> tuple[float, .
             if c.param == "none":
                 optimizer += u.param_bytes / m.to_device  # updated weights back
         else:
-            read = u.master_bytes + u.state_bytes + u.grad_bytes
-            write = u.master_bytes + u.state_bytes
+            read = _master_bytes(u, c) + u.state_bytes + u.grad_bytes
+            write = _master_bytes(u, c) + u.state_bytes
             if c.param == "disk" and not _aliases_master(u, c):
-                write += u.param_bytes
+                write += u.master_bytes // 4 * u.compute_itemsize  # the home's head
             io = read / m.disk_read + write / m.disk_write
             optimizer += max(n / m.host_step, io)
             if c.param == "none":

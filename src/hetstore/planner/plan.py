@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from hetstore._sizes import format_size
-from hetstore.planner.cost import Estimate, UnitChoice, estimate
+from hetstore.planner.cost import Estimate, UnitChoice, estimate, optimizer_bytes
 from hetstore.planner.trace import Trace
 
 __all__ = ["Capacities", "Plan", "UnitPlan"]
@@ -75,7 +75,7 @@ class Plan:
                 u.name,
                 c,
                 u.param_bytes,
-                u.master_bytes + u.grad_bytes + u.state_bytes,
+                optimizer_bytes(u, c),
                 u.saved_bytes,
             )
             for u, c in zip(trace.units, choices, strict=True)

@@ -52,6 +52,9 @@ class UnitTrace:
     trainable_numel: int  # elements the optimizer steps
     compute_itemsize: int  # bytes per element of the compute dtype
     state_itemsize: int  # optimizer-state bytes per trainable element (Adam: 8)
+    # frozen elements already in the compute dtype: stored only in it, with no fp32
+    # master, unless the master is the parameters' home itself (see Unit.master_numel)
+    frozen_compute_numel: int = 0
     saved_bytes: int = 0
     kept_bytes: int = 0  # saved, but below activation_min_bytes: never offloaded
     largest_saved_bytes: int = 0  # its largest saved storage
@@ -68,7 +71,8 @@ class UnitTrace:
 
     @property
     def master_bytes(self) -> int:
-        return self.numel * 4
+        """The fp32 master when it is not the parameters' home (see ``frozen_compute_numel``)."""
+        return (self.numel - self.frozen_compute_numel) * 4
 
     @property
     def grad_bytes(self) -> int:

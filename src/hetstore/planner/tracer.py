@@ -60,6 +60,11 @@ def model_data_trace(
                 name=spec.name,
                 numel=sum(p.numel() for p in params),
                 trainable_numel=sum(p.numel() for p in params if _trainable(p, optimizer)),
+                frozen_compute_numel=sum(
+                    p.numel()
+                    for p in params
+                    if not _trainable(p, optimizer) and p.dtype == config.torch_compute_dtype
+                ),
                 compute_itemsize=itemsize,
                 state_itemsize=states,
                 max_param_numel=max((p.numel() for p in params), default=0),

@@ -58,6 +58,18 @@ def set_torch_grad(param: torch.Tensor, value: torch.Tensor | None) -> None:
     _TORCH_GRAD.__set__(param, value)
 
 
+def _repr_without_storage(param: nn.Parameter) -> str:
+    """torch's repr reads the elements, and a released parameter has no bytes (printing
+    one crashed the interpreter): describe it instead."""
+    if param.untyped_storage().nbytes() == 0:
+        shape = ", ".join(str(n) for n in param.shape)
+        return (
+            f"Parameter(shape=({shape}), dtype={param.dtype}, device={param.device}: "
+            "offloaded by hetstore, not on the device now; model.state_dict() has its value)"
+        )
+    return super(type(param), param).__repr__()
+
+
 class GradContract:
     """Makes ``p.grad`` of every managed parameter of one model read and write its
     unit's gradient buffer; :meth:`remove` gives the parameters their classes back."""
@@ -78,7 +90,12 @@ class GradContract:
         cls = self._classes.get(base)
         if cls is None:
             grad = property(self.read, self.write, doc="The gradient, held by hetstore.")
-            namespace = {"__module__": __name__, "__doc__": base.__doc__, "grad": grad}
+            namespace = {
+                "__module__": __name__,
+                "__doc__": base.__doc__,
+                "grad": grad,
+                "__repr__": _repr_without_storage,
+            }
             cls = type(base.__name__, (base,), namespace)
             self._classes[base] = cls
         return cls

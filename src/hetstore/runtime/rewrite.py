@@ -14,6 +14,13 @@ All shadows are committed together at the end. If anything fails (a read, the ca
 a write, disk full), every shadow is discarded, an in-memory home and device copy are
 rebuilt from the (untouched) master on disk, and the error is raised: the unit is
 exactly as before.
+
+A unit whose frozen compute-dtype parameters have no master (``Unit.master_numel``)
+is rewritten over ``[0, master_numel)`` only. A shadow of its disk home would have to
+copy those frozen bytes through (a LoRA model's whole base, every step), so the home's
+head is written in place instead, with ``home_stale`` set until it is done: after a
+failure the next fetch rebuilds the head from the untouched master, and the frozen part,
+which no write touched, is kept.
 """
 
 from __future__ import annotations
@@ -54,8 +61,9 @@ class ChunkedRewrite:
         self.states = states
         home = unit.home
         self.home_on_disk = isinstance(home, DiskArray) and home is not unit.master
+        self.home_in_place = self.home_on_disk and unit.has_home_only
         self.targets: dict[str, DiskArray] = {"master": unit.master, **states}
-        if self.home_on_disk:
+        if self.home_on_disk and not self.home_in_place:
             self.targets["home"] = home
 
     def slot_arrays(self) -> list[tuple[str, torch.dtype]]:
@@ -83,6 +91,8 @@ class ChunkedRewrite:
         try:
             for name, array in self.targets.items():
                 shadows[name] = array.shadow()
+            if self.home_in_place:
+                unit.home_stale = True  # until every in-place write is done
 
             def start_reads(i: int) -> None:
                 wait_all(writes.pop(i % len(slots), []))  # the buffer set is free again
@@ -103,7 +113,7 @@ class ChunkedRewrite:
                 if self.home_on_disk:
                     cast = slot["home"][:n]
                     cast.copy_(master)
-                    handles.append(unit.home.write(cast, span.start, into=shadows["home"]))
+                    handles.append(unit.home.write(cast, span.start, into=shadows.get("home")))
                 elif unit.home is not unit.master:
                     touched_memory = True
                     unit.home[span.start : span.end].copy_(master)
@@ -115,11 +125,19 @@ class ChunkedRewrite:
                 wait_all(handles)
             for name, array in self.targets.items():
                 array.commit(shadows.pop(name))
+            if self.home_in_place:
+                unit.home.wait_writes()
+                unit.home_stale = False
         except BaseException:
             for handles in list(reads.values()) + list(writes.values()):
                 wait_all_quiet(handles)
             for shadow in shadows.values():
                 shadow.discard()
+            if self.home_in_place:  # settle its writes (home_stale stays set)
+                try:
+                    unit.home.wait_writes()
+                except BaseException:  # noqa: BLE001 - the first error is being raised
+                    pass
             if touched_memory:
                 self._restore_memory_copies()
             raise
@@ -130,12 +148,14 @@ class ChunkedRewrite:
         """After a failed rewrite: the in-memory home and device copy back from the
         master on disk, which no write touched."""
         unit = self.unit
-        scratch = unit.scratch(unit.numel, torch.float32, "restore scratch")
+        n = unit.master_numel  # frozen parameters after it have no master; none changed
+        scratch = unit.scratch(n, torch.float32, "restore scratch")
         try:
-            unit.master.read(scratch.tensor).wait()
+            master = scratch.tensor[:n]
+            unit.master.read(master).wait()
             if not self.home_on_disk and unit.home is not unit.master:
-                unit.home.copy_(scratch.tensor)
+                unit.home[:n].copy_(master)
             if unit.materialized and unit.device_flat is not unit.home:
-                unit.device_flat.copy_(scratch.tensor)
+                unit.device_flat[:n].copy_(master)
         finally:
             unit.tiers.host.free(scratch)

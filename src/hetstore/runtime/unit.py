@@ -3,7 +3,10 @@
 Forms of a unit's parameters (all flat, 1-D, one element per parameter element, in the
 order of ``entries``: trainable parameters grouped by optimizer param group, then frozen):
 
-- ``master``: fp32, on the optimizer's tier (device, host or disk). The source of truth.
+- ``master``: fp32, on the optimizer's tier (device, host or disk). The source of truth
+  for elements ``[0, master_numel)``: every parameter except frozen ones that are already
+  in the compute dtype, which sit last in the layout and live only in ``home`` (a LoRA
+  model's bf16 base has no fp32 copy; nothing ever changes it).
 - ``home``: compute dtype, where the parameters live between uses (``offload_param``);
   aliases ``master`` when dtype and tier agree (fp32 on host, say), so nothing is stored twice.
 - ``device_flat``: compute dtype on the device; every ``nn.Parameter`` of the unit is a
@@ -33,7 +36,7 @@ keep their offsets in the full layout. ``fetch`` all-gathers the shards into
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,7 +63,7 @@ class Placement:
 
 @dataclass
 class ParamEntry:
-    param: nn.Parameter
+    param: nn.Parameter = field(repr=False)  # no bytes while released: never print it
     name: str
     offset: int
     numel: int
@@ -100,15 +103,28 @@ class Unit:
         self.device = tiers.device
         self.compute_dtype = compute_dtype
 
-        # trainable first, ordered by group so each group is one contiguous segment
-        ordered = sorted(params, key=lambda item: (item[2] is None, item[2] or 0))
+        # trainable first, ordered by group so each group is one contiguous segment; then
+        # frozen parameters wider than the compute dtype (they keep an fp32 master:
+        # rounding them would change what state_dict() gives back); then frozen ones
+        # already in the compute dtype (stored only in it, see ``master_numel``)
+        def kind(item) -> tuple[int, int]:
+            _, param, group = item
+            if group is not None:
+                return (0, group)
+            return (1 if param.dtype != compute_dtype else 2, 0)
+
+        ordered = sorted(params, key=kind)
         self.entries: list[ParamEntry] = []
         offset = 0
-        previous_group: object = object()
-        for name_, param, group in ordered:
-            if group != previous_group and offset % ALIGN_ELEMENTS:
+        previous_kind: object = object()
+        compute_only_start = None
+        for item in ordered:
+            name_, param, group = item
+            if kind(item) != previous_kind and offset % ALIGN_ELEMENTS:
                 offset += ALIGN_ELEMENTS - offset % ALIGN_ELEMENTS  # a segment starts aligned
-            previous_group = group
+            previous_kind = kind(item)
+            if previous_kind[0] == 2 and compute_only_start is None:
+                compute_only_start = offset
             self.entries.append(ParamEntry(param, name_, offset, param.numel(), param.shape, group))
             offset += param.numel()
         # fixed from here on; read on every step and backward, so computed once
@@ -139,6 +155,13 @@ class Unit:
             self.shard_start, self.numel = shards.shard_range(self.full_numel)
             self.segments = _shard_segments(full_segments, self.shard_start, self.numel)
         self.trainable_numel = self.segments[-1].end if self.segments else 0
+        # the fp32 master covers elements [0, master_numel): all of them, except that
+        # frozen parameters already in the compute dtype live only in ``home`` (a LoRA
+        # model's bf16 base has no fp32 copy). Not when ``home`` is the master itself
+        # (nothing is stored twice then) nor sharded (a shard may cut across the border).
+        aliased = placement.param == placement.optimizer and compute_dtype == torch.float32
+        split = compute_only_start is not None and shards is None and not aliased
+        self.master_numel = compute_only_start if split else self.numel
         self._grad_bucket: torch.Tensor | None = None  # sharded: the full gradient, gathering
         self._host_buffers: list[HostBuffer] = []
         self._device_persistent: list[tuple[torch.Tensor, str]] = []
@@ -184,7 +207,7 @@ class Unit:
     def _build(self) -> None:
         p = self.placement
         fp32 = torch.float32
-        self.master = self.allocate(p.optimizer, self.numel, fp32, "master params")
+        self.master = self.allocate(p.optimizer, self.master_numel, fp32, "master params")
         same_dtype = self.compute_dtype == fp32
         if p.param == p.optimizer and same_dtype:
             self.home = self.master
@@ -278,7 +301,7 @@ class Unit:
                 finally:
                     self._store_shard(full[self.shard_start : self.shard_start + self.numel])
             return
-        if not isinstance(self.master, DiskArray):
+        if not isinstance(self.master, DiskArray) and not self.has_home_only:
             try:
                 yield self.master
             finally:  # even a half-done edit: the copies must match the master
@@ -286,30 +309,81 @@ class Unit:
             return
         scratch = self.scratch(self.numel, torch.float32, "master scratch")
         try:
-            flat = scratch.tensor
-            if self.master.written:
-                self.master.read(flat).wait()
-            else:
-                flat.zero_()
+            flat = scratch.tensor[: self.numel]
+            self._read_master_into(flat)
             yield flat
-            self.master.write_all(flat)
-            self._sync_home(flat)
+            self.store_master(flat)
         finally:
             self.tiers.host.free(scratch)
 
-    def master_copy(self) -> torch.Tensor:
-        """This rank's fp32 master as a tensor: the buffer itself in memory, a fresh copy
-        from disk."""
+    @property
+    def has_home_only(self) -> bool:
+        """True when some frozen parameters have no fp32 master (see ``master_numel``)."""
+        return self.master_numel < self.numel
+
+    def _read_master_into(self, flat: torch.Tensor) -> None:
+        """The whole layout in fp32 into ``flat`` (host): the master, and the frozen
+        parameters that live only in ``home``, widened."""
+        head = flat[: self.master_numel]
         if not isinstance(self.master, DiskArray):
+            head.copy_(self.master)
+        elif self.master.written:
+            self.master.read(head).wait()
+        else:
+            head.zero_()
+        if self.has_home_only:
+            with self.edit_home_only(write_back=False) as tail:
+                flat[self.master_numel :].copy_(tail)
+
+    @contextlib.contextmanager
+    def edit_home_only(self, write_back: bool = True):
+        """Yield the frozen parameters that have no master (elements ``[master_numel,
+        numel)``) as a host tensor in the compute dtype; on exit (``write_back``) they
+        are written into ``home`` and a materialized device copy.
+
+        That part of a disk home is whole even when ``home_stale``: a failed rewrite
+        touches only the head (in place), or a shadow that was thrown away."""
+        start, n = self.master_numel, self.numel - self.master_numel
+        staged = self.scratch(n, self.compute_dtype, "frozen params scratch")
+        try:
+            tail = staged.tensor[:n]
+            if isinstance(self.home, DiskArray):
+                self.home.read(tail, start).wait()
+            else:
+                tail.copy_(self.home[start:])
+            yield tail
+            if not write_back:
+                return
+            if self.param_stager is not None:
+                self.param_stager.forget(self)
+            with torch.no_grad():
+                if isinstance(self.home, DiskArray):
+                    self.home.write(tail, start)
+                    self.home.wait_writes()
+                else:
+                    self.home[start:].copy_(tail)
+                if self.materialized and self.device_flat is not self.home:
+                    self.device_flat[start : self.numel].copy_(tail)
+        finally:
+            self.tiers.host.free(staged)
+
+    def master_copy(self) -> torch.Tensor:
+        """This rank's parameters in fp32 as a tensor over the whole layout: the master
+        buffer itself when that is all of it in memory, else a fresh host copy."""
+        if not isinstance(self.master, DiskArray) and not self.has_home_only:
             return self.master
         flat = torch.empty(self.numel, dtype=torch.float32)
-        self.master.read(flat).wait()
+        self._read_master_into(flat)
         return flat
 
     def store_master(self, flat: torch.Tensor) -> None:
-        """Make ``flat`` (from :meth:`master_copy`, changed) the master and refresh the copies."""
+        """Make ``flat`` (from :meth:`master_copy`, changed) the master and refresh the
+        copies (the frozen parameters without a master go to ``home`` only)."""
+        head = flat[: self.master_numel]
         if isinstance(self.master, DiskArray):
-            self.master.write_all(flat)
+            self.master.write_all(head)
+        elif self.master.data_ptr() != head.data_ptr():
+            self.master.copy_(head)
         self._sync_home(flat)
 
     def full_master(self) -> torch.Tensor:
