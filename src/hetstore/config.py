@@ -189,7 +189,9 @@ class OffloadConfig:
         default="fp32",
         metadata=_doc(
             "dtype of parameters during forward/backward: 'fp32' | 'bf16' | 'fp16'. The "
-            "optimizer always keeps fp32 master weights; fp16 adds dynamic loss scaling."
+            "optimizer keeps fp32 master weights of the trainable parameters (frozen "
+            "ones already in this dtype are stored only in it); fp16 adds dynamic loss "
+            "scaling."
         ),
     )
     device: str = field(
