@@ -9,7 +9,10 @@ Every variant trains ``hetstore.demo.gpt.GPT`` from the same seed on the same
 * ``plain``: the model and optimizer as they are (the reference);
 * ``cpu``: ``offload_param="cpu", offload_optimizer="cpu"``;
 * ``disk``: ``offload_param="disk", offload_optimizer="disk"`` (gradients follow to disk);
-* ``disk (grad cpu)``: as ``disk`` with ``offload_grad="cpu"``.
+* ``disk (grad cpu)``: as ``disk`` with ``offload_grad="cpu"``: units are stepped ahead,
+  during backward (``overlap_step``, on by default, applies here).
+* ``disk (grad cpu; no overlap)``: the same with ``overlap_step=False``: every unit is
+  stepped in ``optimizer.step()``.
 
 hetstore runs use ``enable_pinned_mem=False, device="cpu"`` and an ``offload_path`` in a
 temporary directory under ``--dir`` (by default ``offload/`` in the repository: the same
@@ -79,12 +82,13 @@ from hetstore.demo.gpt import GPT, batches
 LR = 3e-4
 WEIGHT_DECAY = 0.1
 
-# variant -> (offload_param, offload_optimizer, offload_grad); None: plain PyTorch
-VARIANTS: dict[str, tuple[str, str, str | None] | None] = {
+# variant -> (offload_param, offload_optimizer, offload_grad, overlap_step); None: plain
+VARIANTS: dict[str, tuple[str, str, str | None, bool] | None] = {
     "plain": None,
-    "cpu": ("cpu", "cpu", None),
-    "disk": ("disk", "disk", None),
-    "disk (grad cpu)": ("disk", "disk", "cpu"),
+    "cpu": ("cpu", "cpu", None, True),
+    "disk": ("disk", "disk", None, True),
+    "disk (grad cpu)": ("disk", "disk", "cpu", True),
+    "disk (grad cpu; no overlap)": ("disk", "disk", "cpu", False),
 }
 # fio configurations tried each round: (ioengine, numjobs, iodepth), all bs 8M, O_DIRECT
 FIO_CONFIGS = [("libaio", 1, 16), ("libaio", 2, 8), ("psync", 4, 1)]
@@ -106,11 +110,12 @@ def build(variant: str, args: argparse.Namespace):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     placement = VARIANTS[variant]
     if placement is not None:
-        param, opt, grad = placement
+        param, opt, grad, overlap = placement
         config = hetstore.OffloadConfig(
             offload_param=param,
             offload_optimizer=opt,
             offload_grad=grad,
+            overlap_step=overlap,
             offload_path=args.offload_path,
             enable_pinned_mem=False,
             device="cpu",
@@ -157,7 +162,8 @@ def worker(variant: str, args: argparse.Namespace) -> None:
             reply(out)
         elif command["op"] == "stats":
             stats = None if VARIANTS[variant] is None else hetstore.memory_stats(model)
-            reply({"rss": peak_rss_bytes(), "memory_stats": stats})
+            speculation = getattr(optimizer, "speculation_stats", None)
+            reply({"rss": peak_rss_bytes(), "memory_stats": stats, "speculation": speculation})
         else:
             break
 
@@ -425,6 +431,10 @@ def main() -> None:
     print()
     print("Disk variants by phase (opt: optimizer.step() + zero_grad()):\n")
     print(phase_table)
+    print()
+    for variant, variant_stats in stats.items():
+        if variant_stats.get("speculation"):
+            print(f"steps taken ahead, {variant}: {variant_stats['speculation']}")
     print()
     text, worst = loss_report(results, relative=True)
     print(text)

@@ -4,6 +4,7 @@ Parameters, gradients, optimizer states and activations live in the tier where t
 cost least (device, pinned host memory, disk) and reach the device just before use.
 """
 
+from hetstore.accumulation import no_sync
 from hetstore.api import offload
 from hetstore.checkpoint import CheckpointError, export_weights, load, save
 from hetstore.config import OffloadConfig
@@ -27,6 +28,7 @@ __all__ = [
     "offload",
     "offloaded",
     "release",
+    "no_sync",
     "state_of",
     "ModelState",
     "OffloadConfig",

@@ -230,12 +230,14 @@ def offload(
             chunk_numel=config.optimizer_chunk_size // 4,
             param_order=list(model.parameters()),
             shards=shards,
+            overlap_step=config.overlap_step,
             on_step_begin=lambda: profiler.switch("optimizer"),
             on_step=profiler.step_ends,
         )
         # the user's optimizer held the original parameters; its state is meaningless now
         optimizer.state.clear()
         runtime.optimizer = weakref.ref(wrapped)  # hetstore.release(model) releases it too
+        runtime.step_ahead = wrapped.step_ahead  # told when a unit's gradients are final
     return model, wrapped
 
 

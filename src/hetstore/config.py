@@ -220,13 +220,24 @@ class OffloadConfig:
             "optimizer state (about 12 x this for Adam with gradients on disk)."
         ),
     )
+    overlap_step: bool = field(
+        default=True,
+        metadata=_doc(
+            "Step units whose optimizer states are on disk as soon as backward has their "
+            "gradients, beside the rest of backward, into shadow copies that "
+            "optimizer.step() commits, or discards and steps again, when clipping, a "
+            "changed hyper-parameter or another micro-batch changed what the step would "
+            "read: exact either way. Applies with offload_grad='cpu' and parameters on "
+            "disk; holds one more copy of those units' states on disk until the step."
+        ),
+    )
 
     def __post_init__(self) -> None:
         for key in ("offload_param", "offload_optimizer", "offload_activations"):
             _set(self, key, _tier(key, getattr(self, key)))
         if self.offload_grad is not None:
             _set(self, "offload_grad", _tier("offload_grad", self.offload_grad))
-        for key in ("auto_offload", "enable_pinned_mem", "enable_aio"):
+        for key in ("auto_offload", "enable_pinned_mem", "enable_aio", "overlap_step"):
             _check_bool(key, getattr(self, key))
         for key in ("max_device_memory", "offload_cpu_size", "offload_disk_size"):
             value = getattr(self, key)

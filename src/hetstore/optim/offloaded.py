@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from hetstore.errors import ConfigError
 from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.registry import FLAT_NAMES, flat_spec, flat_steppable
+from hetstore.optim.step_ahead import StepAhead, eligible
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.flat import DiskArray, DiskSlice
 from hetstore.runtime.sharding import ShardGroup
@@ -62,6 +63,7 @@ class OffloadedOptimizer(Optimizer):
         chunk_numel: int = 2**24,
         param_order: list | None = None,
         shards: ShardGroup | None = None,
+        overlap_step: bool = False,
     ):
         # Optimizer.__init__ gives us live param_groups over the original parameters,
         # which LR schedulers and user code read and edit.
@@ -92,12 +94,28 @@ class OffloadedOptimizer(Optimizer):
         self._disk_grad_factors: list = []
         self._resume_at = 0  # index into _unit_steps where an interrupted step goes on
         self._released = False  # hetstore.release(model) freed the units' buffers
+        # disk units stepped speculatively during backward (optim.step_ahead); not with
+        # fp16 loss scaling (its unscale rewrites every gradient) nor sharded
+        ahead = [s for s in self._unit_steps if eligible(s, s.unit)]
+        self.step_ahead: StepAhead | None = None
+        self._stepped_ahead: set[int] = set()  # ids of the units this step committed
+        if overlap_step and ahead and loss_scaler is None and shards is None:
+            self.step_ahead = StepAhead(ahead, self._hyper)
+
+    @property
+    def speculation_stats(self) -> dict[str, int] | None:
+        """Speculative steps started, committed, rolled back, cancelled (None when no
+        unit is stepped ahead; see ``overlap_step``)."""
+        return self.step_ahead.stats.as_dict() if self.step_ahead is not None else None
 
     # ------------------------------------------------------------------ lifetime
     def release(self) -> None:
         """The model was released (hetstore.release): drop every reference to the units'
         buffers and refuse to be used from now on."""
         self._released = True
+        if self.step_ahead is not None:
+            self.step_ahead.close()
+            self.step_ahead = None
         self._unit_steps = []
         self._entry_of = {}
         self.units = []
@@ -307,9 +325,10 @@ class OffloadedOptimizer(Optimizer):
         total = torch.linalg.vector_norm(torch.stack([n.to(target) for n in ordered]), norm_type)
         self._check_finite(total, norm_type, error_if_nonfinite)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for items in per_device.values():
-            device = items[0][1].device
-            torch._foreach_mul_([v for _, v in items], coef.to(device))
+        if float(coef) != 1.0:  # x * 1.0 is x: not clipping leaves the buffers untouched,
+            for items in per_device.values():  # so a step already taken ahead still holds
+                device = items[0][1].device
+                torch._foreach_mul_([v for _, v in items], coef.to(device))
         self._disk_grad_factors.append(coef.cpu())
         return total
 
@@ -371,10 +390,15 @@ class OffloadedOptimizer(Optimizer):
                     self.zero_grad()
                     return None
         # the loss scaler has decided; an interrupted step resumes below, not above
+        if self.step_ahead is not None and self._resume_at == 0:
+            # kept until the step is done: a step resumed after a failure skips them too
+            self._stepped_ahead = self.step_ahead.settle()
         for index in range(self._resume_at, len(self._unit_steps)):
             self._resume_at = index
             unit_step = self._unit_steps[index]
             unit = unit_step.unit
+            if id(unit) in self._stepped_ahead:
+                continue
             if unit.home_stale:  # stepped before an interruption; only the copy is left
                 unit.refresh_from_master()
                 continue
@@ -393,6 +417,7 @@ class OffloadedOptimizer(Optimizer):
             unit_step.optimizer.step()
             unit.refresh_after_step()
         self._resume_at = 0
+        self._stepped_ahead = set()
         self._unscaled = False
         self._disk_grad_factors = []
         if self._on_step is not None:
@@ -421,8 +446,11 @@ class OffloadedOptimizer(Optimizer):
                 stacklevel=2,
             )
             self._resume_at = 0
+        self._stepped_ahead = set()
         self._unscaled = False
         self._disk_grad_factors = []
+        if self.step_ahead is not None:
+            self.step_ahead.discard_all()
         for unit in self.units:
             unit.clear_grads()
 
@@ -510,6 +538,8 @@ class OffloadedOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_alive("load_state_dict")
         self._refuse_sharded("load_state_dict")
+        if self.step_ahead is not None:
+            self.step_ahead.discard_all()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
             len(g["params"]) != len(s["params"])

@@ -32,6 +32,7 @@ from hetstore.optim.registry import flat_spec
 from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, wait_all_quiet
 from hetstore.runtime.rewrite import ChunkedRewrite
 from hetstore.runtime.unit import Unit
+from hetstore.tiers.host import own_version_counter
 
 __all__ = ["StreamedUnitStep"]
 
@@ -86,6 +87,8 @@ class StreamedUnitStep:
         }
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in unit.segments]
         self.stepped = False  # states hold values (else: fresh, as torch starts them)
+        self._generation = 0
+        self._speculating = False  # run_speculation is running (on the step-ahead thread)
         self._chunks = _chunks(unit, self.chunk_numel)
         placeholder = torch.zeros(1)
         self._inner: list[Optimizer] = [
@@ -157,11 +160,64 @@ class StreamedUnitStep:
         grad_on_disk = isinstance(unit.grad, DiskArray)
         rewrite = ChunkedRewrite(unit, self.states)
         names = rewrite.slot_arrays() + ([("grad", torch.float32)] if grad_on_disk else [])
-        chunks = self._chunks
         if unit.grad_stager is not None:
             unit.grad_stager.finish()  # backward's gradient writes, and their errors
-        longest = max(c.end - c.start for c in chunks)
-        sets, buffers = self._slot_sets(min(STREAMED_STEP_SLOT_SETS, len(chunks)), names, longest)
+        longest = max(c.end - c.start for c in self._chunks)
+        count = min(STREAMED_STEP_SLOT_SETS, len(self._chunks))
+        sets, buffers = self._slot_sets(count, names, longest)
+        hyper = {s.group: self.hyper(s.group) for s in unit.segments}
+        try:
+            read, fill = self._pipeline(grad_multipliers, hyper)
+            rewrite.run(self._chunks, sets, fill, read)
+        finally:
+            for buffer in buffers:
+                unit.tiers.host.free(buffer)
+        self._count_step()
+
+    # ------------------------------------------------------------------ step ahead
+    # A speculative step (hetstore.optim.step_ahead): the same arithmetic, from
+    # gradients in memory, into shadows that :meth:`commit` makes the unit's arrays.
+    def slot_names(self) -> list[tuple[str, torch.dtype]]:
+        return ChunkedRewrite(self.unit, self.states).slot_arrays()
+
+    @property
+    def longest_chunk(self) -> int:
+        return max(c.end - c.start for c in self._chunks)
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever the states are rewritten outside a step (a load)."""
+        return self._generation
+
+    def begin_speculation(self) -> ChunkedRewrite:
+        """Main thread: the shadows of a speculative step (raises when the disk is full)."""
+        rewrite = ChunkedRewrite(self.unit, self.states, speculative=True)
+        rewrite.begin()
+        return rewrite
+
+    @torch.no_grad()
+    def run_speculation(self, rewrite: ChunkedRewrite, slots: list, hyper: dict) -> None:
+        """Any thread: step into ``rewrite``'s shadows with the group values ``hyper``
+        (taken when the speculation began) and the gradients as they are in memory."""
+        read, fill = self._pipeline([], hyper)
+        self._speculating = True
+        try:
+            rewrite.write(self._chunks, slots, fill, read)
+        finally:
+            self._speculating = False
+
+    def commit_speculation(self, rewrite: ChunkedRewrite) -> None:
+        rewrite.commit()
+        self._count_step()
+
+    def _count_step(self) -> None:
+        for counter in self.steps:
+            counter += 1
+        self.stepped = True
+
+    def _pipeline(self, grad_multipliers: list, hyper: dict):
+        unit = self.unit
+        grad_on_disk = isinstance(unit.grad, DiskArray)
 
         def read(c: _Chunk, slot) -> list:
             handles = [unit.master.read(slot["master"][: c.end - c.start], c.start)]
@@ -177,28 +233,25 @@ class StreamedUnitStep:
         def fill(i: int, c: _Chunk, slot) -> None:
             if c.segment is not None and c.step_end > c.start:
                 master = slot["master"][: c.end - c.start]
-                self._step_chunk(c, slot, master, grad_on_disk, grad_multipliers)
+                self._step_chunk(c, slot, master, grad_on_disk, grad_multipliers, hyper)
 
-        try:
-            rewrite.run(chunks, sets, fill, read)
-        finally:
-            for buffer in buffers:
-                unit.tiers.host.free(buffer)
-        for counter in self.steps:
-            counter += 1
-        self.stepped = True
+        return read, fill
 
-    def _step_chunk(self, c: _Chunk, slot, master, grad_on_disk: bool, multipliers) -> None:
+    def _step_chunk(
+        self, c: _Chunk, slot, master, grad_on_disk: bool, multipliers, hyper: dict
+    ) -> None:
         unit = self.unit
         n = c.step_end - c.start
         grad = slot["grad"][:n] if grad_on_disk else unit.grad[c.start : c.step_end]
+        if self._speculating:
+            grad = own_version_counter(grad)  # its fused step must not move the counter
         unit.fill_missing_grads(grad, c.start)  # like the in-memory step: zeros, not stale
         for m in multipliers:
             grad.mul_(m)
         param = master[:n]
         inner = self._inner[c.segment]
         group = inner.param_groups[0]
-        group.update(self.hyper(unit.segments[c.segment].group))
+        group.update(hyper[unit.segments[c.segment].group])
         group["params"] = [param]
         param.grad = grad
         state = {}
@@ -222,6 +275,7 @@ class StreamedUnitStep:
     def mark_loaded(self, segment_steps: list[float] | None) -> None:
         """After a checkpoint rewrote the state arrays: each segment's step counter, or
         ``None`` for states that are fresh (never stepped)."""
+        self._generation += 1
         if segment_steps is None:
             for counter in self.steps:
                 counter.zero_()
@@ -243,6 +297,7 @@ class StreamedUnitStep:
         """Overwrite slices of the states: ``values[key] = [(start, flat tensor), ...]``;
         every segment's step counter becomes ``step`` (torch keeps one per parameter; a
         loaded state has one value for all of a unit's parameters in practice)."""
+        self._generation += 1
         unit = self.unit
         scratch = unit.scratch(unit.trainable_numel, torch.float32, "state scratch")
         try:

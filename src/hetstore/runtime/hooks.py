@@ -86,6 +86,9 @@ class OffloadRuntime:
         # hooks on tensors find their unit by its index, which is its place in ``units``
         assert all(u.index == i for i, u in enumerate(units))
         self.optimizer: weakref.ref | None = None  # the OffloadedOptimizer, set by offload()
+        # the optimizer's optim.step_ahead.StepAhead, told when backward starts and when
+        # a unit's gradients are final (None: every unit is stepped in optimizer.step())
+        self.step_ahead = None
         self.released = False  # set by hetstore.release: a graph still alive must not run
         self.prefetch_depth = prefetch_depth
         self.grad_stager = grad_stager
@@ -260,6 +263,8 @@ class OffloadRuntime:
                 unit.reduce_grads()
             if self.grad_stager is not None:
                 self.grad_stager.flush(unit)  # the write overlaps the next unit's backward
+            if self.step_ahead is not None:
+                self.step_ahead.grads_final(unit)  # its step overlaps the rest of backward
             if unit is not self.root:
                 if unit.has_untracked_params:
                     # frozen weights may still be needed for the gradient of the unit's
@@ -289,6 +294,8 @@ class OffloadRuntime:
         self._callback_task = task
         for unit in self.units:
             unit.pending_grads = len(unit.trainable_entries)
+        if self.step_ahead is not None:
+            self.step_ahead.backward_started()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
@@ -349,6 +356,7 @@ class OffloadRuntime:
         a zero-byte storage of its own, so nothing references the units' buffers."""
         self.remove()  # hooks, the gradient contract, the state-dict hooks
         self.released = True
+        self.step_ahead = None  # the optimizer's release closed it
         if self.activations is not None:
             self.activations.released = True
         stagers = {id(s): s for u in self.units for s in (u.param_stager, u.grad_stager) if s}

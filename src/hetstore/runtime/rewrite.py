@@ -54,17 +54,40 @@ Slot = dict[str, torch.Tensor]  # one buffer set: array name -> host buffer of a
 
 class ChunkedRewrite:
     """Rewrites ``unit``'s master, the given ``states`` (disk arrays over its trainable
-    elements) and its compute-dtype copies (see module doc)."""
+    elements) and its compute-dtype copies (see module doc).
 
-    def __init__(self, unit, states: dict[str, DiskArray]):
+    :meth:`run` is the whole rewrite. A *speculative* rewrite (the optimizer's step
+    ahead, :mod:`hetstore.optim.step_ahead`) is cut in three so that its parts can run
+    on different threads: :meth:`begin` makes the shadows, :meth:`write` fills them and
+    leaves every copy the model reads untouched, and :meth:`commit` or :meth:`discard`
+    decides later. It needs a unit whose copies all live in shadowed disk arrays (see
+    :meth:`can_speculate`)."""
+
+    def __init__(self, unit, states: dict[str, DiskArray], *, speculative: bool = False):
         self.unit = unit
         self.states = states
+        self.speculative = speculative
         home = unit.home
         self.home_on_disk = isinstance(home, DiskArray) and home is not unit.master
         self.home_in_place = self.home_on_disk and unit.has_home_only
+        if speculative and not self.can_speculate(unit):
+            raise ValueError(f"unit {unit.name!r} has copies a speculative rewrite would touch")
         self.targets: dict[str, DiskArray] = {"master": unit.master, **states}
         if self.home_on_disk and not self.home_in_place:
             self.targets["home"] = home
+        self._shadows: dict[str, DiskArray] = {}
+        self._touched_memory = False
+
+    @staticmethod
+    def can_speculate(unit) -> bool:
+        """True when every copy of the unit's parameters is a disk array written through a
+        shadow (or the master itself): until the commit, nothing the model reads changes."""
+        if not isinstance(unit.master, DiskArray):
+            return False
+        home = unit.home
+        if home is unit.master:
+            return True
+        return isinstance(home, DiskArray) and not unit.has_home_only
 
     def slot_arrays(self) -> list[tuple[str, torch.dtype]]:
         """The host buffers one chunk needs here: the master, each state, the cast home."""
@@ -83,16 +106,39 @@ class ChunkedRewrite:
         """Rewrite ``spans`` in order. ``read(span, slot)`` starts the reads a chunk needs
         and returns their handles (read one chunk ahead); ``fill(i, span, slot)`` leaves
         the chunk's new master in ``slot["master"]`` and states in ``slot[key]``."""
-        unit = self.unit
-        shadows: dict[str, DiskArray] = {}
-        reads: dict[int, list] = {}
-        writes: dict[int, list] = {}
-        touched_memory = False
+        try:
+            self.begin()
+            self.write(spans, slots, fill, read)
+            self.commit()
+        except BaseException:
+            self.discard()
+            raise
+
+    def begin(self) -> None:
+        """Make the shadow of every target (disk full: raises, nothing is left behind)."""
         try:
             for name, array in self.targets.items():
-                shadows[name] = array.shadow()
-            if self.home_in_place:
-                unit.home_stale = True  # until every in-place write is done
+                self._shadows[name] = array.shadow()
+        except BaseException:
+            self.discard()
+            raise
+        if self.home_in_place:
+            self.unit.home_stale = True  # until every in-place write is done
+
+    def write(
+        self,
+        spans: Sequence[_SpanLike],
+        slots: list[Slot],
+        fill: Callable[[int, _SpanLike, Slot], None],
+        read: Callable[[_SpanLike, Slot], list] | None = None,
+    ) -> None:
+        """Fill the shadows (see :meth:`run`); every write is finished on return. On an
+        error the transfers still running are waited for and the error raised; the
+        caller discards."""
+        unit, shadows = self.unit, self._shadows
+        reads: dict[int, list] = {}
+        writes: dict[int, list] = {}
+        try:
 
             def start_reads(i: int) -> None:
                 wait_all(writes.pop(i % len(slots), []))  # the buffer set is free again
@@ -115,34 +161,47 @@ class ChunkedRewrite:
                     cast.copy_(master)
                     handles.append(unit.home.write(cast, span.start, into=shadows.get("home")))
                 elif unit.home is not unit.master:
-                    touched_memory = True
+                    self._touched_memory = True
                     unit.home[span.start : span.end].copy_(master)
-                if unit.materialized and unit.device_flat is not unit.home:
-                    touched_memory = True
+                if unit.materialized and unit.device_flat is not unit.home and not self.speculative:
+                    self._touched_memory = True
                     unit.device_flat[span.start : span.end].copy_(master)
                 writes[i % len(slots)] = handles
             for handles in writes.values():
                 wait_all(handles)
-            for name, array in self.targets.items():
-                array.commit(shadows.pop(name))
-            if self.home_in_place:
-                unit.home.wait_writes()
-                unit.home_stale = False
         except BaseException:
             for handles in list(reads.values()) + list(writes.values()):
                 wait_all_quiet(handles)
-            for shadow in shadows.values():
-                shadow.discard()
-            if self.home_in_place:  # settle its writes (home_stale stays set)
-                try:
-                    unit.home.wait_writes()
-                except BaseException:  # noqa: BLE001 - the first error is being raised
-                    pass
-            if touched_memory:
-                self._restore_memory_copies()
             raise
+
+    def commit(self) -> None:
+        """Make the shadows the unit's arrays (all of them: each commit only swaps regions)."""
+        unit = self.unit
+        for name, array in self.targets.items():
+            array.commit(self._shadows.pop(name))
+        if self.home_in_place:
+            unit.home.wait_writes()
+            unit.home_stale = False
+        unit.master_version += 1
         if unit.param_stager is not None:
             unit.param_stager.forget(unit)
+        if self.speculative and unit.materialized:
+            unit.release()  # its device copy is the old one: the next fetch reads the new
+
+    def discard(self) -> None:
+        """Throw the shadows away; the unit is as before :meth:`begin`."""
+        unit = self.unit
+        for shadow in self._shadows.values():
+            shadow.discard()
+        self._shadows.clear()
+        if self.home_in_place:  # settle its writes (home_stale stays set)
+            try:
+                unit.home.wait_writes()
+            except BaseException:  # noqa: BLE001 - the first error is being raised
+                pass
+        if self._touched_memory:
+            self._touched_memory = False
+            self._restore_memory_copies()
 
     def _restore_memory_copies(self) -> None:
         """After a failed rewrite: the in-memory home and device copy back from the

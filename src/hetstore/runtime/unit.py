@@ -173,6 +173,9 @@ class Unit:
         self.param_stager: ParamStager | None = None
         self.grad_stager: GradStager | None = None
         self.home_stale = False  # master changed but a disk ``home`` not yet rewritten
+        # counts changes of the master (steps, loads, edits): a speculative step made
+        # from an older master is stale (hetstore.optim.step_ahead)
+        self.master_version = 0
         self._build()
 
     # ------------------------------------------------------------------ construction
@@ -408,6 +411,7 @@ class Unit:
         """Make ``home`` (and a materialized device copy) equal ``master``, cast.
         ``master`` may be a prefix of the layout (the trainable head after a step, see
         :meth:`refresh_after_step`): only that much is rewritten."""
+        self.master_version += 1
         if self.param_stager is not None:
             self.param_stager.forget(self)  # a staged read must not race a rewrite in place
         n = master.numel()

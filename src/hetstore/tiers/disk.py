@@ -390,6 +390,9 @@ class DiskTier:
         self._peak = 0
         self.bytes_read = 0  # bytes submitted for reading / writing since creation
         self.bytes_written = 0
+        # reads and writes may be submitted from the optimizer's step-ahead thread too
+        # (hetstore.optim.step_ahead): the counters are updated under this lock
+        self._counters = threading.Lock()
 
     def _checked_capacity(self, capacity: int | str | None, root_fd: int) -> int:
         st = os.fstatvfs(root_fd)
@@ -559,7 +562,8 @@ class DiskTier:
         n = self._check_range(region, buffer, offset)
         region._written.add(offset, offset + n)
         region._written.remove(offset + n, _round_up(offset + n))
-        self.bytes_written += n
+        with self._counters:
+            self.bytes_written += n
         return self.engine.submit_write(region.file, region.offset + offset, buffer)
 
     def read(self, region: DiskRegion, buffer: torch.Tensor, offset: int = 0) -> IOHandle:
@@ -577,7 +581,8 @@ class DiskTier:
                 path=region.file.path,
                 offset=region.offset + gap,
             )
-        self.bytes_read += n
+        with self._counters:
+            self.bytes_read += n
         return self.engine.submit_read(region.file, region.offset + offset, buffer)
 
     # -- lifetime ---------------------------------------------------------------------

@@ -77,6 +77,20 @@ class _Block:
         self.used -= size
 
 
+def own_version_counter(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory as ``tensor`` under a version counter of its own.
+
+    A view shares its base's counter, so every buffer carved out of one host block would
+    count every in-place change of every other; the step ahead
+    (:mod:`hetstore.optim.step_ahead`) reads a gradient buffer's counter to tell whether
+    anyone changed it, and its own fused step (torch declares the gradients mutable)
+    must not move it either."""
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return alias.set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+    )
+
+
 @dataclass(eq=False)
 class HostBuffer:
     """A slice of the host pool. ``tensor`` is valid until ``HostTier.free(buffer)``."""
@@ -140,7 +154,7 @@ class HostTier:
         except BaseException:
             self.account.release(size, label)
             raise
-        view = block.mapping.tensor[offset : offset + nbytes].view(dtype)
+        view = own_version_counter(block.mapping.tensor[offset : offset + nbytes].view(dtype))
         return HostBuffer(view, nbytes, label, block, offset, size)
 
     def free(self, buffer: HostBuffer) -> None:

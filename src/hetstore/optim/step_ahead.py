@@ -1,0 +1,274 @@
+"""Step a disk unit as soon as its gradients are final, beside the rest of backward: exact.
+
+Without this, every unit's streamed step (read master and moments from disk, step, write
+them back) waits for ``optimizer.step()``, after backward; it is the phase users of
+offloaded training complain about most. Here, when backward has produced a unit's last
+gradient, a worker thread steps that unit *speculatively* while backward goes on with the
+units before it: the same arithmetic as the real step (same chunks, same fused kernel),
+into shadow regions of its master, moments and compute-dtype copy. Nothing the model
+reads changes. ``optimizer.step()`` then commits each speculation whose assumptions still
+hold (a swap of disk regions: no IO), and discards the others and steps those units the
+ordinary way. The result is the ordinary step's, bit for bit, either way.
+
+A speculation assumes that what the step would read is what it read:
+
+- the gradient buffer was not changed in place since (``Tensor._version``: clipping
+  through ``p.grad``, another micro-batch's backward, a user's hook all bump it);
+  ``optimizer.clip_grad_norm_`` leaves it alone when it does not clip;
+- the same parameters have a gradient (``model.zero_grad()`` clears the flags);
+- every param group's values (lr, betas, weight decay, ...) are the ones it used;
+- the master and the states were not rewritten since (a checkpoint or state-dict load).
+
+A speculation that was wrong costs the disk traffic of one step, never correctness.
+
+Which backward is the last before a step: by default the one whose count since the last
+step reaches the count the last step had (1 at first), so a plain loop speculates on
+every backward and a loop accumulating N micro-batches learns N after its first step.
+``with hetstore.no_sync(model):`` around the backward of the micro-batches that are not
+the last (the DDP/FSDP convention) says it at once.
+
+Eligible units: master and states on disk (the streamed step), gradients in memory
+(``offload_grad='cpu'``), parameters homed on disk or in the master itself (so every
+copy is shadowed), not sharded, no fp16 loss scaling (its unscale rewrites every
+gradient in place).
+
+Threads: the worker only submits disk IO (the AIO engine is thread-safe) and runs the
+step's arithmetic on buffers it was given; every allocation, commit and discard happens
+on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from hetstore.errors import OutOfTierMemory
+from hetstore.footprints import STREAMED_STEP_SLOT_SETS
+from hetstore.runtime.rewrite import ChunkedRewrite
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from hetstore.optim.streamed import StreamedUnitStep
+    from hetstore.runtime.unit import Unit
+
+__all__ = ["StepAhead", "SpeculationStats"]
+
+
+@dataclass
+class SpeculationStats:
+    """Counts since the model was offloaded."""
+
+    started: int = 0
+    committed: int = 0  # hits: the step was already done when optimizer.step() came
+    rolled_back: int = 0  # discarded at optimizer.step(), stepped again the ordinary way
+    cancelled: int = 0  # superseded by a later backward, or dropped by zero_grad()/a load
+    not_started: int = 0  # no disk space for the shadows
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Speculation:
+    unit_step: StreamedUnitStep
+    rewrite: ChunkedRewrite
+    grad_version: int
+    has_grad: tuple[bool, ...]
+    hyper: dict[int, dict]
+    master_version: int
+    generation: int
+    future: Future | None = field(default=None)
+
+
+def eligible(unit_step, unit: Unit) -> bool:
+    from hetstore.optim.streamed import StreamedUnitStep
+
+    return (
+        isinstance(unit_step, StreamedUnitStep)
+        and unit.shards is None
+        and isinstance(unit.grad, torch.Tensor)
+        and ChunkedRewrite.can_speculate(unit)
+    )
+
+
+def _same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+                return False
+            if x.shape != y.shape or not torch.equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _snapshot(hyper: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in hyper.items()}
+
+
+class StepAhead:
+    """Speculative steps of the eligible disk units of one optimizer (see module doc)."""
+
+    def __init__(self, unit_steps: list[StreamedUnitStep], hyper: Callable[[int], dict]):
+        self._steps = {id(s.unit): s for s in unit_steps}
+        self._hyper = hyper
+        self._pending: dict[int, _Speculation] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._slots: list[dict[str, torch.Tensor]] | None = None
+        self._slot_buffers: list = []
+        self._host = unit_steps[0].unit.tiers.host
+        self.suspended = 0  # depth of hetstore.no_sync
+        self.backwards = 0  # backward passes since the last step
+        self.expected = 1  # backward passes the last step had
+        self.stats = SpeculationStats()
+
+    # ------------------------------------------------------------------ runtime events
+    def backward_started(self) -> None:
+        self.backwards += 1
+
+    def grads_final(self, unit: Unit) -> None:
+        """Backward produced ``unit``'s last gradient: start its speculative step."""
+        unit_step = self._steps.get(id(unit))
+        if unit_step is None or self.suspended or self.backwards < self.expected:
+            return
+        self._cancel(id(unit))  # one from an earlier micro-batch: superseded
+        try:
+            rewrite = unit_step.begin_speculation()
+        except OutOfTierMemory:
+            self.stats.not_started += 1  # the ordinary step will say so if it cannot run
+            return
+        segments = unit.segments
+        spec = _Speculation(
+            unit_step,
+            rewrite,
+            grad_version=unit.grad._version,
+            has_grad=tuple(e.has_grad for e in unit.trainable_entries),
+            hyper={s.group: _snapshot(self._hyper(s.group)) for s in segments},
+            master_version=unit.master_version,
+            generation=unit_step.generation,
+        )
+        try:
+            slots = self._worker_slots()
+        except BaseException:
+            rewrite.discard()
+            raise
+        spec.future = self._pool().submit(unit_step.run_speculation, rewrite, slots, spec.hyper)
+        self._pending[id(unit)] = spec
+        self.stats.started += 1
+
+    # ------------------------------------------------------------------ optimizer events
+    def settle(self) -> set[int]:
+        """At ``optimizer.step()``: commit what still holds, discard the rest; return the
+        ids of the units that are stepped now."""
+        committed: set[int] = set()
+        try:
+            for key, spec in list(self._pending.items()):
+                del self._pending[key]
+                if self._finished(spec) and self._holds(spec):
+                    spec.unit_step.commit_speculation(spec.rewrite)
+                    committed.add(key)
+                    self.stats.committed += 1
+                else:
+                    spec.rewrite.discard()
+                    self.stats.rolled_back += 1
+        finally:
+            self.discard_all()  # after an error: nothing may stay pending
+            self._free_slots()
+            self.expected = max(self.backwards, 1)
+            self.backwards = 0
+        return committed
+
+    def discard_all(self) -> None:
+        """Drop every speculation (``zero_grad()`` without a step, a load, release)."""
+        for key in list(self._pending):
+            self._cancel(key)
+
+    def close(self) -> None:
+        self.discard_all()
+        self._free_slots()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.suspended += 1
+        try:
+            yield
+        finally:
+            self.suspended -= 1
+
+    # ------------------------------------------------------------------ internals
+    def _cancel(self, key: int) -> None:
+        spec = self._pending.pop(key, None)
+        if spec is None:
+            return
+        self._finished(spec)
+        spec.rewrite.discard()
+        self.stats.cancelled += 1
+
+    @staticmethod
+    def _finished(spec: _Speculation) -> bool:
+        """Wait for the worker; False when the speculative step failed (the ordinary
+        step then runs, and raises if the cause persists)."""
+        try:
+            spec.future.result()
+        except BaseException:  # noqa: BLE001 - a failed speculation is only discarded
+            return False
+        return True
+
+    def _holds(self, spec: _Speculation) -> bool:
+        unit = spec.unit_step.unit
+        return (
+            unit.grad._version == spec.grad_version
+            and tuple(e.has_grad for e in unit.trainable_entries) == spec.has_grad
+            and unit.master_version == spec.master_version
+            and spec.unit_step.generation == spec.generation
+            and all(_same(self._hyper(group), hyper) for group, hyper in spec.hyper.items())
+        )
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="hetstore-step-ahead")
+        return self._executor
+
+    def _worker_slots(self) -> list[dict[str, torch.Tensor]]:
+        """The worker's chunk buffers (one worker: one set of sets for every unit), made
+        on this thread at the first speculation after a step and freed at the next."""
+        if self._slots is not None:
+            return self._slots
+        names: dict[str, torch.dtype] = {}
+        for unit_step in self._steps.values():
+            names.update(unit_step.slot_names())
+        numel = max(s.longest_chunk for s in self._steps.values())
+        sets = []
+        try:
+            for _ in range(STREAMED_STEP_SLOT_SETS):
+                slot = {}
+                for name, dtype in names.items():
+                    buffer = self._host.allocate(
+                        numel * dtype.itemsize, f"step ahead {name}", dtype
+                    )
+                    self._slot_buffers.append(buffer)
+                    slot[name] = buffer.tensor
+                sets.append(slot)
+        except BaseException:
+            self._free_slots()
+            raise
+        self._slots = sets
+        return sets
+
+    def _free_slots(self) -> None:
+        for buffer in self._slot_buffers:
+            self._host.free(buffer)
+        self._slot_buffers.clear()
+        self._slots = None

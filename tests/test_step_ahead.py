@@ -1,0 +1,240 @@
+"""Units stepped ahead during backward (``overlap_step``) train exactly like the ordinary
+step: bit for bit, on the commit path and on the rollback path.
+
+Reference: the same offloaded model with ``overlap_step=False`` (the ordinary streamed
+step), compared with ``==`` on losses and ``torch.equal`` on weights: the speculative
+step runs the same chunks through the same fused kernel, so anything but bitwise
+equality is a bug. Plain PyTorch with torch's fused AdamW as well, TIGHT (fp32
+round-off), as for every disk test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+import hetstore
+from hetstore import OffloadConfig
+from tests.models.gpt import GPT, batches
+from tests.test_host_offload import TIGHT, adamw, assert_same_weights
+
+WIDTH = 48  # blocks of ~28K parameters: several 8192-element chunks each
+
+
+def config(path, overlap: bool, **kwargs) -> OffloadConfig:
+    return OffloadConfig(
+        offload_param="disk",
+        offload_optimizer="disk",
+        offload_grad="cpu",  # gradients in memory: what a speculative step reads
+        offload_path=str(path),
+        optimizer_chunk_size=8192 * 4,
+        overlap_step=overlap,
+        enable_pinned_mem=False,
+        device="cpu",
+        **kwargs,
+    )
+
+
+def fresh(make_opt=adamw):
+    torch.manual_seed(0)
+    model = GPT(width=WIDTH, depth=3)
+    return model, make_opt(model.parameters())
+
+
+def offloaded(tmp_path, overlap: bool, make_opt=adamw, **kwargs):
+    model, opt = fresh(make_opt)
+    where = tmp_path / ("on" if overlap else "off")
+    return hetstore.offload(model, opt, config(where, overlap, **kwargs))
+
+
+def train(
+    model,
+    opt,
+    data,
+    *,
+    clip=None,
+    torch_clip=None,
+    accumulate=1,
+    no_sync=False,
+    scheduler=None,
+    between=None,
+):
+    losses = []
+    for i, (x, y) in enumerate(data):
+        last = (i + 1) % accumulate == 0
+        hold = hetstore.no_sync(model) if no_sync and not last else contextlib.nullcontext()
+        with hold:
+            loss = model(x, y) / accumulate
+            loss.backward()
+        losses.append(loss.item())
+        if not last:
+            continue
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        if torch_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), torch_clip)
+        if between is not None:
+            between(model, opt)
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    return losses
+
+
+def assert_bitwise(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def both(tmp_path, steps=3, make_opt=adamw, **train_kwargs):
+    """Train overlapped and not on the same batches; check they agree bit for bit."""
+    data = batches(steps * train_kwargs.get("accumulate", 1), vocab=64)
+    results = []
+    for overlap in (True, False):
+        model, opt = offloaded(tmp_path, overlap, make_opt)
+        kwargs = dict(train_kwargs)
+        if "scheduler" in kwargs:
+            kwargs["scheduler"] = kwargs["scheduler"](opt)
+        results.append((model, opt, train(model, opt, data, **kwargs)))
+    (on, on_opt, on_losses), (off, off_opt, off_losses) = results
+    assert on_losses == off_losses
+    assert_bitwise(on, off)
+    assert off_opt.speculation_stats is None
+    return on, on_opt, on_losses, data
+
+
+def block_units(model):
+    return len(hetstore.state_of(model).runtime.units) - 1  # the root holds the embeddings
+
+
+def test_stepped_ahead_units_commit_and_train_like_plain_pytorch(tmp_path):
+    model, opt, losses, data = both(tmp_path, steps=3)
+    stats = opt.speculation_stats
+    units = len(hetstore.state_of(model).runtime.units)
+    assert stats["started"] == stats["committed"] == 3 * units
+    assert stats["rolled_back"] == stats["cancelled"] == 0
+    ref, ref_opt = fresh()
+    assert train(ref, ref_opt, data) == pytest.approx(losses, rel=1e-6)
+    assert_same_weights(ref, model, **TIGHT)
+
+
+def test_clipping_that_does_not_bite_commits(tmp_path):
+    _, opt, _, _ = both(tmp_path, clip=1e9)
+    assert opt.speculation_stats["rolled_back"] == 0
+    assert opt.speculation_stats["committed"] > 0
+
+
+def test_clipping_that_bites_rolls_back_and_steps_again(tmp_path):
+    _, opt, _, _ = both(tmp_path, clip=1e-3)
+    stats = opt.speculation_stats
+    assert stats["committed"] == 0 and stats["rolled_back"] == stats["started"] > 0
+
+
+def test_torchs_clip_through_p_grad_rolls_back_exactly(tmp_path):
+    """torch's clip multiplies every gradient in place (by 1.0 too): hetstore cannot tell
+    1.0 from another factor after the fact, so it steps those units again."""
+    _, opt, _, _ = both(tmp_path, torch_clip=1e9)
+    stats = opt.speculation_stats
+    assert stats["committed"] == 0 and stats["rolled_back"] == stats["started"] > 0
+
+
+def test_a_scheduler_changing_the_lr_every_step(tmp_path):
+    """scheduler.step() after optimizer.step(): the next backward already sees the new lr."""
+    _, opt, _, _ = both(
+        tmp_path, steps=4, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)
+    )
+    assert opt.speculation_stats["rolled_back"] == 0
+
+
+def test_an_lr_changed_between_backward_and_step_rolls_back(tmp_path):
+    def halve(model, opt):
+        for group in opt.param_groups:
+            group["lr"] *= 0.5
+
+    _, opt, _, _ = both(tmp_path, between=halve)
+    stats = opt.speculation_stats
+    assert stats["committed"] == 0 and stats["rolled_back"] > 0
+
+
+def test_model_zero_grad_between_backward_and_step_discards(tmp_path):
+    """No gradient left: the ordinary step skips every unit, and so must the speculation."""
+    _, opt, _, _ = both(tmp_path, between=lambda model, opt: model.zero_grad())
+    assert opt.speculation_stats["committed"] == 0
+
+
+@pytest.mark.parametrize("no_sync", [False, True])
+def test_accumulating_four_micro_batches(tmp_path, no_sync):
+    """With no_sync around the first three backward passes only the last one speculates;
+    without it the first step learns the count (its early speculations are superseded)
+    and the later steps speculate once per unit."""
+    model, opt, _, _ = both(tmp_path, steps=3, accumulate=4, no_sync=no_sync)
+    stats = opt.speculation_stats
+    units = len(hetstore.state_of(model).runtime.units)
+    assert stats["committed"] == 3 * units and stats["rolled_back"] == 0
+    if no_sync:
+        assert stats["started"] == 3 * units and stats["cancelled"] == 0
+    else:
+        assert stats["cancelled"] == 3 * units  # backward passes 1-3 of the first step
+        assert stats["started"] == 6 * units
+
+
+def test_sgd_with_momentum(tmp_path):
+    def sgd(params):
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.01)
+
+    _, opt, _, _ = both(tmp_path, make_opt=sgd)
+    assert opt.speculation_stats["rolled_back"] == 0
+
+
+def test_an_optimizer_state_load_between_backward_and_step_is_not_overwritten(tmp_path):
+    """A speculation made from the states before a load must not be committed over it."""
+    donor, donor_opt = offloaded(tmp_path / "donor", False)
+    data = batches(2, vocab=64)
+    train(donor, donor_opt, data[:1])
+    saved = donor_opt.state_dict()
+
+    def load(model, opt):
+        opt.load_state_dict(saved)
+
+    _, opt, _, _ = both(tmp_path, steps=2, between=load)
+    assert opt.speculation_stats["committed"] == 0
+
+
+def test_not_used_where_it_cannot_be_exact_or_has_no_disk_step(tmp_path):
+    for kwargs in (
+        dict(compute_dtype="fp16"),  # the loss scaler's unscale rewrites every gradient
+        dict(offload_optimizer="cpu"),  # no streamed step to move
+    ):
+        model, opt = fresh()
+        cfg = config(tmp_path / str(len(kwargs)), True)
+        cfg = OffloadConfig(**{**{k: getattr(cfg, k) for k in OffloadConfig.keys()}, **kwargs})
+        model, opt = hetstore.offload(model, opt, cfg)
+        assert opt.speculation_stats is None
+        hetstore.release(model)
+
+
+def test_release_with_a_speculation_pending(tmp_path):
+    model, opt = offloaded(tmp_path, True)
+    x, y = batches(1, vocab=64)[0]
+    model(x, y).backward()
+    assert opt.speculation_stats["started"] > 0
+    hetstore.release(model)  # waits for the worker, drops the shadows, frees everything
+    with pytest.raises(hetstore.ConfigError):
+        opt.step()
+
+
+def test_a_copy_of_the_model_is_not_touched(tmp_path):
+    """Speculation writes shadows only: between backward and step the parameters a
+    forward reads are the old ones (an eval forward there sees what plain PyTorch sees)."""
+    model, opt = offloaded(tmp_path, True)
+    ref = copy.deepcopy(fresh()[0])
+    x, y = batches(1, vocab=64)[0]
+    model(x, y).backward()
+    with torch.no_grad():
+        assert model(x, y) == ref(x, y)
