@@ -182,22 +182,23 @@ class StepAhead:
                     self.stats.rolled_back += 1
         finally:
             self.discard_all()  # after an error: nothing may stay pending
-            self._free_slots()
             self.expected = max(self.backwards, 1)
             self.backwards = 0
         return committed
 
     def discard_all(self) -> None:
-        """Drop every speculation (``zero_grad()`` without a step, a load, release)."""
+        """Drop every speculation (``zero_grad()`` without a step, a load, release). The
+        worker thread and its buffers go too: they exist only while a speculation does
+        (a model dropped between steps leaves no thread behind)."""
         for key in list(self._pending):
             self._cancel(key)
-
-    def close(self) -> None:
-        self.discard_all()
         self._free_slots()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+    def close(self) -> None:
+        self.discard_all()
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -50,6 +50,8 @@ class Span:
 
 
 Slot = dict[str, torch.Tensor]  # one buffer set: array name -> host buffer of a chunk
+Fill = Callable[[int, _SpanLike, Slot], None]  # leaves a chunk's new master and states
+Read = Callable[[_SpanLike, Slot], list] | None  # starts a chunk's reads: their handles
 
 
 class ChunkedRewrite:
@@ -97,11 +99,7 @@ class ChunkedRewrite:
         return names
 
     def run(
-        self,
-        spans: Sequence[_SpanLike],
-        slots: list[Slot],
-        fill: Callable[[int, _SpanLike, Slot], None],
-        read: Callable[[_SpanLike, Slot], list] | None = None,
+        self, spans: Sequence[_SpanLike], slots: list[Slot], fill: Fill, read: Read = None
     ) -> None:
         """Rewrite ``spans`` in order. ``read(span, slot)`` starts the reads a chunk needs
         and returns their handles (read one chunk ahead); ``fill(i, span, slot)`` leaves
@@ -126,11 +124,7 @@ class ChunkedRewrite:
             self.unit.home_stale = True  # until every in-place write is done
 
     def write(
-        self,
-        spans: Sequence[_SpanLike],
-        slots: list[Slot],
-        fill: Callable[[int, _SpanLike, Slot], None],
-        read: Callable[[_SpanLike, Slot], list] | None = None,
+        self, spans: Sequence[_SpanLike], slots: list[Slot], fill: Fill, read: Read = None
     ) -> None:
         """Fill the shadows (see :meth:`run`); every write is finished on return. On an
         error the transfers still running are waited for and the error raised; the
