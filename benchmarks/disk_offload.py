@@ -9,6 +9,7 @@ Every variant trains ``hetstore.demo.gpt.GPT`` from the same seed on the same
 * ``plain``: the model and optimizer as they are (the reference);
 * ``cpu``: ``offload_param="cpu", offload_optimizer="cpu"``;
 * ``disk``: ``offload_param="disk", offload_optimizer="disk"`` (gradients follow to disk);
+* ``disk (no overlap)``: as ``disk`` with ``overlap_step=False``.
 * ``disk (grad cpu)``: as ``disk`` with ``offload_grad="cpu"``: units are stepped ahead,
   during backward (``overlap_step``, on by default, applies here).
 * ``disk (grad cpu; no overlap)``: the same with ``overlap_step=False``: every unit is
@@ -87,6 +88,7 @@ VARIANTS: dict[str, tuple[str, str, str | None, bool] | None] = {
     "plain": None,
     "cpu": ("cpu", "cpu", None, True),
     "disk": ("disk", "disk", None, True),
+    "disk (no overlap)": ("disk", "disk", None, False),
     "disk (grad cpu)": ("disk", "disk", "cpu", True),
     "disk (grad cpu; no overlap)": ("disk", "disk", "cpu", False),
 }

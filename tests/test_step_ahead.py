@@ -24,11 +24,11 @@ from tests.test_host_offload import TIGHT, adamw, assert_same_weights
 WIDTH = 48  # blocks of ~28K parameters: several 8192-element chunks each
 
 
-def config(path, overlap: bool, **kwargs) -> OffloadConfig:
+def config(path, overlap: bool, grad: str = "cpu", **kwargs) -> OffloadConfig:
     return OffloadConfig(
         offload_param="disk",
         offload_optimizer="disk",
-        offload_grad="cpu",  # gradients in memory: what a speculative step reads
+        offload_grad=grad,  # in memory: read there; on disk: read back by the worker
         offload_path=str(path),
         optimizer_chunk_size=8192 * 4,
         overlap_step=overlap,
@@ -44,10 +44,10 @@ def fresh(make_opt=adamw):
     return model, make_opt(model.parameters())
 
 
-def offloaded(tmp_path, overlap: bool, make_opt=adamw, **kwargs):
+def offloaded(tmp_path, overlap: bool, make_opt=adamw, grad="cpu", **kwargs):
     model, opt = fresh(make_opt)
     where = tmp_path / ("on" if overlap else "off")
-    return hetstore.offload(model, opt, config(where, overlap, **kwargs))
+    return hetstore.offload(model, opt, config(where, overlap, grad, **kwargs))
 
 
 def train(
@@ -92,12 +92,12 @@ def assert_bitwise(a, b):
         assert torch.equal(sa[key], sb[key]), key
 
 
-def both(tmp_path, steps=3, make_opt=adamw, **train_kwargs):
+def both(tmp_path, steps=3, make_opt=adamw, grad="cpu", **train_kwargs):
     """Train overlapped and not on the same batches; check they agree bit for bit."""
     data = batches(steps * train_kwargs.get("accumulate", 1), vocab=64)
     results = []
     for overlap in (True, False):
-        model, opt = offloaded(tmp_path, overlap, make_opt)
+        model, opt = offloaded(tmp_path, overlap, make_opt, grad)
         kwargs = dict(train_kwargs)
         if "scheduler" in kwargs:
             kwargs["scheduler"] = kwargs["scheduler"](opt)
@@ -113,8 +113,12 @@ def block_units(model):
     return len(hetstore.state_of(model).runtime.units) - 1  # the root holds the embeddings
 
 
-def test_stepped_ahead_units_commit_and_train_like_plain_pytorch(tmp_path):
-    model, opt, losses, data = both(tmp_path, steps=3)
+GRADS = pytest.mark.parametrize("grad", ["cpu", "disk"])
+
+
+@GRADS
+def test_stepped_ahead_units_commit_and_train_like_plain_pytorch(tmp_path, grad):
+    model, opt, losses, data = both(tmp_path, steps=3, grad=grad)
     stats = opt.speculation_stats
     units = len(hetstore.state_of(model).runtime.units)
     assert stats["started"] == stats["committed"] == 3 * units
@@ -124,14 +128,16 @@ def test_stepped_ahead_units_commit_and_train_like_plain_pytorch(tmp_path):
     assert_same_weights(ref, model, **TIGHT)
 
 
-def test_clipping_that_does_not_bite_commits(tmp_path):
-    _, opt, _, _ = both(tmp_path, clip=1e9)
+@GRADS
+def test_clipping_that_does_not_bite_commits(tmp_path, grad):
+    _, opt, _, _ = both(tmp_path, clip=1e9, grad=grad)
     assert opt.speculation_stats["rolled_back"] == 0
     assert opt.speculation_stats["committed"] > 0
 
 
-def test_clipping_that_bites_rolls_back_and_steps_again(tmp_path):
-    _, opt, _, _ = both(tmp_path, clip=1e-3)
+@GRADS
+def test_clipping_that_bites_rolls_back_and_steps_again(tmp_path, grad):
+    _, opt, _, _ = both(tmp_path, clip=1e-3, grad=grad)
     stats = opt.speculation_stats
     assert stats["committed"] == 0 and stats["rolled_back"] == stats["started"] > 0
 
@@ -152,28 +158,31 @@ def test_a_scheduler_changing_the_lr_every_step(tmp_path):
     assert opt.speculation_stats["rolled_back"] == 0
 
 
-def test_an_lr_changed_between_backward_and_step_rolls_back(tmp_path):
+@GRADS
+def test_an_lr_changed_between_backward_and_step_rolls_back(tmp_path, grad):
     def halve(model, opt):
         for group in opt.param_groups:
             group["lr"] *= 0.5
 
-    _, opt, _, _ = both(tmp_path, between=halve)
+    _, opt, _, _ = both(tmp_path, between=halve, grad=grad)
     stats = opt.speculation_stats
     assert stats["committed"] == 0 and stats["rolled_back"] > 0
 
 
 def test_model_zero_grad_between_backward_and_step_discards(tmp_path):
-    """No gradient left: the ordinary step skips every unit, and so must the speculation."""
+    """No gradient left: the ordinary step skips every unit, and so must the speculation.
+    (Gradients on disk refuse ``model.zero_grad()``: ``p.grad`` cannot be read there.)"""
     _, opt, _, _ = both(tmp_path, between=lambda model, opt: model.zero_grad())
     assert opt.speculation_stats["committed"] == 0
 
 
+@GRADS
 @pytest.mark.parametrize("no_sync", [False, True])
-def test_accumulating_four_micro_batches(tmp_path, no_sync):
+def test_accumulating_four_micro_batches(tmp_path, no_sync, grad):
     """With no_sync around the first three backward passes only the last one speculates;
     without it the first step learns the count (its early speculations are superseded)
     and the later steps speculate once per unit."""
-    model, opt, _, _ = both(tmp_path, steps=3, accumulate=4, no_sync=no_sync)
+    model, opt, _, _ = both(tmp_path, steps=3, accumulate=4, no_sync=no_sync, grad=grad)
     stats = opt.speculation_stats
     units = len(hetstore.state_of(model).runtime.units)
     assert stats["committed"] == 3 * units and stats["rolled_back"] == 0

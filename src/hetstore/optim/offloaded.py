@@ -392,7 +392,7 @@ class OffloadedOptimizer(Optimizer):
         # the loss scaler has decided; an interrupted step resumes below, not above
         if self.step_ahead is not None and self._resume_at == 0:
             # kept until the step is done: a step resumed after a failure skips them too
-            self._stepped_ahead = self.step_ahead.settle()
+            self._stepped_ahead = self.step_ahead.settle(self._disk_grad_factors)
         for index in range(self._resume_at, len(self._unit_steps)):
             self._resume_at = index
             unit_step = self._unit_steps[index]

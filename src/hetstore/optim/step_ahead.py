@@ -12,8 +12,9 @@ ordinary way. The result is the ordinary step's, bit for bit, either way.
 
 A speculation assumes that what the step would read is what it read:
 
-- the gradient buffer was not changed in place since (``Tensor._version``: clipping
-  through ``p.grad``, another micro-batch's backward, a user's hook all bump it);
+- the gradients did not change since: no gradient was added (``Unit.grad_version``:
+  another micro-batch's backward) and a buffer in memory was not changed in place
+  (``Tensor._version``: clipping through ``p.grad``, a user's hook);
   ``optimizer.clip_grad_norm_`` leaves it alone when it does not clip;
 - the same parameters have a gradient (``model.zero_grad()`` clears the flags);
 - every param group's values (lr, betas, weight decay, ...) are the ones it used;
@@ -27,10 +28,12 @@ every backward and a loop accumulating N micro-batches learns N after its first 
 ``with hetstore.no_sync(model):`` around the backward of the micro-batches that are not
 the last (the DDP/FSDP convention) says it at once.
 
-Eligible units: master and states on disk (the streamed step), gradients in memory
-(``offload_grad='cpu'``), parameters homed on disk or in the master itself (so every
-copy is shadowed), not sharded, no fp16 loss scaling (its unscale rewrites every
-gradient in place).
+Eligible units: master and states on disk (the streamed step), parameters homed on disk
+or in the master itself (so every copy is shadowed), not sharded, no fp16 loss scaling
+(its unscale rewrites every gradient in place). Gradients in memory are read where they
+are; gradients on disk are read back by the worker once backward's write of them is
+done (the round trip stays, off the critical path), and a clip that scales them (a
+factor the ordinary step would apply as it reads them) rolls the speculation back.
 
 Threads: the worker only submits disk IO (the AIO engine is thread-safe) and runs the
 step's arithmetic on buffers it was given; every allocation, commit and discard happens
@@ -77,7 +80,7 @@ class SpeculationStats:
 class _Speculation:
     unit_step: StreamedUnitStep
     rewrite: ChunkedRewrite
-    grad_version: int
+    grad_state: tuple[int, int | None]
     has_grad: tuple[bool, ...]
     hyper: dict[int, dict]
     master_version: int
@@ -91,9 +94,17 @@ def eligible(unit_step, unit: Unit) -> bool:
     return (
         isinstance(unit_step, StreamedUnitStep)
         and unit.shards is None
-        and isinstance(unit.grad, torch.Tensor)
+        and (isinstance(unit.grad, torch.Tensor) or unit.grad_stager is not None)
         and ChunkedRewrite.can_speculate(unit)
     )
+
+
+def _grad_state(unit: Unit) -> tuple[int, int | None]:
+    """What tells a later change of the unit's gradients: the count of gradients added
+    in, and for a buffer in memory its version counter (in-place changes through
+    ``p.grad``: clipping, a user's hook)."""
+    grad = unit.grad
+    return unit.grad_version, grad._version if isinstance(grad, torch.Tensor) else None
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -150,7 +161,7 @@ class StepAhead:
         spec = _Speculation(
             unit_step,
             rewrite,
-            grad_version=unit.grad._version,
+            grad_state=_grad_state(unit),
             has_grad=tuple(e.has_grad for e in unit.trainable_entries),
             hyper={s.group: _snapshot(self._hyper(s.group)) for s in segments},
             master_version=unit.master_version,
@@ -166,14 +177,18 @@ class StepAhead:
         self.stats.started += 1
 
     # ------------------------------------------------------------------ optimizer events
-    def settle(self) -> set[int]:
+    def settle(self, disk_grad_factors: list) -> set[int]:
         """At ``optimizer.step()``: commit what still holds, discard the rest; return the
-        ids of the units that are stepped now."""
+        ids of the units that are stepped now. ``disk_grad_factors``: what the ordinary
+        step would multiply gradients on disk by (clipping); a speculation took none."""
         committed: set[int] = set()
+        unscaled = all(float(f) == 1.0 for f in disk_grad_factors)
         try:
             for key, spec in list(self._pending.items()):
                 del self._pending[key]
-                if self._finished(spec) and self._holds(spec):
+                on_disk = not isinstance(spec.unit_step.unit.grad, torch.Tensor)
+                finished = self._finished(spec)  # always: never discard under the worker
+                if finished and (unscaled or not on_disk) and self._holds(spec):
                     spec.unit_step.commit_speculation(spec.rewrite)
                     committed.add(key)
                     self.stats.committed += 1
@@ -230,7 +245,7 @@ class StepAhead:
     def _holds(self, spec: _Speculation) -> bool:
         unit = spec.unit_step.unit
         return (
-            unit.grad._version == spec.grad_version
+            _grad_state(unit) == spec.grad_state
             and tuple(e.has_grad for e in unit.trainable_entries) == spec.has_grad
             and unit.master_version == spec.master_version
             and spec.unit_step.generation == spec.generation

@@ -178,7 +178,8 @@ class StreamedUnitStep:
     # A speculative step (hetstore.optim.step_ahead): the same arithmetic, from
     # gradients in memory, into shadows that :meth:`commit` makes the unit's arrays.
     def slot_names(self) -> list[tuple[str, torch.dtype]]:
-        return ChunkedRewrite(self.unit, self.states).slot_arrays()
+        names = ChunkedRewrite(self.unit, self.states).slot_arrays()
+        return names + ([("grad", torch.float32)] if isinstance(self.unit.grad, DiskArray) else [])
 
     @property
     def longest_chunk(self) -> int:

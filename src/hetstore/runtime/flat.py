@@ -21,6 +21,7 @@ starts at such a multiple.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,9 @@ class DiskArray:
         self.label = label
         self.region: DiskRegion = disk.allocate(numel * dtype.itemsize, label)
         self._writes: list[tuple[IOHandle, DiskRegion, int, int]] = []
+        # a read waits for the array's writes; the optimizer's step-ahead thread reads
+        # arrays (gradients) that this thread writes, so the list changes under a lock
+        self._writes_lock = threading.Lock()
         self.written = False  # False until the first full write: reads give zeros
 
     @property
@@ -113,9 +117,10 @@ class DiskArray:
         region = target.region
         offset = start * self.dtype.itemsize
         handle = self.disk.write(region, buffer, offset)
-        target._writes.append(
-            (handle, region, offset, offset + buffer.numel() * self.dtype.itemsize)
-        )
+        with target._writes_lock:
+            target._writes.append(
+                (handle, region, offset, offset + buffer.numel() * self.dtype.itemsize)
+            )
         if start == 0 and buffer.numel() == self.numel:
             target.written = True
         return handle
@@ -126,8 +131,14 @@ class DiskArray:
         self.wait_writes()
 
     def wait_writes(self) -> None:
-        """Wait for this array's writes; a failed one raises and its bytes become unreadable."""
-        writes, self._writes = self._writes, []
+        """Wait for this array's writes; a failed one raises and its bytes become unreadable.
+
+        Two threads may wait at once (the step-ahead worker reading gradients that
+        backward's stager is writing): each waits for every write it saw, and a write
+        leaves the list only once it is done, so neither returns while one it saw is
+        still running (a stager that reused its buffer then would corrupt the write)."""
+        with self._writes_lock:
+            writes = list(self._writes)
         first: BaseException | None = None
         for handle, region, a, b in writes:
             try:
@@ -135,6 +146,9 @@ class DiskArray:
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 region._written.remove(a, b)
                 first = first or exc
+        done = {id(w) for w in writes}
+        with self._writes_lock:
+            self._writes = [w for w in self._writes if id(w) not in done]
         if first is not None:
             raise first
 
@@ -146,6 +160,7 @@ class DiskArray:
         twin.label = self.label
         twin.region = self.disk.allocate(self.nbytes, self.label)
         twin._writes = []
+        twin._writes_lock = threading.Lock()
         twin.written = False
         return twin
 
@@ -161,7 +176,8 @@ class DiskArray:
 
     def discard(self) -> None:
         """Give a shadow (or any array) back without committing; waits for its IO."""
-        writes, self._writes = self._writes, []
+        with self._writes_lock:
+            writes, self._writes = self._writes, []
         wait_all_quiet([handle for handle, _, _, _ in writes])
         if self.region is not None and not self.region.freed:
             self.disk.free(self.region)

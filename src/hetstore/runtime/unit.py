@@ -176,6 +176,9 @@ class Unit:
         # counts changes of the master (steps, loads, edits): a speculative step made
         # from an older master is stale (hetstore.optim.step_ahead)
         self.master_version = 0
+        # counts gradients added into ``grad`` (a disk array has no version counter of
+        # its own to tell a later micro-batch's accumulation from none)
+        self.grad_version = 0
         self._build()
 
     # ------------------------------------------------------------------ construction
@@ -536,6 +539,7 @@ class Unit:
 
         Sharded, into the unit's full device bucket instead (see :meth:`reduce_grads`).
         """
+        self.grad_version += 1
         if self.shards is not None:
             if self._grad_bucket is None:
                 self._grad_bucket = self._new_grad_bucket(grad.dtype)
