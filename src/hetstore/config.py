@@ -227,8 +227,9 @@ class OffloadConfig:
             "gradients, beside the rest of backward, into shadow copies that "
             "optimizer.step() commits, or discards and steps again, when clipping, a "
             "changed hyper-parameter or another micro-batch changed what the step would "
-            "read: exact either way. Applies with offload_grad='cpu' and parameters on "
-            "disk; holds one more copy of those units' states on disk until the step."
+            "read: exact either way. Applies to units with states and parameters on "
+            "disk (not sharded, not fp16); holds one more copy of their states on disk "
+            "until the step."
         ),
     )
 

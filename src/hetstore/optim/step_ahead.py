@@ -141,6 +141,8 @@ class StepAhead:
         self.backwards = 0  # backward passes since the last step
         self.expected = 1  # backward passes the last step had
         self.stats = SpeculationStats()
+        for unit_step in unit_steps:
+            unit_step.unit.before_rewrite = self._drop
 
     # ------------------------------------------------------------------ runtime events
     def backward_started(self) -> None:
@@ -214,6 +216,8 @@ class StepAhead:
 
     def close(self) -> None:
         self.discard_all()
+        for unit_step in self._steps.values():
+            unit_step.unit.before_rewrite = None
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -224,6 +228,10 @@ class StepAhead:
             self.suspended -= 1
 
     # ------------------------------------------------------------------ internals
+    def _drop(self, unit: Unit) -> None:
+        """The unit's master or states are about to be rewritten outside a step."""
+        self._cancel(id(unit))
+
     def _cancel(self, key: int) -> None:
         spec = self._pending.pop(key, None)
         if spec is None:

@@ -276,7 +276,7 @@ class StreamedUnitStep:
     def mark_loaded(self, segment_steps: list[float] | None) -> None:
         """After a checkpoint rewrote the state arrays: each segment's step counter, or
         ``None`` for states that are fresh (never stepped)."""
-        self._generation += 1
+        self._generation += 1  # (the load's rewrite already dropped any speculation)
         if segment_steps is None:
             for counter in self.steps:
                 counter.zero_()
@@ -300,6 +300,8 @@ class StreamedUnitStep:
         loaded state has one value for all of a unit's parameters in practice)."""
         self._generation += 1
         unit = self.unit
+        if unit.before_rewrite is not None:
+            unit.before_rewrite(unit)
         scratch = unit.scratch(unit.trainable_numel, torch.float32, "state scratch")
         try:
             for key, array in self.states.items():

@@ -114,6 +114,8 @@ class ChunkedRewrite:
 
     def begin(self) -> None:
         """Make the shadow of every target (disk full: raises, nothing is left behind)."""
+        if not self.speculative and self.unit.before_rewrite is not None:
+            self.unit.before_rewrite(self.unit)
         try:
             for name, array in self.targets.items():
                 self._shadows[name] = array.shadow()

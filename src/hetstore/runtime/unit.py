@@ -36,6 +36,7 @@ keep their offsets in the full layout. ``fetch`` all-gathers the shards into
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -179,6 +180,10 @@ class Unit:
         # counts gradients added into ``grad`` (a disk array has no version counter of
         # its own to tell a later micro-batch's accumulation from none)
         self.grad_version = 0
+        # called before anything rewrites the master or states outside a step (a load,
+        # an edit): the optimizer's step ahead drops a speculation of this unit first,
+        # so that its worker never reads arrays being replaced
+        self.before_rewrite: Callable[[Unit], None] | None = None
         self._build()
 
     # ------------------------------------------------------------------ construction
@@ -415,6 +420,8 @@ class Unit:
         ``master`` may be a prefix of the layout (the trainable head after a step, see
         :meth:`refresh_after_step`): only that much is rewritten."""
         self.master_version += 1
+        if self.before_rewrite is not None:
+            self.before_rewrite(self)
         if self.param_stager is not None:
             self.param_stager.forget(self)  # a staged read must not race a rewrite in place
         n = master.numel()
