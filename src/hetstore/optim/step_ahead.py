@@ -31,9 +31,10 @@ the last (the DDP/FSDP convention) says it at once.
 Eligible units: master and states on disk (the streamed step), parameters homed on disk
 or in the master itself (so every copy is shadowed), not sharded, no fp16 loss scaling
 (its unscale rewrites every gradient in place). Gradients in memory are read where they
-are; gradients on disk are read back by the worker once backward's write of them is
-done (the round trip stays, off the critical path), and a clip that scales them (a
-factor the ordinary step would apply as it reads them) rolls the speculation back.
+are. Gradients on disk are read from the gradient stager's host buffer, lent until the
+speculation is done (its write to disk goes on: a rollback reads that); when the stager
+needs the buffer back it waits for the worker. A clip that scales gradients on disk (a
+factor the ordinary step applies as it reads them) rolls the speculation back.
 
 Threads: the worker only submits disk IO (the AIO engine is thread-safe) and runs the
 step's arithmetic on buffers it was given; every allocation, commit and discard happens
@@ -86,6 +87,7 @@ class _Speculation:
     master_version: int
     generation: int
     future: Future | None = field(default=None)
+    lent: bool = False  # it reads the gradient stager's buffer: give it back when done
 
 
 def eligible(unit_step, unit: Unit) -> bool:
@@ -143,6 +145,8 @@ class StepAhead:
         self.stats = SpeculationStats()
         for unit_step in unit_steps:
             unit_step.unit.before_rewrite = self._drop
+            if unit_step.unit.grad_stager is not None:
+                unit_step.unit.grad_stager.reclaim = self._reclaim
 
     # ------------------------------------------------------------------ runtime events
     def backward_started(self) -> None:
@@ -174,7 +178,12 @@ class StepAhead:
         except BaseException:
             rewrite.discard()
             raise
-        spec.future = self._pool().submit(unit_step.run_speculation, rewrite, slots, spec.hyper)
+        # gradients on disk: step from the stager's buffer (just flushed), not a read back
+        grads = unit.grad_stager.lend(unit) if unit.grad_stager is not None else None
+        spec.lent = grads is not None
+        spec.future = self._pool().submit(
+            unit_step.run_speculation, rewrite, slots, spec.hyper, grads
+        )
         self._pending[id(unit)] = spec
         self.stats.started += 1
 
@@ -218,6 +227,8 @@ class StepAhead:
         self.discard_all()
         for unit_step in self._steps.values():
             unit_step.unit.before_rewrite = None
+            if unit_step.unit.grad_stager is not None:
+                unit_step.unit.grad_stager.reclaim = None
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -242,13 +253,26 @@ class StepAhead:
 
     @staticmethod
     def _finished(spec: _Speculation) -> bool:
-        """Wait for the worker; False when the speculative step failed (the ordinary
-        step then runs, and raises if the cause persists)."""
+        """Wait for the worker (and give back the buffer it read); False when the
+        speculative step failed (the ordinary step then runs, and raises if the cause
+        persists)."""
         try:
             spec.future.result()
         except BaseException:  # noqa: BLE001 - a failed speculation is only discarded
             return False
+        finally:
+            if spec.lent:
+                spec.lent = False
+                spec.unit_step.unit.grad_stager.give_back(spec.unit_step.unit)
         return True
+
+    def _reclaim(self) -> None:
+        """The gradient stager needs a buffer and has lent them all: wait for the oldest
+        speculation that holds one (the worker runs them in order)."""
+        spec = next((s for s in self._pending.values() if s.lent), None)
+        if spec is None:
+            raise RuntimeError("the gradient stager has no buffer to reclaim")
+        self._finished(spec)
 
     def _holds(self, spec: _Speculation) -> bool:
         unit = spec.unit_step.unit

@@ -197,10 +197,13 @@ class StreamedUnitStep:
         return rewrite
 
     @torch.no_grad()
-    def run_speculation(self, rewrite: ChunkedRewrite, slots: list, hyper: dict) -> None:
+    def run_speculation(
+        self, rewrite: ChunkedRewrite, slots: list, hyper: dict, grads: torch.Tensor | None
+    ) -> None:
         """Any thread: step into ``rewrite``'s shadows with the group values ``hyper``
-        (taken when the speculation began) and the gradients as they are in memory."""
-        read, fill = self._pipeline([], hyper)
+        (taken when the speculation began) and the gradients as they are: in memory, in
+        ``grads`` (a host copy of gradients on disk), or else read back from disk."""
+        read, fill = self._pipeline([], hyper, grads)
         self._speculating = True
         try:
             rewrite.write(self._chunks, slots, fill, read)
@@ -216,9 +219,11 @@ class StreamedUnitStep:
             counter += 1
         self.stepped = True
 
-    def _pipeline(self, grad_multipliers: list, hyper: dict):
+    def _pipeline(self, grad_multipliers: list, hyper: dict, grads: torch.Tensor | None = None):
         unit = self.unit
-        grad_on_disk = isinstance(unit.grad, DiskArray)
+        if grads is None and isinstance(unit.grad, torch.Tensor):
+            grads = unit.grad
+        grad_on_disk = grads is None
 
         def read(c: _Chunk, slot) -> list:
             handles = [unit.master.read(slot["master"][: c.end - c.start], c.start)]
@@ -234,16 +239,17 @@ class StreamedUnitStep:
         def fill(i: int, c: _Chunk, slot) -> None:
             if c.segment is not None and c.step_end > c.start:
                 master = slot["master"][: c.end - c.start]
-                self._step_chunk(c, slot, master, grad_on_disk, grad_multipliers, hyper)
+                grad = slot["grad"] if grad_on_disk else grads[c.start : c.step_end]
+                self._step_chunk(c, slot, master, grad, grad_multipliers, hyper)
 
         return read, fill
 
-    def _step_chunk(
-        self, c: _Chunk, slot, master, grad_on_disk: bool, multipliers, hyper: dict
-    ) -> None:
+    def _step_chunk(self, c: _Chunk, slot, master, grad, multipliers, hyper: dict) -> None:
+        """Step elements ``[c.start, c.step_end)``: ``master`` and ``grad`` start at
+        ``c.start`` (the slot's buffers, or a view of gradients in memory)."""
         unit = self.unit
         n = c.step_end - c.start
-        grad = slot["grad"][:n] if grad_on_disk else unit.grad[c.start : c.step_end]
+        grad = grad[:n]
         if self._speculating:
             grad = own_version_counter(grad)  # its fused step must not move the counter
         unit.fill_missing_grads(grad, c.start)  # like the in-memory step: zeros, not stale

@@ -28,6 +28,8 @@ from hetstore.footprints import GRAD_STAGING_SLOTS
 from hetstore.tiers import HostBuffer, HostTier
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from hetstore.runtime.unit import Unit
 
 __all__ = ["ParamStager", "GradStager"]
@@ -157,6 +159,11 @@ class GradStager:
         # unit -> (gradient view, the whole buffer it is a prefix of)
         self._holders: OrderedDict[Unit, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._writing: list[tuple[Unit, torch.Tensor]] = []  # (unit, whole buffer)
+        # buffers lent to the optimizer's step ahead, which steps their unit from them
+        # (no read back from disk): unit -> whole buffer; they come back by give_back()
+        self._lent: dict[Unit, torch.Tensor] = {}
+        # called when every buffer is lent and one is needed: waits for one to come back
+        self.reclaim: Callable[[], None] | None = None
 
     def buffer_for(self, unit: Unit) -> torch.Tensor:
         """The host buffer gathering ``unit``'s gradients (its accumulated ones read in)."""
@@ -167,8 +174,10 @@ class GradStager:
         while slot is None:
             if self._writing:
                 self._finish_oldest_write()
-            else:
+            elif self._holders:
                 self.flush(next(iter(self._holders)))
+            else:  # every buffer is lent: wait for the step ahead to give one back
+                self.reclaim()
             slot = self._slots.take()
         view = slot[: unit.trainable_numel * 4].view(torch.float32)
         if unit.any_grad():  # accumulating: earlier micro-batches' sums are on disk
@@ -188,6 +197,24 @@ class GradStager:
         try:
             unit.grad.wait_writes()
         finally:
+            if self._lent.get(unit) is not slot:
+                self._slots.give(slot)
+
+    def lend(self, unit: Unit) -> torch.Tensor | None:
+        """The buffer holding ``unit``'s gradients, just flushed, for reading until
+        :meth:`give_back` (its write to disk goes on: a rollback reads that); None when
+        it is not at hand."""
+        slot = next((s for u, s in reversed(self._writing) if u is unit), None)
+        if slot is None or unit in self._lent:
+            return None
+        self._lent[unit] = slot
+        return slot[: unit.trainable_numel * 4].view(torch.float32)
+
+    def give_back(self, unit: Unit) -> None:
+        slot = self._lent.pop(unit, None)
+        if slot is None:
+            return
+        if all(s is not slot for _, s in self._writing):  # its write is already done
             self._slots.give(slot)
 
     def flush(self, unit: Unit) -> None:
