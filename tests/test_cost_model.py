@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from hetstore.planner import Trace, UnitChoice, estimate
+from hetstore.planner.plan import Capacities, Plan
 from tests.test_planner import CPU, GPU, MiB, gpt_like, unit
 
 
@@ -66,3 +71,66 @@ def test_slower_tiers_predict_slower_steps():
         for t in ("none", "cpu", "disk")
     ]
     assert steps[0] < steps[1] < steps[2]
+
+
+# ---------------------------------------------------------------- stepping during backward
+def disk_trace(forward_s: float, machine=GPU, root_trainable=True):
+    blocks = [unit(f"blocks.{i}", 4 * MiB, forward_s=forward_s) for i in range(4)]
+    root = unit("root", 2 * MiB, forward_s=forward_s, root=True)
+    if not root_trainable:
+        root = replace(root, trainable_numel=0)
+    return Trace(units=(*blocks, root), machine=machine)
+
+
+ON_DISK = UnitChoice(param="disk", optimizer="disk")
+
+
+def test_disk_steps_hide_behind_a_long_backward_except_the_roots():
+    """Backward far longer than a unit's step: every block's step is done before
+    backward ends; the root's gradients come last, so its step is never hidden."""
+    trace = disk_trace(forward_s=10.0, root_trainable=False)
+    choices = [ON_DISK] * 5
+    serial = estimate(trace, choices, 1, overlap=False)
+    e = estimate(trace, choices, 1)
+    assert serial.optimizer_hidden_s == 0 and serial.optimizer_s > 0
+    assert e.optimizer_hidden_s == pytest.approx(serial.optimizer_s)
+    assert e.optimizer_s == pytest.approx(0.0, abs=1e-12)
+    assert e.step_without_overlap_s == pytest.approx(serial.step_s)
+
+    with_root = disk_trace(forward_s=10.0)
+    serial = estimate(with_root, choices, 1, overlap=False)
+    e = estimate(with_root, choices, 1)
+    root_alone = estimate(with_root, [UnitChoice()] * 4 + [ON_DISK], 1, overlap=False)
+    blocks_on_device = estimate(with_root, [UnitChoice()] * 5, 1, overlap=False)
+    root_step = root_alone.optimizer_s - (blocks_on_device.optimizer_s - 2 * MiB / GPU.device_step)
+    assert e.optimizer_s == pytest.approx(root_step)
+    assert e.optimizer_hidden_s == pytest.approx(serial.optimizer_s - root_step)
+
+
+def test_nothing_hides_behind_a_backward_that_takes_no_time():
+    e = estimate(disk_trace(forward_s=0.0), [ON_DISK] * 5, 1)
+    assert e.optimizer_hidden_s == 0
+
+
+def test_on_a_cpu_device_the_workers_arithmetic_is_not_hidden():
+    """The worker's fused step takes cores from backward on a CPU device."""
+    gpu_like = replace(CPU, device="cuda")
+    hidden = {
+        m.device: estimate(disk_trace(10.0, m, root_trainable=False), [ON_DISK] * 5, 1)
+        for m in (CPU, gpu_like)
+    }
+    arithmetic = 4 * 4 * MiB / CPU.host_step
+    assert hidden["cpu"].optimizer_hidden_s == pytest.approx(
+        hidden["cuda"].optimizer_hidden_s - arithmetic
+    )
+
+
+def test_units_not_on_disk_are_stepped_after_backward():
+    choices = [UnitChoice(param="cpu", optimizer="cpu")] * 5
+    assert estimate(disk_trace(10.0), choices, 1).optimizer_hidden_s == 0
+
+
+def test_the_plan_shows_the_overlap():
+    trace = disk_trace(forward_s=10.0)
+    plan = Plan.build(trace, [ON_DISK] * 5, 1, Capacities(None, None, None), "manual")
+    assert "hides" in plan.table() and "without it the step would take" in plan.table()

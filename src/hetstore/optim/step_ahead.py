@@ -31,9 +31,9 @@ the last (the DDP/FSDP convention) says it at once.
 Eligible units: master and states on disk (the streamed step), parameters homed on disk
 or in the master itself (so every copy is shadowed), not sharded, no fp16 loss scaling
 (its unscale rewrites every gradient in place). Gradients in memory are read where they
-are. Gradients on disk are read from the gradient stager's host buffer, lent until the
-speculation is done (its write to disk goes on: a rollback reads that); when the stager
-needs the buffer back it waits for the worker. A clip that scales gradients on disk (a
+are. Gradients on disk are read from the gradient stager's host buffer when it can lend one
+(until the speculation is done; its write to disk goes on: a rollback reads that), else
+read back from disk once written. A clip that scales gradients on disk (a
 factor the ordinary step applies as it reads them) rolls the speculation back.
 
 Threads: the worker only submits disk IO (the AIO engine is thread-safe) and runs the
@@ -145,8 +145,6 @@ class StepAhead:
         self.stats = SpeculationStats()
         for unit_step in unit_steps:
             unit_step.unit.before_rewrite = self._drop
-            if unit_step.unit.grad_stager is not None:
-                unit_step.unit.grad_stager.reclaim = self._reclaim
 
     # ------------------------------------------------------------------ runtime events
     def backward_started(self) -> None:
@@ -227,8 +225,6 @@ class StepAhead:
         self.discard_all()
         for unit_step in self._steps.values():
             unit_step.unit.before_rewrite = None
-            if unit_step.unit.grad_stager is not None:
-                unit_step.unit.grad_stager.reclaim = None
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -265,14 +261,6 @@ class StepAhead:
                 spec.lent = False
                 spec.unit_step.unit.grad_stager.give_back(spec.unit_step.unit)
         return True
-
-    def _reclaim(self) -> None:
-        """The gradient stager needs a buffer and has lent them all: wait for the oldest
-        speculation that holds one (the worker runs them in order)."""
-        spec = next((s for s in self._pending.values() if s.lent), None)
-        if spec is None:
-            raise RuntimeError("the gradient stager has no buffer to reclaim")
-        self._finished(spec)
 
     def _holds(self, spec: _Speculation) -> bool:
         unit = spec.unit_step.unit

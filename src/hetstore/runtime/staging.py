@@ -28,8 +28,6 @@ from hetstore.footprints import GRAD_STAGING_SLOTS
 from hetstore.tiers import HostBuffer, HostTier
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from hetstore.runtime.unit import Unit
 
 __all__ = ["ParamStager", "GradStager"]
@@ -162,8 +160,6 @@ class GradStager:
         # buffers lent to the optimizer's step ahead, which steps their unit from them
         # (no read back from disk): unit -> whole buffer; they come back by give_back()
         self._lent: dict[Unit, torch.Tensor] = {}
-        # called when every buffer is lent and one is needed: waits for one to come back
-        self.reclaim: Callable[[], None] | None = None
 
     def buffer_for(self, unit: Unit) -> torch.Tensor:
         """The host buffer gathering ``unit``'s gradients (its accumulated ones read in)."""
@@ -174,10 +170,8 @@ class GradStager:
         while slot is None:
             if self._writing:
                 self._finish_oldest_write()
-            elif self._holders:
+            else:  # (never all lent: see lend)
                 self.flush(next(iter(self._holders)))
-            else:  # every buffer is lent: wait for the step ahead to give one back
-                self.reclaim()
             slot = self._slots.take()
         view = slot[: unit.trainable_numel * 4].view(torch.float32)
         if unit.any_grad():  # accumulating: earlier micro-batches' sums are on disk
@@ -205,7 +199,10 @@ class GradStager:
         :meth:`give_back` (its write to disk goes on: a rollback reads that); None when
         it is not at hand."""
         slot = next((s for u, s in reversed(self._writing) if u is unit), None)
-        if slot is None or unit in self._lent:
+        # at most count - 2 lent: two buffers keep turning over (one gathering, one
+        # being written), so backward never waits for the worker to give one back
+        # (measured: with every buffer lendable, backward slowed to the worker's pace)
+        if slot is None or unit in self._lent or len(self._lent) >= self._slots.count - 2:
             return None
         self._lent[unit] = slot
         return slot[: unit.trainable_numel * 4].view(torch.float32)
