@@ -71,7 +71,7 @@ class SpeculationStats:
     committed: int = 0  # hits: the step was already done when optimizer.step() came
     rolled_back: int = 0  # discarded at optimizer.step(), stepped again the ordinary way
     cancelled: int = 0  # superseded by a later backward, or dropped by zero_grad()/a load
-    not_started: int = 0  # no disk space for the shadows
+    not_started: int = 0  # no disk space for the shadows, or host room for the chunks
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -173,6 +173,10 @@ class StepAhead:
         )
         try:
             slots = self._worker_slots()
+        except OutOfTierMemory:  # no host room for the worker's chunks: step it later
+            rewrite.discard()
+            self.stats.not_started += 1
+            return
         except BaseException:
             rewrite.discard()
             raise

@@ -150,7 +150,7 @@ def memory(
     disk_opt = [(u, c) for u, c in units if c.optimizer == "disk"]
     if disk_opt:
         persistent += grad_staging_bytes(_max(u.grad_bytes for u, _ in disk_opt))
-        step += _max(
+        chunks = _max(
             streamed_step_bytes(
                 _master_bytes(u, c) // 4,
                 u.state_itemsize // 4,
@@ -162,6 +162,9 @@ def memory(
             )
             for u, c in disk_opt
         )
+        step += chunks
+        if any(_stepped_ahead(u, c) for u, c in disk_opt):
+            forward_backward += chunks  # the step-ahead worker's, during backward
         disk += _max(_master_bytes(u, c) + u.state_bytes for u, c in disk_opt)  # the shadow
     forward_backward += sum(u.saved_bytes for u, c in units if c.activations == "cpu")
     disk_saved = [u.saved_bytes for u, c in units if c.activations == "disk"]
