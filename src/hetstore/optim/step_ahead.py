@@ -53,6 +53,7 @@ import torch
 from hetstore.errors import OutOfTierMemory
 from hetstore.footprints import STREAMED_STEP_SLOT_SETS
 from hetstore.runtime.rewrite import ChunkedRewrite
+from hetstore.tiers._hostmem import PAGE_SIZE, round_up
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -173,13 +174,13 @@ class StepAhead:
         )
         try:
             slots = self._worker_slots()
-        except OutOfTierMemory:  # no host room for the worker's chunks: step it later
-            rewrite.discard()
-            self.stats.not_started += 1
-            return
         except BaseException:
             rewrite.discard()
             raise
+        if slots is None:  # no host room for the worker's chunks: stepped after backward
+            rewrite.discard()
+            self.stats.not_started += 1
+            return
         # gradients on disk: step from the stager's buffer (just flushed), not a read back
         grads = unit.grad_stager.lend(unit) if unit.grad_stager is not None else None
         spec.lent = grads is not None
@@ -281,15 +282,23 @@ class StepAhead:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="hetstore-step-ahead")
         return self._executor
 
-    def _worker_slots(self) -> list[dict[str, torch.Tensor]]:
+    def _worker_slots(self) -> list[dict[str, torch.Tensor]] | None:
         """The worker's chunk buffers (one worker: one set of sets for every unit), made
-        on this thread at the first speculation after a step and freed at the next."""
+        on this thread at the first speculation after a step and freed at the next;
+        None when the host tier has no room for them beside what backward still needs."""
         if self._slots is not None:
             return self._slots
         names: dict[str, torch.dtype] = {}
         for unit_step in self._steps.values():
             names.update(unit_step.slot_names())
         numel = max(s.longest_chunk for s in self._steps.values())
+        need = STREAMED_STEP_SLOT_SETS * sum(
+            round_up(numel * dtype.itemsize, PAGE_SIZE) for dtype in names.values()
+        )
+        if not self._host.account.would_fit(need + self._staging_to_come()):
+            # the rest of backward must still find its staging buffers: never take
+            # host memory it will need (its stagers make theirs on first use)
+            return None
         sets = []
         try:
             for _ in range(STREAMED_STEP_SLOT_SETS):
@@ -306,6 +315,15 @@ class StepAhead:
             raise
         self._slots = sets
         return sets
+
+    def _staging_to_come(self) -> int:
+        """Host bytes the parameter and gradient stagers have not made yet."""
+        stagers = {}
+        for unit_step in self._steps.values():
+            for stager in (unit_step.unit.param_stager, unit_step.unit.grad_stager):
+                if stager is not None:
+                    stagers[id(stager)] = stager
+        return sum(s.unmade_bytes for s in stagers.values())
 
     def _free_slots(self) -> None:
         for buffer in self._slot_buffers:

@@ -26,6 +26,7 @@ import torch
 
 from hetstore.footprints import GRAD_STAGING_SLOTS
 from hetstore.tiers import HostBuffer, HostTier
+from hetstore.tiers._hostmem import PAGE_SIZE, round_up
 
 if TYPE_CHECKING:
     from hetstore.runtime.unit import Unit
@@ -56,6 +57,11 @@ class _Slots:
     def give(self, slot: torch.Tensor) -> None:
         self.free.append(slot)
 
+    @property
+    def unmade_bytes(self) -> int:
+        """Host bytes the buffers not yet made will take when first used."""
+        return (self.count - len(self._buffers)) * round_up(self.nbytes, PAGE_SIZE)
+
     def close(self) -> None:
         for buffer in self._buffers:
             self.host.free(buffer)
@@ -73,6 +79,10 @@ class ParamStager:
         # fetches that found their read already started (prefetched) / had to start it
         self.prefetched = 0
         self.unprefetched = 0
+
+    @property
+    def unmade_bytes(self) -> int:
+        return self._slots.unmade_bytes
 
     def _reclaim_uploads(self, block: bool) -> None:
         still = []
@@ -182,6 +192,10 @@ class GradStager:
                 raise
         self._holders[unit] = (view, slot)
         return view
+
+    @property
+    def unmade_bytes(self) -> int:
+        return self._slots.unmade_bytes
 
     def holds(self, unit: Unit) -> bool:
         return unit in self._holders
