@@ -134,3 +134,12 @@ def test_the_plan_shows_the_overlap():
     trace = disk_trace(forward_s=10.0)
     plan = Plan.build(trace, [ON_DISK] * 5, 1, Capacities(None, None, None), "manual")
     assert "hides" in plan.table() and "without it the step would take" in plan.table()
+
+
+def test_overlap_step_off_in_the_trace_hides_nothing():
+    """``overlap_step=False`` reaches the cost model through the trace."""
+    trace = replace(disk_trace(forward_s=10.0), step_overlap=False)
+    e = estimate(trace, [ON_DISK] * 5, 1)
+    assert e.optimizer_hidden_s == 0
+    assert e.step_s == estimate(disk_trace(forward_s=10.0), [ON_DISK] * 5, 1).step_without_overlap_s
+    assert Trace.from_json(trace.to_json()).step_overlap is False

@@ -163,7 +163,7 @@ def memory(
             for u, c in disk_opt
         )
         step += chunks
-        if any(_stepped_ahead(u, c) for u, c in disk_opt):
+        if trace.step_overlap and any(_stepped_ahead(u, c) for u, c in disk_opt):
             forward_backward += chunks  # the step-ahead worker's, during backward
         disk += _max(_master_bytes(u, c) + u.state_bytes for u, c in disk_opt)  # the shadow
     forward_backward += sum(u.saved_bytes for u, c in units if c.activations == "cpu")
@@ -236,10 +236,12 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
 
 
 def times(
-    trace: Trace, choices: list[UnitChoice], depth: int, overlap: bool = True
+    trace: Trace, choices: list[UnitChoice], depth: int, overlap: bool | None = None
 ) -> tuple[float, ...]:
     """(compute, stall, exposed, optimizer left after backward, optimizer hidden behind
-    it) seconds of ``choices`` (see module doc); ``overlap``: ``overlap_step``."""
+    it) seconds of ``choices`` (see module doc); ``overlap`` (``overlap_step``) defaults
+    to the trace's."""
+    overlap = trace.step_overlap if overlap is None else overlap
     m = trace.machine
     compute = stall = overlappable = 0.0
     fill = 0.0
@@ -305,7 +307,7 @@ def estimate(
     choices: list[UnitChoice],
     depth: int,
     chunk_bytes: int = 32 << 20,
-    overlap: bool = True,
+    overlap: bool | None = None,
 ) -> Estimate:
     device, host, disk = memory(trace, choices, depth, chunk_bytes)
     compute, stall, exposed, optimizer, hidden = times(trace, choices, depth, overlap)

@@ -93,6 +93,9 @@ class Trace:
     overhead_s: float = 0.0  # per-step time not explained by the units (calibration)
     measured: bool = False  # times measured on the real model, not from FLOPs
     batch_shapes: tuple = field(default_factory=tuple)
+    # the runtime steps disk units during backward (``overlap_step``): the cost model
+    # hides what it can of their steps behind backward
+    step_overlap: bool = True
 
     def __post_init__(self) -> None:
         names = [u.name for u in self.units]
@@ -118,7 +121,8 @@ class Trace:
         )
         machine = MachineRates(**data["machine"]) if data.get("machine") else None
         shapes = tuple(tuple(s) for s in data.get("batch_shapes", ()))
-        rest = {k: data[k] for k in ("buffer_bytes", "overhead_s", "measured") if k in data}
+        keys = ("buffer_bytes", "overhead_s", "measured", "step_overlap")
+        rest = {k: data[k] for k in keys if k in data}
         return cls(units=units, machine=machine, batch_shapes=shapes, **rest)
 
     def save(self, path: str | Path) -> None:

@@ -72,7 +72,12 @@ def model_data_trace(
             )
         )
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return Trace(units=tuple(traced), machine=machine, buffer_bytes=buffers)
+    return Trace(
+        units=tuple(traced),
+        machine=machine,
+        buffer_bytes=buffers,
+        step_overlap=config.overlap_step,
+    )
 
 
 def trace_model(
@@ -117,6 +122,7 @@ def trace_model(
         machine=machine,
         buffer_bytes=base.buffer_bytes,
         batch_shapes=shapes,
+        step_overlap=base.step_overlap,
     )
 
 
