@@ -247,3 +247,27 @@ def test_a_copy_of_the_model_is_not_touched(tmp_path):
     model(x, y).backward()
     with torch.no_grad():
         assert model(x, y) == ref(x, y)
+
+
+def test_a_disk_too_small_for_every_shadow_steps_ahead_a_window_of_units(tmp_path):
+    """Speculations hold a shadow of their unit's states until the step. On a disk with
+    room for about two and a half more blocks' states, at most two units a step are
+    stepped ahead (room for one ordinary step is kept), the others after backward: no
+    error, bit for bit the same."""
+    data = batches(3, vocab=64)
+    probe, probe_opt = offloaded(tmp_path / "probe", False)
+    losses = train(probe, probe_opt, data)
+    in_use = hetstore.memory_stats(probe)["disk"]["current"]
+    step = probe_opt.streamed_step_of(hetstore.state_of(probe).runtime.block_units[0])
+    shadow = step.shadow_bytes
+    weights = {k: v.clone() for k, v in probe.state_dict().items()}
+    hetstore.release(probe)
+    model, opt = offloaded(tmp_path, True, offload_disk_size=in_use + shadow * 5 // 2)
+    assert train(model, opt, data) == losses
+    stats = opt.speculation_stats
+    units = len(hetstore.state_of(model).runtime.units)
+    assert stats["committed"] == stats["started"] > 0  # the window: some units ...
+    assert stats["started"] + stats["not_started"] == 3 * units  # ... the others later
+    assert stats["not_started"] >= 3 * (units - 2)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, weights[key]), key

@@ -72,7 +72,7 @@ class SpeculationStats:
     committed: int = 0  # hits: the step was already done when optimizer.step() came
     rolled_back: int = 0  # discarded at optimizer.step(), stepped again the ordinary way
     cancelled: int = 0  # superseded by a later backward, or dropped by zero_grad()/a load
-    not_started: int = 0  # no disk space for the shadows, or host room for the chunks
+    not_started: int = 0  # no disk room for the shadows, or host room for the chunks
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -140,6 +140,9 @@ class StepAhead:
         self._slots: list[dict[str, torch.Tensor]] | None = None
         self._slot_buffers: list = []
         self._host = unit_steps[0].unit.tiers.host
+        self._disk = unit_steps[0].unit.tiers.disk
+        # kept free on disk while speculations hold their shadows: one ordinary step's
+        self._disk_reserve = max(s.shadow_bytes for s in unit_steps)
         self.suspended = 0  # depth of hetstore.no_sync
         self.backwards = 0  # backward passes since the last step
         self.expected = 1  # backward passes the last step had
@@ -157,6 +160,11 @@ class StepAhead:
         if unit_step is None or self.suspended or self.backwards < self.expected:
             return
         self._cancel(id(unit))  # one from an earlier micro-batch: superseded
+        if not self._disk.would_fit(unit_step.shadow_bytes + self._disk_reserve):
+            # pending speculations hold a shadow each until the step: they may fill the
+            # disk only up to one ordinary step's room (a window, on a big model)
+            self.stats.not_started += 1
+            return
         try:
             rewrite = unit_step.begin_speculation()
         except OutOfTierMemory:

@@ -182,6 +182,11 @@ class StreamedUnitStep:
         return names + ([("grad", torch.float32)] if isinstance(self.unit.grad, DiskArray) else [])
 
     @property
+    def shadow_bytes(self) -> int:
+        """Disk bytes a step of this unit holds beside its arrays until it commits."""
+        return ChunkedRewrite(self.unit, self.states).shadow_bytes
+
+    @property
     def longest_chunk(self) -> int:
         return max(c.end - c.start for c in self._chunks)
 

@@ -91,6 +91,11 @@ class ChunkedRewrite:
             return True
         return isinstance(home, DiskArray) and not unit.has_home_only
 
+    @property
+    def shadow_bytes(self) -> int:
+        """Disk bytes :meth:`begin` allocates."""
+        return sum(array.nbytes for array in self.targets.values())
+
     def slot_arrays(self) -> list[tuple[str, torch.dtype]]:
         """The host buffers one chunk needs here: the master, each state, the cast home."""
         names = [("master", torch.float32)] + [(key, torch.float32) for key in self.states]

@@ -452,6 +452,11 @@ class DiskTier:
 
     # -- regions ----------------------------------------------------------------------
 
+    def would_fit(self, nbytes: int) -> bool:
+        """True when ``nbytes`` more (rounded up to 4096) stay within the capacity."""
+        with self._lock:
+            return self._current + _round_up(nbytes) <= self.capacity
+
     def allocate(self, nbytes: int, label: str) -> DiskRegion:
         """Reserve ``nbytes`` (rounded up to 4096) of disk, preallocated, for ``label``.
 
