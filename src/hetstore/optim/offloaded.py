@@ -390,9 +390,13 @@ class OffloadedOptimizer(Optimizer):
                     self.zero_grad()
                     return None
         # the loss scaler has decided; an interrupted step resumes below, not above
-        if self.step_ahead is not None and self._resume_at == 0:
-            # kept until the step is done: a step resumed after a failure skips them too
-            self._stepped_ahead = self.step_ahead.settle(self._disk_grad_factors)
+        if self.step_ahead is not None:
+            if self._resume_at == 0:
+                # recorded as each commits and kept until the step is done: a step resumed
+                # after a failure (even one in settle, or at the first unit) skips them
+                self.step_ahead.settle(self._disk_grad_factors, self._stepped_ahead)
+            else:  # resuming: speculations of a backward run since are not this step's
+                self.step_ahead.discard_all()
         for index in range(self._resume_at, len(self._unit_steps)):
             self._resume_at = index
             unit_step = self._unit_steps[index]

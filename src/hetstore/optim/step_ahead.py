@@ -192,20 +192,29 @@ class StepAhead:
         # gradients on disk: step from the stager's buffer (just flushed), not a read back
         grads = unit.grad_stager.lend(unit) if unit.grad_stager is not None else None
         spec.lent = grads is not None
-        spec.future = self._pool().submit(
-            unit_step.run_speculation, rewrite, slots, spec.hyper, grads
-        )
+        try:
+            spec.future = self._pool().submit(
+                unit_step.run_speculation, rewrite, slots, spec.hyper, grads
+            )
+        except BaseException:
+            if spec.lent:
+                unit.grad_stager.give_back(unit)
+            rewrite.discard()
+            raise
         self._pending[id(unit)] = spec
         self.stats.started += 1
 
     # ------------------------------------------------------------------ optimizer events
-    def settle(self, disk_grad_factors: list) -> set[int]:
-        """At ``optimizer.step()``: commit what still holds, discard the rest; return the
-        ids of the units that are stepped now. ``disk_grad_factors``: what the ordinary
-        step would multiply gradients on disk by (clipping); a speculation took none."""
-        committed: set[int] = set()
+    def settle(self, disk_grad_factors: list, committed: set[int]) -> None:
+        """At ``optimizer.step()``: commit what still holds, discard the rest; add the ids
+        of the units committed to ``committed`` as each commits. ``disk_grad_factors``:
+        what the ordinary step would multiply gradients on disk by (clipping); a
+        speculation took none."""
         unscaled = all(float(f) == 1.0 for f in disk_grad_factors)
         try:
+            # gradient writes of backward: their errors now, not at a later backward
+            for stager in self._grad_stagers():
+                stager.finish()
             for key, spec in list(self._pending.items()):
                 del self._pending[key]
                 on_disk = not isinstance(spec.unit_step.unit.grad, torch.Tensor)
@@ -221,7 +230,6 @@ class StepAhead:
             self.discard_all()  # after an error: nothing may stay pending
             self.expected = max(self.backwards, 1)
             self.backwards = 0
-        return committed
 
     def discard_all(self) -> None:
         """Drop every speculation (``zero_grad()`` without a step, a load, release). The
@@ -229,10 +237,10 @@ class StepAhead:
         (a model dropped between steps leaves no thread behind)."""
         for key in list(self._pending):
             self._cancel(key)
-        self._free_slots()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self._free_slots()  # the worker is gone: nothing reads them
 
     def close(self) -> None:
         self.discard_all()
@@ -267,13 +275,15 @@ class StepAhead:
         persists)."""
         try:
             spec.future.result()
-        except BaseException:  # noqa: BLE001 - a failed speculation is only discarded
-            return False
-        finally:
-            if spec.lent:
-                spec.lent = False
-                spec.unit_step.unit.grad_stager.give_back(spec.unit_step.unit)
-        return True
+            ok = True
+        except Exception:  # noqa: BLE001 - the worker's error: the speculation is dropped
+            ok = False
+        # (an interrupt of this thread while it waits propagates, and the buffer stays
+        # lent: the worker may still be reading it)
+        if spec.lent:
+            spec.lent = False
+            spec.unit_step.unit.grad_stager.give_back(spec.unit_step.unit)
+        return ok
 
     def _holds(self, spec: _Speculation) -> bool:
         unit = spec.unit_step.unit
@@ -318,11 +328,22 @@ class StepAhead:
                     self._slot_buffers.append(buffer)
                     slot[name] = buffer.tensor
                 sets.append(slot)
+        except OutOfTierMemory:  # the pool could not grow (fragmentation): not now
+            self._free_slots()
+            return None
         except BaseException:
             self._free_slots()
             raise
         self._slots = sets
         return sets
+
+    def _grad_stagers(self) -> list:
+        found = {}
+        for unit_step in self._steps.values():
+            stager = unit_step.unit.grad_stager
+            if stager is not None:
+                found[id(stager)] = stager
+        return list(found.values())
 
     def _staging_to_come(self) -> int:
         """Host bytes the parameter and gradient stagers have not made yet."""

@@ -256,8 +256,12 @@ class StreamedUnitStep:
         n = c.step_end - c.start
         grad = grad[:n]
         if self._speculating:
-            grad = own_version_counter(grad)  # its fused step must not move the counter
-        unit.fill_missing_grads(grad, c.start)  # like the in-memory step: zeros, not stale
+            # every parameter had its gradient when it began (nothing to fill), and the
+            # worker must never write the live buffer; its fused step must not move the
+            # buffer's version counter either
+            grad = own_version_counter(grad)
+        else:
+            unit.fill_missing_grads(grad, c.start)  # like the in-memory step: zeros
         for m in multipliers:
             grad.mul_(m)
         param = master[:n]

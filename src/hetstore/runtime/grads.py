@@ -134,6 +134,9 @@ class GradContract:
 
     @staticmethod
     def _view(unit: Unit, entry: ParamEntry, verb: str) -> torch.Tensor:
+        """A view of the gradient buffer. Handing one out counts as changing the
+        gradients (``Unit.grad_version``): ``.data`` of it, or ``.numpy()``, changes them
+        past its version counter, so a step taken ahead from them is not kept."""
         if unit.shards is not None:
             raise GradientAccessError(
                 f"cannot {verb} the .grad of {entry.name!r}: its unit is sharded over "
@@ -150,6 +153,7 @@ class GradContract:
                 "memory, where torch's gradient APIs (model.zero_grad(), "
                 "torch.nn.utils.clip_grad_norm_, p.grad) work"
             )
+        unit.grad_version += 1
         return unit.grad[entry.offset : entry.offset + entry.numel].view(entry.shape)
 
     # ------------------------------------------------------------------ lifetime

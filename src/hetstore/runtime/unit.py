@@ -271,8 +271,17 @@ class Unit:
         finally:
             self.tiers.device_tier.release(nbytes, label)
 
+    def _before_master_change(self) -> None:
+        """Before the master is written: a step taken ahead from the old one goes first
+        (its worker must not read a master being written), and the version moves even
+        if the write then fails."""
+        self.master_version += 1
+        if self.before_rewrite is not None:
+            self.before_rewrite(self)
+
     def _store_shard(self, shard: torch.Tensor) -> None:
         """Make ``shard`` (this rank's elements, anywhere) the master; refresh the copies."""
+        self._before_master_change()
         if isinstance(self.master, DiskArray):
             local = shard.to("cpu", copy=shard.device.type == "cpu").contiguous()
             self.master.write_all(local)
@@ -391,6 +400,7 @@ class Unit:
         """Make ``flat`` (from :meth:`master_copy`, changed) the master and refresh the
         copies (the frozen parameters without a master go to ``home`` only)."""
         head = flat[: self.master_numel]
+        self._before_master_change()
         if isinstance(self.master, DiskArray):
             self.master.write_all(head)
         elif self.master.data_ptr() != head.data_ptr():
@@ -419,9 +429,7 @@ class Unit:
         """Make ``home`` (and a materialized device copy) equal ``master``, cast.
         ``master`` may be a prefix of the layout (the trainable head after a step, see
         :meth:`refresh_after_step`): only that much is rewritten."""
-        self.master_version += 1
-        if self.before_rewrite is not None:
-            self.before_rewrite(self)
+        self._before_master_change()
         if self.param_stager is not None:
             self.param_stager.forget(self)  # a staged read must not race a rewrite in place
         n = master.numel()
