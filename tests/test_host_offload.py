@@ -280,6 +280,26 @@ def test_fp16_dynamic_loss_scaling_skips_overflow():
     assert losses[-1] < losses[0], "fp16 training with loss scaling must make progress"
 
 
+def test_fp16_clipping_before_a_step_that_overflows_still_skips_it():
+    """``optimizer.clip_grad_norm_`` unscales first; the step after it must still see
+    the overflow (GradScaler's semantics). It used to re-read False, and step the
+    weights with the clip's NaN factor."""
+    torch.manual_seed(0)
+    model = GPT()
+    model, opt = hetstore.offload(model, adamw(model.parameters()), config(compute_dtype="fp16"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = batches(1)[0]
+    opt.loss_scaler.scale = 2.0**100  # overflows fp16 gradients
+    opt.backward(model(x, y))
+    norm = opt.clip_grad_norm_(1.0)
+    assert not torch.isfinite(norm)
+    opt.step()
+    opt.zero_grad()
+    assert opt.loss_scaler.scale == 2.0**99
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), f"{key} changed on a skipped step"
+
+
 @pytest.mark.parametrize(
     "make",
     [

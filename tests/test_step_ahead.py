@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -55,6 +56,7 @@ def train(
     opt,
     data,
     *,
+    fp16=False,
     clip=None,
     torch_clip=None,
     accumulate=1,
@@ -68,7 +70,7 @@ def train(
         hold = hetstore.no_sync(model) if no_sync and not last else contextlib.nullcontext()
         with hold:
             loss = model(x, y) / accumulate
-            loss.backward()
+            (opt.scale_loss(loss) if fp16 else loss).backward()
         losses.append(loss.item())
         if not last:
             continue
@@ -92,12 +94,16 @@ def assert_bitwise(a, b):
         assert torch.equal(sa[key], sb[key]), key
 
 
-def both(tmp_path, steps=3, make_opt=adamw, grad="cpu", **train_kwargs):
+def both(
+    tmp_path, steps=3, make_opt=adamw, grad="cpu", config_kwargs=None, setup=None, **train_kwargs
+):
     """Train overlapped and not on the same batches; check they agree bit for bit."""
     data = batches(steps * train_kwargs.get("accumulate", 1), vocab=64)
     results = []
     for overlap in (True, False):
-        model, opt = offloaded(tmp_path, overlap, make_opt, grad)
+        model, opt = offloaded(tmp_path, overlap, make_opt, grad, **(config_kwargs or {}))
+        if setup is not None:
+            setup(model, opt)
         kwargs = dict(train_kwargs)
         if "scheduler" in kwargs:
             kwargs["scheduler"] = kwargs["scheduler"](opt)
@@ -215,9 +221,8 @@ def test_an_optimizer_state_load_between_backward_and_step_is_not_overwritten(tm
     assert opt.speculation_stats["committed"] == 0
 
 
-def test_not_used_where_it_cannot_be_exact_or_has_no_disk_step(tmp_path):
+def test_not_used_without_a_disk_step(tmp_path):
     for kwargs in (
-        dict(compute_dtype="fp16"),  # the loss scaler's unscale rewrites every gradient
         dict(offload_optimizer="cpu"),  # no streamed step to move
     ):
         model, opt = fresh()
@@ -345,3 +350,22 @@ def test_a_checkpoint_loaded_between_backward_and_step(tmp_path):
     _, opt, _, _ = both(tmp_path, steps=2, between=load)
     stats = opt.speculation_stats
     assert stats["committed"] == 0 and stats["cancelled"] == stats["started"] > 0
+
+
+@GRADS
+def test_fp16_with_overflow_steps_and_clipping(tmp_path, grad):
+    """fp16: speculations unscale by 1/scale themselves (into their own buffer); the
+    optimizer's in-place unscale is the one change they expect. The first steps overflow
+    at the default scale here: they are skipped and their speculations dropped; the
+    others commit, with a clip that does not bite (clipping after an overflow used to
+    step with NaN gradients: the step re-read a False overflow flag)."""
+    model, opt, losses, _ = both(
+        tmp_path, steps=4, grad=grad, config_kwargs=dict(compute_dtype="fp16"), fp16=True, clip=1e9
+    )
+    assert all(math.isfinite(loss) for loss in losses)
+    skipped = round(math.log2(2.0**16 / opt.loss_scaler.scale))  # halved once per overflow
+    stats = opt.speculation_stats
+    units = len(hetstore.state_of(model).runtime.units)
+    assert 1 <= skipped < 4
+    assert stats["cancelled"] == skipped * units
+    assert stats["committed"] == (4 - skipped) * units and stats["rolled_back"] == 0

@@ -228,8 +228,8 @@ class OffloadConfig:
             "optimizer.step() commits, or discards and steps again, when clipping, a "
             "changed hyper-parameter or another micro-batch changed what the step would "
             "read: exact either way. Applies to units with states and parameters on "
-            "disk (not sharded, not fp16); holds one more copy of their states on disk "
-            "until the step."
+            "disk (not sharded); holds one more copy of their states on disk until the "
+            "step, within the disk's room."
         ),
     )
 

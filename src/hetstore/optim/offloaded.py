@@ -89,18 +89,18 @@ class OffloadedOptimizer(Optimizer):
         self._norm_order = [p for p in (param_order or in_groups) if id(p) in known]
         self._unit_steps = [self._build_unit_step(u) for u in units if u.trainable_numel]
         self._unscaled = False
+        self._found_inf = False  # what the unscale of this step found
         self._warned_missing: set[str] = set()
         # factors (unscale, clip) still to apply to on-disk gradients, in order
         self._disk_grad_factors: list = []
         self._resume_at = 0  # index into _unit_steps where an interrupted step goes on
         self._released = False  # hetstore.release(model) freed the units' buffers
-        # disk units stepped speculatively during backward (optim.step_ahead); not with
-        # fp16 loss scaling (its unscale rewrites every gradient) nor sharded
+        # disk units stepped speculatively during backward (optim.step_ahead); not sharded
         ahead = [s for s in self._unit_steps if eligible(s, s.unit)]
         self.step_ahead: StepAhead | None = None
         self._stepped_ahead: set[int] = set()  # ids of the units this step committed
-        if overlap_step and ahead and loss_scaler is None and shards is None:
-            self.step_ahead = StepAhead(ahead, self._hyper)
+        if overlap_step and ahead and shards is None:
+            self.step_ahead = StepAhead(ahead, self._hyper, loss_scaler)
 
     @property
     def speculation_stats(self) -> dict[str, int] | None:
@@ -229,10 +229,18 @@ class OffloadedOptimizer(Optimizer):
         self.scale_loss(loss).backward(**kwargs)
 
     def _unscale(self) -> bool:
-        """Divide gradients by the loss scale once per step; return True if any is inf/NaN."""
-        if self.loss_scaler is None or self._unscaled:
+        """Divide gradients by the loss scale once per step; return True if any is inf/NaN
+        (again on a second call: ``clip_grad_norm_`` unscales before ``step()`` does, and
+        the step must still skip; it used to see False there and step with inf/NaN)."""
+        if self.loss_scaler is None:
             return False
+        if self._unscaled:
+            return self._found_inf
         self._unscaled = True
+        self._found_inf = self._unscale_now()
+        return self._found_inf
+
+    def _unscale_now(self) -> bool:
         inv = 1.0 / self.loss_scaler.scale
         if self.shards is not None:
             views = self._grad_shards()
@@ -240,7 +248,14 @@ class OffloadedOptimizer(Optimizer):
             views = list(self._memory_grad_views().values())
         found = False
         if views:
+            unscaled = None
+            if self.step_ahead is not None:  # steps taken ahead applied inv themselves
+                unscaled = self.step_ahead.unscaling(
+                    [u for u in self.units if isinstance(u.grad, torch.Tensor)]
+                )
             torch._foreach_mul_(views, inv)
+            if unscaled is not None:
+                unscaled(inv)
             found = not all(bool(torch.isfinite(v).all()) for v in views)
         self._disk_grad_factors.append(inv)
         finite = [True]
@@ -387,7 +402,9 @@ class OffloadedOptimizer(Optimizer):
             if self.loss_scaler is not None:
                 self.loss_scaler.update(found_inf)
                 if found_inf:
-                    self.zero_grad()
+                    self.zero_grad()  # (drops the steps taken ahead too)
+                    if self.step_ahead is not None:
+                        self.step_ahead.step_ended()
                     return None
         # the loss scaler has decided; an interrupted step resumes below, not above
         if self.step_ahead is not None:

@@ -29,8 +29,10 @@ every backward and a loop accumulating N micro-batches learns N after its first 
 the last (the DDP/FSDP convention) says it at once.
 
 Eligible units: master and states on disk (the streamed step), parameters homed on disk
-or in the master itself (so every copy is shadowed), not sharded, no fp16 loss scaling
-(its unscale rewrites every gradient in place). Gradients in memory are read where they
+or in the master itself (so every copy is shadowed), not sharded. With fp16 loss
+scaling a speculation unscales by the current scale itself (into its own buffer); the
+optimizer's unscale of gradients in memory, in place, is then the one change it expects
+(:meth:`StepAhead.unscaling`), and an overflow skips the step and drops them all. Gradients in memory are read where they
 are. Gradients on disk are read from the gradient stager's host buffer when it can lend one
 (until the speculation is done; its write to disk goes on: a rollback reads that), else
 read back from disk once written. A clip that scales gradients on disk (a
@@ -87,6 +89,7 @@ class _Speculation:
     hyper: dict[int, dict]
     master_version: int
     generation: int
+    factor: float | None = None  # fp16: the unscale factor it applied (1 / loss scale)
     future: Future | None = field(default=None)
     lent: bool = False  # it reads the gradient stager's buffer: give it back when done
 
@@ -132,9 +135,12 @@ def _snapshot(hyper: dict) -> dict:
 class StepAhead:
     """Speculative steps of the eligible disk units of one optimizer (see module doc)."""
 
-    def __init__(self, unit_steps: list[StreamedUnitStep], hyper: Callable[[int], dict]):
+    def __init__(
+        self, unit_steps: list[StreamedUnitStep], hyper: Callable[[int], dict], loss_scaler=None
+    ):
         self._steps = {id(s.unit): s for s in unit_steps}
         self._hyper = hyper
+        self._loss_scaler = loss_scaler  # fp16: gradients are unscaled before the step
         self._pending: dict[int, _Speculation] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._slots: list[dict[str, torch.Tensor]] | None = None
@@ -179,6 +185,7 @@ class StepAhead:
             hyper={s.group: _snapshot(self._hyper(s.group)) for s in segments},
             master_version=unit.master_version,
             generation=unit_step.generation,
+            factor=1.0 / self._loss_scaler.scale if self._loss_scaler is not None else None,
         )
         try:
             slots = self._worker_slots()
@@ -194,7 +201,7 @@ class StepAhead:
         spec.lent = grads is not None
         try:
             spec.future = self._pool().submit(
-                unit_step.run_speculation, rewrite, slots, spec.hyper, grads
+                unit_step.run_speculation, rewrite, slots, spec.hyper, grads, spec.factor
             )
         except BaseException:
             if spec.lent:
@@ -210,7 +217,9 @@ class StepAhead:
         of the units committed to ``committed`` as each commits. ``disk_grad_factors``:
         what the ordinary step would multiply gradients on disk by (clipping); a
         speculation took none."""
-        unscaled = all(float(f) == 1.0 for f in disk_grad_factors)
+        # what the ordinary step multiplies gradients on disk by; factors of exactly 1.0
+        # (a clip that does not bite) change nothing
+        factors = [float(f) for f in disk_grad_factors if float(f) != 1.0]
         try:
             # gradient writes of backward: their errors now, not at a later backward
             for stager in self._grad_stagers():
@@ -219,7 +228,8 @@ class StepAhead:
                 del self._pending[key]
                 on_disk = not isinstance(spec.unit_step.unit.grad, torch.Tensor)
                 finished = self._finished(spec)  # always: never discard under the worker
-                if finished and (unscaled or not on_disk) and self._holds(spec):
+                took = [spec.factor] if spec.factor is not None else []
+                if finished and (factors == took or not on_disk) and self._holds(spec):
                     spec.unit_step.commit_speculation(spec.rewrite)
                     committed.add(key)
                     self.stats.committed += 1
@@ -228,8 +238,33 @@ class StepAhead:
                     self.stats.rolled_back += 1
         finally:
             self.discard_all()  # after an error: nothing may stay pending
-            self.expected = max(self.backwards, 1)
-            self.backwards = 0
+            self.step_ended()
+
+    def step_ended(self) -> None:
+        """A step was taken or skipped (fp16 overflow): count micro-batches anew."""
+        self.expected = max(self.backwards, 1)
+        self.backwards = 0
+
+    def unscaling(self, units: list[Unit]):
+        """fp16: the optimizer is about to unscale these units' gradients in memory, in
+        place, by the factor every speculation applied itself. Waits for the worker
+        (it must not read a buffer being unscaled); returns a callable to run after,
+        which lets the speculations hold through that one change."""
+        specs = [self._pending.get(id(u)) for u in units]
+        for spec in specs:
+            if spec is not None:
+                self._finished(spec)
+        before = [u.grad._version for u in units]
+
+        def done(inv: float) -> None:
+            for unit, spec, version in zip(units, specs, before, strict=True):
+                if spec is None or spec.factor != inv:
+                    continue
+                counted, seen = spec.grad_state
+                if seen == version:  # nothing else changed it since the speculation
+                    spec.grad_state = (counted, unit.grad._version)
+
+        return done
 
     def discard_all(self) -> None:
         """Drop every speculation (``zero_grad()`` without a step, a load, release). The

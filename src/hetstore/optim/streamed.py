@@ -178,8 +178,9 @@ class StreamedUnitStep:
     # A speculative step (hetstore.optim.step_ahead): the same arithmetic, from
     # gradients in memory, into shadows that :meth:`commit` makes the unit's arrays.
     def slot_names(self) -> list[tuple[str, torch.dtype]]:
-        names = ChunkedRewrite(self.unit, self.states).slot_arrays()
-        return names + ([("grad", torch.float32)] if isinstance(self.unit.grad, DiskArray) else [])
+        """The worker's buffers: the rewrite's, and one for gradients (read from disk,
+        or multiplied by fp16's unscale factor without touching the live ones)."""
+        return ChunkedRewrite(self.unit, self.states).slot_arrays() + [("grad", torch.float32)]
 
     @property
     def shadow_bytes(self) -> int:
@@ -203,12 +204,18 @@ class StreamedUnitStep:
 
     @torch.no_grad()
     def run_speculation(
-        self, rewrite: ChunkedRewrite, slots: list, hyper: dict, grads: torch.Tensor | None
+        self,
+        rewrite: ChunkedRewrite,
+        slots: list,
+        hyper: dict,
+        grads: torch.Tensor | None,
+        factor: float | None = None,
     ) -> None:
         """Any thread: step into ``rewrite``'s shadows with the group values ``hyper``
         (taken when the speculation began) and the gradients as they are: in memory, in
-        ``grads`` (a host copy of gradients on disk), or else read back from disk."""
-        read, fill = self._pipeline([], hyper, grads)
+        ``grads`` (a host copy of gradients on disk), or else read back from disk;
+        multiplied by ``factor`` (fp16's unscale) into the slot's own buffer."""
+        read, fill = self._pipeline([factor] if factor is not None else [], hyper, grads)
         self._speculating = True
         try:
             rewrite.write(self._chunks, slots, fill, read)
@@ -257,8 +264,11 @@ class StreamedUnitStep:
         grad = grad[:n]
         if self._speculating:
             # every parameter had its gradient when it began (nothing to fill), and the
-            # worker must never write the live buffer; its fused step must not move the
-            # buffer's version counter either
+            # worker must never write the live buffer: a factor goes into the slot's own;
+            # its fused step must not move the buffer's version counter either
+            if multipliers and grad.data_ptr() != slot["grad"].data_ptr():
+                grad = torch.mul(grad, multipliers[0], out=slot["grad"][:n])
+                multipliers = multipliers[1:]
             grad = own_version_counter(grad)
         else:
             unit.fill_missing_grads(grad, c.start)  # like the in-memory step: zeros
