@@ -173,3 +173,31 @@ def test_per_unit_activation_tier(tmp_path):
         hooks.set_unit_tier("blocks.99", "cpu")
     with pytest.raises(hetstore.ConfigError, match="'nvme'"):
         hooks.set_unit_tier("blocks.0", "nvme")
+
+
+def test_the_oom_report_names_activation_min_bytes_when_small_activations_overflow():
+    """offload_activations='cpu' moves only tensors of at least activation_min_bytes;
+    when the ones it leaves on the device are what overflows, the report says so and
+    names the key (the same budget trains with activation_min_bytes=0)."""
+
+    def attempt(min_bytes):
+        torch.manual_seed(0)
+        model = GPT(width=64, depth=3, ctx=16)
+        cfg = OffloadConfig(
+            offload_param="cpu",
+            offload_optimizer="cpu",
+            offload_activations="cpu",
+            activation_min_bytes=min_bytes,
+            max_device_memory="400KB",
+            device="cpu",
+            enable_pinned_mem=False,
+        )
+        model, _ = hetstore.offload(model, torch.optim.AdamW(model.parameters()), cfg)
+        x, y = batches(1, batch=8)[0]
+        model(x, y).backward()
+
+    with pytest.raises(OutOfDeviceMemory) as info:
+        attempt("1GB")
+    message = str(info.value)
+    assert "activation_min_bytes (1.00 GiB)" in message and "'activations' holder" in message
+    attempt(0)

@@ -108,7 +108,8 @@ def offload(
     built: list[Unit | None] = [None] * len(specs)
 
     def advice(tier: str, nbytes: int) -> list[str]:
-        return _placement_advice(config, [u for u in built if u is not None], tier)
+        kept = dict(tiers.device_tier.account.holders(n=1_000)).get("activations", 0)
+        return _placement_advice(config, [u for u in built if u is not None], tier, kept)
 
     tiers = Tiers(
         config,
@@ -374,11 +375,22 @@ def _move_buffers(model: nn.Module, tiers: Tiers) -> None:
         tiers.device_tier.reserve(total, "module buffers")
 
 
-def _placement_advice(config: OffloadConfig, units: list[Unit], tier: str) -> list[str]:
-    """What setting would make the states fit, from the units built so far."""
+def _placement_advice(
+    config: OffloadConfig, units: list[Unit], tier: str, kept_activations: int = 0
+) -> list[str]:
+    """What setting would make the states fit, from the units built so far;
+    ``kept_activations``: device bytes of tensors saved for backward kept on the device."""
     if tier != "device" or not units:
         return []
     lines = []
+    if config.offload_activations != "none" and kept_activations:
+        lines.append(
+            f"  {format_size(kept_activations)} of tensors saved for backward stay on the "
+            f"device (the 'activations' holder): each is smaller than activation_min_bytes "
+            f"({format_size(config.activation_min_bytes)}), below which offload_activations="
+            f"{config.offload_activations!r} does not move them; a smaller "
+            "activation_min_bytes (0 moves every one) offloads them too"
+        )
     numel = sum(u.numel for u in units)
     if config.offload_param == "none":
         saved = numel * units[0].compute_dtype.itemsize
