@@ -49,8 +49,8 @@ def tiny_llama():
     return build(cfg)
 
 
-def lora(model):
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+def lora(model, r: int = 4, targets=("q_proj", "v_proj")):
+    cfg = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), lora_dropout=0.0)
     model = peft.get_peft_model(model, cfg)
     torch.manual_seed(1)  # LoRA's B starts at zero; make it non-zero so A's gradient is too
     for name, p in model.named_parameters():
@@ -168,26 +168,14 @@ def test_wholly_frozen_blocks_are_released_during_backward():
 # (Unit.master_numel), never part of a step, saved and loaded from their home.
 
 
-def bf16_lora(r: int = 4):
+def bf16_lora(**lora_kwargs):
     """A LoRA model built in bf16 (the usual way to load a base for fine-tuning)."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        return lora(tiny_llama()) if r == 4 else lora_r(tiny_llama(), r)
+        return lora(tiny_llama(), **lora_kwargs)
     finally:
         torch.set_default_dtype(default)
-
-
-def lora_r(model, r):
-    cfg = peft.LoraConfig(
-        r=r, lora_alpha=2 * r, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
-    )
-    model = peft.get_peft_model(model, cfg)
-    torch.manual_seed(1)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.02)
-    return model
 
 
 def frozen_values(model) -> dict[str, torch.Tensor]:
@@ -308,7 +296,8 @@ def test_a_failed_rewrite_keeps_the_frozen_part_and_the_next_fetch_rebuilds_the_
     data = llama_batches(3)
 
     def run(fail: bool):
-        model = bf16_lora(r=16)  # heads of several 2048-element chunks
+        # heads of several 2048-element chunks
+        model = bf16_lora(r=16, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
         cfg = config("disk", "disk", compute_dtype="bf16", offload_path=str(tmp_path / str(fail)))
         model, opt = hetstore.offload(model, trainable_adamw(model), cfg)
         train_llama(model, opt, data[:1])

@@ -255,7 +255,8 @@ def test_bf16_compute_against_bf16_reference():
     assert_same_weights(master, mine_model)
 
 
-def test_fp16_dynamic_loss_scaling_skips_overflow():
+def _fp16_backward_that_overflows():
+    """An fp16 model after a backward whose gradients overflow; its weights before."""
     torch.manual_seed(0)
     model = GPT()
     model, opt = hetstore.offload(model, adamw(model.parameters()), config(compute_dtype="fp16"))
@@ -263,11 +264,20 @@ def test_fp16_dynamic_loss_scaling_skips_overflow():
     x, y = batches(1)[0]
     opt.loss_scaler.scale = 2.0**100  # overflows fp16 gradients
     opt.backward(model(x, y))
+    return model, opt, before
+
+
+def _step_is_skipped(model, opt, before) -> None:
     opt.step()
     opt.zero_grad()
     assert opt.loss_scaler.scale == 2.0**99
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), f"{key} changed on a skipped step"
+
+
+def test_fp16_dynamic_loss_scaling_skips_overflow():
+    model, opt, before = _fp16_backward_that_overflows()
+    _step_is_skipped(model, opt, before)
     opt.loss_scaler.scale = 2.0**8
     losses = []
     x, y = batches(1, seed=3)[0]
@@ -284,20 +294,10 @@ def test_fp16_clipping_before_a_step_that_overflows_still_skips_it():
     """``optimizer.clip_grad_norm_`` unscales first; the step after it must still see
     the overflow (GradScaler's semantics). It used to re-read False, and step the
     weights with the clip's NaN factor."""
-    torch.manual_seed(0)
-    model = GPT()
-    model, opt = hetstore.offload(model, adamw(model.parameters()), config(compute_dtype="fp16"))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    x, y = batches(1)[0]
-    opt.loss_scaler.scale = 2.0**100  # overflows fp16 gradients
-    opt.backward(model(x, y))
+    model, opt, before = _fp16_backward_that_overflows()
     norm = opt.clip_grad_norm_(1.0)
     assert not torch.isfinite(norm)
-    opt.step()
-    opt.zero_grad()
-    assert opt.loss_scaler.scale == 2.0**99
-    for key, value in model.state_dict().items():
-        assert torch.equal(value, before[key]), f"{key} changed on a skipped step"
+    _step_is_skipped(model, opt, before)
 
 
 @pytest.mark.parametrize(

@@ -54,13 +54,14 @@ import torch
 
 from hetstore.errors import OutOfTierMemory
 from hetstore.footprints import STREAMED_STEP_SLOT_SETS
-from hetstore.runtime.rewrite import ChunkedRewrite
+from hetstore.optim.streamed import StreamedUnitStep
+from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
+from hetstore.runtime.staging import GradStager, stagers_of
 from hetstore.tiers._hostmem import PAGE_SIZE, round_up
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from hetstore.optim.streamed import StreamedUnitStep
     from hetstore.runtime.unit import Unit
 
 __all__ = ["StepAhead", "SpeculationStats"]
@@ -87,16 +88,13 @@ class _Speculation:
     grad_state: tuple[int, int | None]
     has_grad: tuple[bool, ...]
     hyper: dict[int, dict]
-    master_version: int
-    generation: int
+    state_version: int
     factor: float | None = None  # fp16: the unscale factor it applied (1 / loss scale)
     future: Future | None = field(default=None)
     lent: bool = False  # it reads the gradient stager's buffer: give it back when done
 
 
 def eligible(unit_step, unit: Unit) -> bool:
-    from hetstore.optim.streamed import StreamedUnitStep
-
     return (
         isinstance(unit_step, StreamedUnitStep)
         and unit.shards is None
@@ -146,6 +144,8 @@ class StepAhead:
         self._slots: list[dict[str, torch.Tensor]] | None = None
         self._slot_buffers: list = []
         self._host = unit_steps[0].unit.tiers.host
+        # attached by offload() before the optimizer is built; fixed from here on
+        self._stagers = stagers_of([s.unit for s in unit_steps])
         self._disk = unit_steps[0].unit.tiers.disk
         # kept free on disk while speculations hold their shadows: one ordinary step's
         self._disk_reserve = max(s.shadow_bytes for s in unit_steps)
@@ -183,8 +183,7 @@ class StepAhead:
             grad_state=_grad_state(unit),
             has_grad=tuple(e.has_grad for e in unit.trainable_entries),
             hyper={s.group: _snapshot(self._hyper(s.group)) for s in segments},
-            master_version=unit.master_version,
-            generation=unit_step.generation,
+            state_version=unit.state_version,
             factor=1.0 / self._loss_scaler.scale if self._loss_scaler is not None else None,
         )
         try:
@@ -222,8 +221,9 @@ class StepAhead:
         factors = [float(f) for f in disk_grad_factors if float(f) != 1.0]
         try:
             # gradient writes of backward: their errors now, not at a later backward
-            for stager in self._grad_stagers():
-                stager.finish()
+            for stager in self._stagers:
+                if isinstance(stager, GradStager):
+                    stager.finish()
             for key, spec in list(self._pending.items()):
                 del self._pending[key]
                 on_disk = not isinstance(spec.unit_step.unit.grad, torch.Tensor)
@@ -325,8 +325,7 @@ class StepAhead:
         return (
             _grad_state(unit) == spec.grad_state
             and tuple(e.has_grad for e in unit.trainable_entries) == spec.has_grad
-            and unit.master_version == spec.master_version
-            and spec.unit_step.generation == spec.generation
+            and unit.state_version == spec.state_version
             and all(_same(self._hyper(group), hyper) for group, hyper in spec.hyper.items())
         )
 
@@ -352,42 +351,17 @@ class StepAhead:
             # the rest of backward must still find its staging buffers: never take
             # host memory it will need (its stagers make theirs on first use)
             return None
-        sets = []
         try:
-            for _ in range(STREAMED_STEP_SLOT_SETS):
-                slot = {}
-                for name, dtype in names.items():
-                    buffer = self._host.allocate(
-                        numel * dtype.itemsize, f"step ahead {name}", dtype
-                    )
-                    self._slot_buffers.append(buffer)
-                    slot[name] = buffer.tensor
-                sets.append(slot)
+            self._slots, self._slot_buffers = chunk_buffers(
+                self._host, STREAMED_STEP_SLOT_SETS, list(names.items()), numel, "step ahead"
+            )
         except OutOfTierMemory:  # the pool could not grow (fragmentation): not now
-            self._free_slots()
             return None
-        except BaseException:
-            self._free_slots()
-            raise
-        self._slots = sets
-        return sets
-
-    def _grad_stagers(self) -> list:
-        found = {}
-        for unit_step in self._steps.values():
-            stager = unit_step.unit.grad_stager
-            if stager is not None:
-                found[id(stager)] = stager
-        return list(found.values())
+        return self._slots
 
     def _staging_to_come(self) -> int:
         """Host bytes the parameter and gradient stagers have not made yet."""
-        stagers = {}
-        for unit_step in self._steps.values():
-            for stager in (unit_step.unit.param_stager, unit_step.unit.grad_stager):
-                if stager is not None:
-                    stagers[id(stager)] = stager
-        return sum(s.unmade_bytes for s in stagers.values())
+        return sum(s.unmade_bytes for s in self._stagers)
 
     def _free_slots(self) -> None:
         for buffer in self._slot_buffers:

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from hetstore.footprints import STREAMED_STEP_SLOT_SETS
 from hetstore.optim.registry import flat_spec
 from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, wait_all_quiet
-from hetstore.runtime.rewrite import ChunkedRewrite
+from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
 from hetstore.runtime.unit import Unit
 from hetstore.tiers.host import own_version_counter
 
@@ -87,8 +87,6 @@ class StreamedUnitStep:
         }
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in unit.segments]
         self.stepped = False  # states hold values (else: fresh, as torch starts them)
-        self._generation = 0
-        self._speculating = False  # run_speculation is running (on the step-ahead thread)
         self._chunks = _chunks(unit, self.chunk_numel)
         placeholder = torch.zeros(1)
         self._inner: list[Optimizer] = [
@@ -99,20 +97,7 @@ class StreamedUnitStep:
     def _slot_sets(self, count: int, names: list[tuple[str, torch.dtype]], numel: int):
         """``count`` sets of host buffers of ``numel`` elements (a chunk, or less for a
         unit smaller than one chunk: a small model does not pay for big chunks)."""
-        host, buffers, sets = self.unit.tiers.host, [], []
-        try:
-            for _ in range(count):
-                slot = {}
-                for name, dtype in names:
-                    buffer = self.unit.scratch(numel, dtype, f"swap {name}")
-                    buffers.append(buffer)
-                    slot[name] = buffer.tensor
-                sets.append(slot)
-        except BaseException:
-            for buffer in buffers:
-                host.free(buffer)
-            raise
-        return sets, buffers
+        return chunk_buffers(self.unit.tiers.host, count, names, numel, f"swap {self.unit.name}")
 
     @property
     def _states_absent(self) -> bool:
@@ -162,9 +147,8 @@ class StreamedUnitStep:
         names = rewrite.slot_arrays() + ([("grad", torch.float32)] if grad_on_disk else [])
         if unit.grad_stager is not None:
             unit.grad_stager.finish()  # backward's gradient writes, and their errors
-        longest = max(c.end - c.start for c in self._chunks)
         count = min(STREAMED_STEP_SLOT_SETS, len(self._chunks))
-        sets, buffers = self._slot_sets(count, names, longest)
+        sets, buffers = self._slot_sets(count, names, self.longest_chunk)
         hyper = {s.group: self.hyper(s.group) for s in unit.segments}
         try:
             read, fill = self._pipeline(grad_multipliers, hyper)
@@ -191,11 +175,6 @@ class StreamedUnitStep:
     def longest_chunk(self) -> int:
         return max(c.end - c.start for c in self._chunks)
 
-    @property
-    def generation(self) -> int:
-        """Changes whenever the states are rewritten outside a step (a load)."""
-        return self._generation
-
     def begin_speculation(self) -> ChunkedRewrite:
         """Main thread: the shadows of a speculative step (raises when the disk is full)."""
         rewrite = ChunkedRewrite(self.unit, self.states, speculative=True)
@@ -215,12 +194,9 @@ class StreamedUnitStep:
         (taken when the speculation began) and the gradients as they are: in memory, in
         ``grads`` (a host copy of gradients on disk), or else read back from disk;
         multiplied by ``factor`` (fp16's unscale) into the slot's own buffer."""
-        read, fill = self._pipeline([factor] if factor is not None else [], hyper, grads)
-        self._speculating = True
-        try:
-            rewrite.write(self._chunks, slots, fill, read)
-        finally:
-            self._speculating = False
+        multipliers = [factor] if factor is not None else []
+        read, fill = self._pipeline(multipliers, hyper, grads, speculative=True)
+        rewrite.write(self._chunks, slots, fill, read)
 
     def commit_speculation(self, rewrite: ChunkedRewrite) -> None:
         rewrite.commit()
@@ -231,7 +207,13 @@ class StreamedUnitStep:
             counter += 1
         self.stepped = True
 
-    def _pipeline(self, grad_multipliers: list, hyper: dict, grads: torch.Tensor | None = None):
+    def _pipeline(
+        self,
+        grad_multipliers: list,
+        hyper: dict,
+        grads: torch.Tensor | None = None,
+        speculative: bool = False,
+    ):
         unit = self.unit
         if grads is None and isinstance(unit.grad, torch.Tensor):
             grads = unit.grad
@@ -252,17 +234,19 @@ class StreamedUnitStep:
             if c.segment is not None and c.step_end > c.start:
                 master = slot["master"][: c.end - c.start]
                 grad = slot["grad"] if grad_on_disk else grads[c.start : c.step_end]
-                self._step_chunk(c, slot, master, grad, grad_multipliers, hyper)
+                self._step_chunk(c, slot, master, grad, grad_multipliers, hyper, speculative)
 
         return read, fill
 
-    def _step_chunk(self, c: _Chunk, slot, master, grad, multipliers, hyper: dict) -> None:
+    def _step_chunk(
+        self, c: _Chunk, slot, master, grad, multipliers, hyper: dict, speculative: bool
+    ) -> None:
         """Step elements ``[c.start, c.step_end)``: ``master`` and ``grad`` start at
         ``c.start`` (the slot's buffers, or a view of gradients in memory)."""
         unit = self.unit
         n = c.step_end - c.start
         grad = grad[:n]
-        if self._speculating:
+        if speculative:
             # every parameter had its gradient when it began (nothing to fill), and the
             # worker must never write the live buffer: a factor goes into the slot's own;
             # its fused step must not move the buffer's version counter either
@@ -301,7 +285,6 @@ class StreamedUnitStep:
     def mark_loaded(self, segment_steps: list[float] | None) -> None:
         """After a checkpoint rewrote the state arrays: each segment's step counter, or
         ``None`` for states that are fresh (never stepped)."""
-        self._generation += 1  # (the load's rewrite already dropped any speculation)
         if segment_steps is None:
             for counter in self.steps:
                 counter.zero_()
@@ -323,10 +306,8 @@ class StreamedUnitStep:
         """Overwrite slices of the states: ``values[key] = [(start, flat tensor), ...]``;
         every segment's step counter becomes ``step`` (torch keeps one per parameter; a
         loaded state has one value for all of a unit's parameters in practice)."""
-        self._generation += 1
         unit = self.unit
-        if unit.before_rewrite is not None:
-            unit.before_rewrite(unit)
+        unit.before_state_change()
         scratch = unit.scratch(unit.trainable_numel, torch.float32, "state scratch")
         try:
             for key, array in self.states.items():

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 from hetstore.errors import BACKWARD_AFTER_RELEASE, ConfigError
 from hetstore.runtime.grads import set_torch_grad, torch_grad
 from hetstore.runtime.profiler import StepProfiler
+from hetstore.runtime.staging import stagers_of
 from hetstore.runtime.unit import Unit
 
 __all__ = ["OffloadRuntime"]
@@ -359,8 +360,7 @@ class OffloadRuntime:
         self.step_ahead = None  # the optimizer's release closed it
         if self.activations is not None:
             self.activations.released = True
-        stagers = {id(s): s for u in self.units for s in (u.param_stager, u.grad_stager) if s}
-        for stager in stagers.values():
+        for stager in stagers_of(self.units):
             stager.close()
         params = [e.param for u in self.units for e in u.entries]
         for unit in self.units:

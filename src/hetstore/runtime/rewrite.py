@@ -27,13 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from hetstore.runtime.flat import DiskArray, wait_all, wait_all_quiet
 
-__all__ = ["Span", "ChunkedRewrite"]
+if TYPE_CHECKING:
+    from hetstore.tiers import HostBuffer, HostTier
+
+__all__ = ["Span", "ChunkedRewrite", "chunk_buffers"]
 
 
 class _SpanLike(Protocol):
@@ -52,6 +55,30 @@ class Span:
 Slot = dict[str, torch.Tensor]  # one buffer set: array name -> host buffer of a chunk
 Fill = Callable[[int, _SpanLike, Slot], None]  # leaves a chunk's new master and states
 Read = Callable[[_SpanLike, Slot], list] | None  # starts a chunk's reads: their handles
+
+
+def chunk_buffers(
+    host: HostTier, count: int, names: list[tuple[str, torch.dtype]], numel: int, label: str
+) -> tuple[list[Slot], list[HostBuffer]]:
+    """``count`` buffer sets (slots) of ``numel`` elements per named array, from ``host``,
+    labelled ``"{label} {name}"``; and the buffers, to free with ``host.free``. A failed
+    allocation frees what was taken and raises."""
+    sets: list[Slot] = []
+    buffers: list[HostBuffer] = []
+    try:
+        for _ in range(count):
+            slot = {}
+            for name, dtype in names:
+                nbytes = max(numel, 1) * dtype.itemsize
+                buffer = host.allocate(nbytes, f"{label} {name}", dtype)
+                buffers.append(buffer)
+                slot[name] = buffer.tensor
+            sets.append(slot)
+    except BaseException:
+        for buffer in buffers:
+            host.free(buffer)
+        raise
+    return sets, buffers
 
 
 class ChunkedRewrite:
@@ -119,8 +146,8 @@ class ChunkedRewrite:
 
     def begin(self) -> None:
         """Make the shadow of every target (disk full: raises, nothing is left behind)."""
-        if not self.speculative and self.unit.before_rewrite is not None:
-            self.unit.before_rewrite(self.unit)
+        if not self.speculative:
+            self.unit.before_state_change()
         try:
             for name, array in self.targets.items():
                 self._shadows[name] = array.shadow()
@@ -183,7 +210,6 @@ class ChunkedRewrite:
         if self.home_in_place:
             unit.home.wait_writes()
             unit.home_stale = False
-        unit.master_version += 1
         if unit.param_stager is not None:
             unit.param_stager.forget(unit)
         if self.speculative and unit.materialized:

@@ -31,7 +31,18 @@ from hetstore.tiers._hostmem import PAGE_SIZE, round_up
 if TYPE_CHECKING:
     from hetstore.runtime.unit import Unit
 
-__all__ = ["ParamStager", "GradStager"]
+__all__ = ["ParamStager", "GradStager", "stagers_of"]
+
+
+def stagers_of(units) -> list:
+    """The distinct parameter and gradient stagers of ``units`` (a model shares one of
+    each among its disk units)."""
+    found = {}
+    for unit in units:
+        for stager in (unit.param_stager, unit.grad_stager):
+            if stager is not None:
+                found[id(stager)] = stager
+    return list(found.values())
 
 
 class _Slots:

@@ -174,15 +174,15 @@ class Unit:
         self.param_stager: ParamStager | None = None
         self.grad_stager: GradStager | None = None
         self.home_stale = False  # master changed but a disk ``home`` not yet rewritten
-        # counts changes of the master (steps, loads, edits): a speculative step made
-        # from an older master is stale (hetstore.optim.step_ahead)
-        self.master_version = 0
+        # counts rewrites of the master or of the optimizer states kept for it (loads,
+        # edits, an ordinary streamed step): a step taken ahead from older ones is stale
+        # (hetstore.optim.step_ahead)
+        self.state_version = 0
         # counts gradients added into ``grad`` (a disk array has no version counter of
         # its own to tell a later micro-batch's accumulation from none)
         self.grad_version = 0
-        # called before anything rewrites the master or states outside a step (a load,
-        # an edit): the optimizer's step ahead drops a speculation of this unit first,
-        # so that its worker never reads arrays being replaced
+        # called by before_state_change: the optimizer's step ahead drops a speculation
+        # of this unit first, so that its worker never reads arrays being replaced
         self.before_rewrite: Callable[[Unit], None] | None = None
         self._build()
 
@@ -271,17 +271,17 @@ class Unit:
         finally:
             self.tiers.device_tier.release(nbytes, label)
 
-    def _before_master_change(self) -> None:
-        """Before the master is written: a step taken ahead from the old one goes first
-        (its worker must not read a master being written), and the version moves even
-        if the write then fails."""
-        self.master_version += 1
+    def before_state_change(self) -> None:
+        """Before the master or the optimizer states are written: a step taken ahead
+        from the old ones goes first (its worker must not read arrays being written),
+        and the version moves even if the write then fails."""
+        self.state_version += 1
         if self.before_rewrite is not None:
             self.before_rewrite(self)
 
     def _store_shard(self, shard: torch.Tensor) -> None:
         """Make ``shard`` (this rank's elements, anywhere) the master; refresh the copies."""
-        self._before_master_change()
+        self.before_state_change()
         if isinstance(self.master, DiskArray):
             local = shard.to("cpu", copy=shard.device.type == "cpu").contiguous()
             self.master.write_all(local)
@@ -322,6 +322,7 @@ class Unit:
                     self._store_shard(full[self.shard_start : self.shard_start + self.numel])
             return
         if not isinstance(self.master, DiskArray) and not self.has_home_only:
+            self.before_state_change()
             try:
                 yield self.master
             finally:  # even a half-done edit: the copies must match the master
@@ -351,9 +352,13 @@ class Unit:
             self.master.read(head).wait()
         else:
             head.zero_()
-        if self.has_home_only:
-            with self.edit_home_only(write_back=False) as tail:
+        if not self.has_home_only:
+            return
+        if isinstance(self.home, DiskArray):
+            with self.edit_home_only(write_back=False) as tail:  # through a staging buffer
                 flat[self.master_numel :].copy_(tail)
+        else:
+            flat[self.master_numel :].copy_(self.home[self.master_numel :])
 
     @contextlib.contextmanager
     def edit_home_only(self, write_back: bool = True):
@@ -400,7 +405,7 @@ class Unit:
         """Make ``flat`` (from :meth:`master_copy`, changed) the master and refresh the
         copies (the frozen parameters without a master go to ``home`` only)."""
         head = flat[: self.master_numel]
-        self._before_master_change()
+        self.before_state_change()
         if isinstance(self.master, DiskArray):
             self.master.write_all(head)
         elif self.master.data_ptr() != head.data_ptr():
@@ -429,7 +434,6 @@ class Unit:
         """Make ``home`` (and a materialized device copy) equal ``master``, cast.
         ``master`` may be a prefix of the layout (the trainable head after a step, see
         :meth:`refresh_after_step`): only that much is rewritten."""
-        self._before_master_change()
         if self.param_stager is not None:
             self.param_stager.forget(self)  # a staged read must not race a rewrite in place
         n = master.numel()
