@@ -15,8 +15,8 @@ from safetensors import safe_open
 
 import hetstore
 from hetstore import OffloadConfig
-from hetstore.runtime.flat import DiskArray
 from hetstore.runtime.rewrite import ChunkedRewrite, Span
+from hetstore.tiers.flat import DiskArray
 from tests.models.gpt import GPT, batches
 from tests.test_hf_models import build, llama
 from tests.test_host_offload import TIGHT, assert_same_weights

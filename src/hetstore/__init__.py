@@ -22,6 +22,7 @@ from hetstore.lifetime import offloaded, release
 from hetstore.model_state import ModelState, state_of
 from hetstore.planner import Plan, Trace
 from hetstore.stats import memory_stats
+from hetstore.tier import Tier
 from hetstore.weights import load_weights
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "state_of",
     "ModelState",
     "OffloadConfig",
+    "Tier",
     "ConfigError",
     "OutOfDeviceMemory",
     "OutOfTierMemory",

@@ -22,7 +22,6 @@ from hetstore.planner.machine import machine_capacities, measure_machine
 from hetstore.planner.shapes import BatchGuard
 from hetstore.planner.tracer import model_data_trace, trace_model
 from hetstore.runtime.activations import ActivationHooks
-from hetstore.runtime.flat import DiskArray
 from hetstore.runtime.grads import GradContract
 from hetstore.runtime.hooks import OffloadRuntime
 from hetstore.runtime.materialize import materialize_module, owns_meta
@@ -32,7 +31,9 @@ from hetstore.runtime.staging import GradStager, ParamStager
 from hetstore.runtime.state_dict import install_state_dict_hooks
 from hetstore.runtime.streams import CudaStreams
 from hetstore.runtime.unit import Placement, Unit
+from hetstore.tier import Tier
 from hetstore.tiers import Tiers
+from hetstore.tiers.flat import DiskArray
 from hetstore.units import UnitSpec, find_units
 
 __all__ = ["offload"]
@@ -90,7 +91,7 @@ def offload(
             "this model was released by hetstore.release() and its weights freed; build a "
             "new model to offload"
         )
-    if optimizer is not None and config.offload_optimizer == "disk" and not config.auto_offload:
+    if optimizer is not None and config.offload_optimizer is Tier.DISK and not config.auto_offload:
         _check_streamable(optimizer)
     device = config.resolved_device()
     shards = resolve_process_group(process_group, device)
@@ -155,13 +156,13 @@ def offload(
     grad_stager = _attach_stagers(unit_list, tiers, plan.prefetch_depth)
     streams = CudaStreams.for_device(device)  # the model's side streams (CUDA), one owner
     activations = None
-    default_tier = "none" if plan.source == "auto" else config.offload_activations
+    default_tier = Tier.DEVICE if plan.source == "auto" else config.offload_activations
     # a plan made for a traced batch may move activations later (a larger batch)
     replannable = plan.source == "auto" and bool(trace.batch_shapes)
     if (
         device.type == "cpu"
         or replannable
-        or any(u.choice.activations != "none" for u in plan.units)
+        or any(u.choice.activations is not Tier.DEVICE for u in plan.units)
     ):
         activations = ActivationHooks(
             model,
@@ -380,30 +381,30 @@ def _placement_advice(
 ) -> list[str]:
     """What setting would make the states fit, from the units built so far;
     ``kept_activations``: device bytes of tensors saved for backward kept on the device."""
-    if tier != "device" or not units:
+    if tier != Tier.DEVICE.label or not units:
         return []
     lines = []
-    if config.offload_activations != "none" and kept_activations:
+    if config.offload_activations is not Tier.DEVICE and kept_activations:
         lines.append(
             f"  {format_size(kept_activations)} of tensors saved for backward stay on the "
             f"device (the 'activations' holder): each is smaller than activation_min_bytes "
             f"({format_size(config.activation_min_bytes)}), below which offload_activations="
-            f"{config.offload_activations!r} does not move them; a smaller "
+            f"'{config.offload_activations}' does not move them; a smaller "
             "activation_min_bytes (0 moves every one) offloads them too"
         )
     numel = sum(u.numel for u in units)
-    if config.offload_param == "none":
+    if config.offload_param is Tier.DEVICE:
         saved = numel * units[0].compute_dtype.itemsize
         lines.append(
             f"  offload_param='cpu' would keep only the running unit's parameters on the "
             f"device (frees about {format_size(saved)} of parameters so far)"
         )
-    if config.offload_activations == "none":
+    if config.offload_activations is Tier.DEVICE:
         lines.append(
             "  offload_activations='cpu' would move the tensors saved for backward "
             "(the 'activations' holder) to host memory until their backward"
         )
-    if config.offload_optimizer == "none":
+    if config.offload_optimizer is Tier.DEVICE:
         lines.append(
             f"  offload_optimizer='cpu' would move fp32 master weights, gradients and "
             f"optimizer states to host memory (about {format_size(numel * 16)} so far for Adam)"

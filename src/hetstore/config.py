@@ -23,10 +23,11 @@ import torch
 
 from hetstore._sizes import format_size, parse_size, short_repr
 from hetstore.errors import ConfigError
+from hetstore.tier import Tier
 
 __all__ = ["OffloadConfig", "TIERS", "COMPUTE_DTYPES"]
 
-TIERS = ("none", "cpu", "disk")
+TIERS = tuple(t.value for t in Tier)  # the spellings the tier keys accept
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_ALIASES = {
     "float32": "fp32",
@@ -270,13 +271,13 @@ class OffloadConfig:
         _set(self, "offload_path", _path_string("offload_path", self.offload_path))
         _set(self, "compute_dtype", _compute_dtype(self.compute_dtype))
         _set(self, "device", _device(self.device))
-        if self.offload_grad == "disk" and self.offload_optimizer != "disk":
+        if self.offload_grad is Tier.DISK and self.offload_optimizer is not Tier.DISK:
             raise ConfigError(
-                f"offload_grad='disk' with offload_optimizer={self.offload_optimizer!r}: "
+                f"offload_grad='disk' with offload_optimizer='{self.offload_optimizer}': "
                 "gradients go to disk only when the optimizer steps from disk (they are read "
                 "there, chunk by chunk); use offload_grad='cpu', or offload_optimizer='disk'"
             )
-        if self.auto_offload or "disk" in (
+        if self.auto_offload or Tier.DISK in (
             self.offload_param,
             self.offload_optimizer,
             self.grad_tier,
@@ -286,7 +287,7 @@ class OffloadConfig:
 
     # ------------------------------------------------------------------ derived
     @property
-    def grad_tier(self) -> str:
+    def grad_tier(self) -> Tier:
         """Where gradients go: ``offload_grad`` if set, else ``offload_optimizer``."""
         return self.offload_grad if self.offload_grad is not None else self.offload_optimizer
 
@@ -310,7 +311,9 @@ class OffloadConfig:
         return OffloadConfig(**{**self.to_dict(), **changes})
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Every key with its value; tiers as their plain spellings ('cpu'), so the
+        dict serializes anywhere a config file can be read from."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def describe(self) -> str:
         """One line per key that differs from the default, sizes human-readable."""
@@ -521,9 +524,13 @@ def _check_str_keys(values: Mapping[Any, Any], source: str) -> None:
             )
 
 
-def _tier(key: str, value: Any) -> str:
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, Tier) else value
+
+
+def _tier(key: str, value: Any) -> Tier:
     if isinstance(value, str) and value.lower() in TIERS:
-        return value.lower()
+        return Tier(value.lower())
     raise ConfigError(
         f"{key}={short_repr(value)}: allowed values are {', '.join(map(repr, TIERS))}"
     )

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hetstore.errors import ConfigError
+from hetstore.tier import TIER_LABELS
 from hetstore.timeline import MemoryTimeline
 
 __all__ = ["plot_timeline", "plot_losses"]
@@ -54,7 +55,7 @@ def plot_timeline(timeline: MemoryTimeline, path: str | Path) -> Path:
             va="bottom",
             fontsize=9,
         )
-    for column, tier in enumerate(("device", "host", "disk"), start=1):
+    for column, tier in enumerate(TIER_LABELS, start=1):
         values = [_mib(s[column]) for s in timeline.samples]
         if not any(values):
             continue

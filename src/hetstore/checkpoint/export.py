@@ -39,7 +39,7 @@ from hetstore.checkpoint.training import (
 )
 from hetstore.errors import ConfigError
 from hetstore.model_state import state_of
-from hetstore.runtime.flat import DiskSlice
+from hetstore.tiers.flat import DiskSlice
 from hetstore.weights import _targets
 
 __all__ = ["export_weights"]

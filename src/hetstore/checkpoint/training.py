@@ -65,9 +65,9 @@ from hetstore.errors import ConfigError, DiskIOError
 from hetstore.model_state import state_of
 from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.offloaded import OffloadedOptimizer
-from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, DiskSlice, wait_all_quiet
 from hetstore.runtime.rewrite import ChunkedRewrite, Span
 from hetstore.runtime.unit import Unit
+from hetstore.tiers.flat import ALIGN_ELEMENTS, DiskArray, DiskSlice, wait_all_quiet
 
 __all__ = ["save", "load"]
 

@@ -268,7 +268,6 @@ def _summary(model, n_params, states, budget, stats, losses, step_times, curves,
     runtime = state_of(model).runtime
     plan = runtime.plan
     moved = {"parameters": "param", "optimizer states": "optimizer", "activations": "activations"}
-    where = {"none": "device", "cpu": "host", "disk": "disk"}
     lines = [
         "",
         "summary",
@@ -282,7 +281,7 @@ def _summary(model, n_params, states, budget, stats, losses, step_times, curves,
     for label, field in moved.items():
         counts: dict[str, int] = {}
         for unit in plan.units:
-            tier = where[getattr(unit.choice, field)]
+            tier = getattr(unit.choice, field).label
             counts[tier] = counts.get(tier, 0) + 1
         text = ", ".join(f"{n} unit{'s' if n > 1 else ''} on {t}" for t, n in counts.items())
         lines.append(f"  {label:<20} {text}")

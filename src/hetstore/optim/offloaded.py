@@ -32,9 +32,9 @@ from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.registry import FLAT_NAMES, flat_spec, flat_steppable
 from hetstore.optim.step_ahead import StepAhead, eligible
 from hetstore.optim.streamed import StreamedUnitStep
-from hetstore.runtime.flat import DiskArray, DiskSlice
 from hetstore.runtime.sharding import ShardGroup
 from hetstore.runtime.unit import ParamEntry, Unit
+from hetstore.tiers.flat import DiskArray, DiskSlice
 
 __all__ = ["OffloadedOptimizer"]
 

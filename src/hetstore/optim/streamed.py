@@ -5,7 +5,7 @@ chunk ``i`` is stepped, chunk ``i+1``'s master, gradient and moments are being r
 chunk ``i-1``'s are being written. Three buffer sets of ``chunk_numel`` elements per
 array bound the host memory whatever the unit's size.
 
-All writes of one unit go into shadow regions (see :mod:`hetstore.runtime.flat`) that
+All writes of one unit go into shadow regions (see :mod:`hetstore.tiers.flat`) that
 replace the old ones only when every write of the unit has finished. If anything fails
 (disk full when allocating the shadow, an IO error) the unit's master, moments, step
 counter and compute-dtype copies are exactly as before the step, and the step can be
@@ -29,9 +29,10 @@ from torch.optim import Optimizer
 
 from hetstore.footprints import STREAMED_STEP_SLOT_SETS
 from hetstore.optim.registry import flat_spec
-from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray, wait_all_quiet
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
 from hetstore.runtime.unit import Unit
+from hetstore.tier import Tier
+from hetstore.tiers.flat import ALIGN_ELEMENTS, DiskArray, wait_all_quiet
 from hetstore.tiers.host import own_version_counter
 
 __all__ = ["StreamedUnitStep"]
@@ -82,7 +83,7 @@ class StreamedUnitStep:
         self.chunk_numel = max(ALIGN_ELEMENTS, chunk_numel // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
         self.has_step = flat_spec(optimizer_class).has_step
         self.states: dict[str, DiskArray] = {
-            key: unit.allocate("disk", unit.trainable_numel, torch.float32, key)
+            key: unit.allocate(Tier.DISK, unit.trainable_numel, torch.float32, key)
             for key in state_keys
         }
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in unit.segments]

@@ -44,20 +44,25 @@ from dataclasses import dataclass
 
 from hetstore.footprints import grad_staging_bytes, param_staging_bytes, streamed_step_bytes
 from hetstore.planner.trace import Trace, UnitTrace
+from hetstore.tier import Tier
 
 __all__ = ["UnitChoice", "Estimate", "estimate", "optimizer_bytes", "TIERS"]
 
-TIERS = ("none", "cpu", "disk")
+TIERS = tuple(Tier)
 
 
 @dataclass(frozen=True)
 class UnitChoice:
-    """Where one unit's pieces live: 'none' (device), 'cpu' (host) or 'disk'.
-    Gradients follow the optimizer (they are consumed where it steps)."""
+    """Where one unit's pieces live. Gradients follow the optimizer (they are consumed
+    where it steps)."""
 
-    param: str = "none"
-    optimizer: str = "none"
-    activations: str = "none"
+    param: Tier = Tier.DEVICE
+    optimizer: Tier = Tier.DEVICE
+    activations: Tier = Tier.DEVICE
+
+    def __post_init__(self):  # config spellings ('none', 'cpu', 'disk') are accepted
+        for name in ("param", "optimizer", "activations"):
+            object.__setattr__(self, name, Tier(getattr(self, name)))
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,9 @@ class Estimate:
         """The step time with ``overlap_step=False``: every unit stepped after backward."""
         return self.step_s + self.optimizer_hidden_s
 
-    def peak(self, tier: str) -> int:
-        return {"device": self.device, "host": self.host, "disk": self.disk}[tier]
+    def peak(self, tier: Tier | str) -> int:
+        """The predicted peak of ``tier`` (a ``Tier`` or its report name)."""
+        return getattr(self, Tier.from_label(tier).label)
 
 
 def _aliases_master(u: UnitTrace, c: UnitChoice) -> bool:
@@ -114,7 +120,7 @@ def memory(
     for u, c in zip(trace.units, choices, strict=True):
         aliased = _aliases_master(u, c)
         # parameters between uses, and their working copy on the device
-        if c.param == "none":
+        if c.param == Tier.DEVICE:
             device += 0 if aliased else u.param_bytes
         else:
             if u.is_root:
@@ -122,13 +128,13 @@ def memory(
             else:
                 fetched_blocks.append(u.param_bytes)
             if not aliased:
-                host += u.param_bytes if c.param == "cpu" else 0
-                disk += u.param_bytes if c.param == "disk" else 0
+                host += u.param_bytes if c.param == Tier.HOST else 0
+                disk += u.param_bytes if c.param == Tier.DISK else 0
         opt = optimizer_bytes(u, c)
-        device += opt if c.optimizer == "none" else 0
-        host += opt if c.optimizer == "cpu" else 0
-        disk += opt if c.optimizer == "disk" else 0
-        disk += u.saved_bytes if c.activations == "disk" else 0
+        device += opt if c.optimizer == Tier.DEVICE else 0
+        host += opt if c.optimizer == Tier.HOST else 0
+        disk += opt if c.optimizer == Tier.DISK else 0
+        disk += u.saved_bytes if c.activations == Tier.DISK else 0
     units = list(zip(trace.units, choices, strict=True))
     if fetched_blocks:
         device += min(depth + 1, len(fetched_blocks)) * max(fetched_blocks)
@@ -143,11 +149,11 @@ def memory(
     # backward only; the streamed step's chunk buffers during the optimizer step only.
     persistent = forward_backward = step = 0
     disk_params = [
-        u.param_bytes for u, c in units if c.param == "disk" and not _aliases_master(u, c)
+        u.param_bytes for u, c in units if c.param == Tier.DISK and not _aliases_master(u, c)
     ]
     if disk_params:
         persistent += param_staging_bytes(depth, max(disk_params))
-    disk_opt = [(u, c) for u, c in units if c.optimizer == "disk"]
+    disk_opt = [(u, c) for u, c in units if c.optimizer == Tier.DISK]
     if disk_opt:
         persistent += grad_staging_bytes(_max(u.grad_bytes for u, _ in disk_opt))
         chunks = _max(
@@ -157,7 +163,7 @@ def memory(
                 chunk_bytes // 4,
                 grad_on_disk=True,  # the planner puts gradients in the optimizer's tier
                 home_itemsize=u.compute_itemsize
-                if c.param == "disk" and not _aliases_master(u, c)
+                if c.param == Tier.DISK and not _aliases_master(u, c)
                 else 0,
             )
             for u, c in disk_opt
@@ -166,8 +172,8 @@ def memory(
         if trace.step_overlap and any(_stepped_ahead(u, c) for u, c in disk_opt):
             forward_backward += chunks  # the step-ahead worker's, during backward
         disk += _max(_master_bytes(u, c) + u.state_bytes for u, c in disk_opt)  # the shadow
-    forward_backward += sum(u.saved_bytes for u, c in units if c.activations == "cpu")
-    disk_saved = [u.saved_bytes for u, c in units if c.activations == "disk"]
+    forward_backward += sum(u.saved_bytes for u, c in units if c.activations == Tier.HOST)
+    disk_saved = [u.saved_bytes for u, c in units if c.activations == Tier.DISK]
     if disk_saved:
         forward_backward += 2 * max(disk_saved)
     host += persistent + max(forward_backward, step)
@@ -181,8 +187,8 @@ def _activation_peak(units, depth: int, prefetched: bool) -> int:
     the offloaded ones, with ``prefetched`` (CUDA: whole groups come back ahead) the
     groups of units k-depth..k, else (a CPU device restores each tensor as autograd
     unpacks it and drops it after its node) the largest saved tensor of unit k."""
-    kept = [u.saved_bytes if c.activations == "none" else 0 for u, c in units]
-    moved = [u.saved_bytes if c.activations != "none" else 0 for u, c in units]
+    kept = [u.saved_bytes if c.activations == Tier.DEVICE else 0 for u, c in units]
+    moved = [u.saved_bytes if c.activations != Tier.DEVICE else 0 for u, c in units]
     peak = sum(kept)
     prefix = 0
     for k, (u, c) in enumerate(units):
@@ -190,7 +196,7 @@ def _activation_peak(units, depth: int, prefetched: bool) -> int:
         if prefetched:
             restored = sum(moved[max(0, k - depth) : k + 1])
         else:
-            restored = u.largest_saved_bytes if c.activations != "none" else 0
+            restored = u.largest_saved_bytes if c.activations != Tier.DEVICE else 0
         peak = max(peak, prefix + restored)
     return peak
 
@@ -209,7 +215,7 @@ def _backward_s(u: UnitTrace, trace: Trace) -> float:
 
 def _stepped_ahead(u: UnitTrace, c: UnitChoice) -> bool:
     """What optim.step_ahead steps during backward: states and parameters on disk."""
-    return c.optimizer == "disk" and (c.param == "disk" or _aliases_master(u, c))
+    return c.optimizer == Tier.DISK and (c.param == Tier.DISK or _aliases_master(u, c))
 
 
 def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
@@ -251,30 +257,30 @@ def times(
         compute += _compute_s(u, trace)
         fetches = 1 if u.is_root else 2  # the root stays from forward through backward
         unit_transfer = 0.0
-        if c.param != "none":
+        if c.param != Tier.DEVICE:
             copy = fetches * u.param_bytes / m.to_device
             if m.copies_overlap and depth > 0 and not u.is_root:
                 unit_transfer += copy
             else:
                 stall += copy
-            if c.param == "disk" and not _aliases_master(u, c):
+            if c.param == Tier.DISK and not _aliases_master(u, c):
                 read = fetches * u.param_bytes / m.disk_read
                 if depth > 0 and not u.is_root:
                     unit_transfer += read
                 else:
                     stall += read
-        if c.optimizer != "none" and u.trainable_numel:
+        if c.optimizer != Tier.DEVICE and u.trainable_numel:
             # gradients leave the device in the gradient hook, synchronously
             stall += u.trainable_numel * u.compute_itemsize / m.from_device
-        if c.optimizer == "disk":
+        if c.optimizer == Tier.DISK:
             unit_transfer += u.grad_bytes / m.disk_write
-        if c.activations != "none":
+        if c.activations != Tier.DEVICE:
             copies = u.saved_bytes / m.from_device + u.saved_bytes / m.to_device
             if m.copies_overlap:
                 unit_transfer += copies
             else:
                 stall += copies
-            if c.activations == "disk":
+            if c.activations == Tier.DISK:
                 unit_transfer += u.saved_bytes / m.disk_write + u.saved_bytes / m.disk_read
         overlappable += unit_transfer
         fill = max(fill, unit_transfer)
@@ -282,20 +288,20 @@ def times(
         n = u.trainable_numel
         if not n:
             continue
-        if c.optimizer == "none":
+        if c.optimizer == Tier.DEVICE:
             steps[-1] += n / m.device_step
-        elif c.optimizer == "cpu":
+        elif c.optimizer == Tier.HOST:
             steps[-1] += n / m.host_step
-            if c.param == "none":
+            if c.param == Tier.DEVICE:
                 steps[-1] += u.param_bytes / m.to_device  # updated weights back
         else:
             read = _master_bytes(u, c) + u.state_bytes + u.grad_bytes
             write = _master_bytes(u, c) + u.state_bytes
-            if c.param == "disk" and not _aliases_master(u, c):
+            if c.param == Tier.DISK and not _aliases_master(u, c):
                 write += u.master_bytes // 4 * u.compute_itemsize  # the home's head
             io = read / m.disk_read + write / m.disk_write
             steps[-1] += max(n / m.host_step, io)
-            if c.param == "none":
+            if c.param == Tier.DEVICE:
                 steps[-1] += u.param_bytes / m.to_device
     exposed = max(0.0, overlappable - compute) + (fill / depth if depth else 0.0)
     hidden = _hidden_behind_backward(trace, choices, steps) if overlap else 0.0

@@ -11,6 +11,7 @@ from pathlib import Path
 from hetstore._sizes import format_size
 from hetstore.planner.cost import Estimate, UnitChoice, estimate, optimizer_bytes
 from hetstore.planner.trace import Trace
+from hetstore.tier import TIER_LABELS, Tier
 
 __all__ = ["Capacities", "Plan", "UnitPlan"]
 
@@ -24,8 +25,9 @@ class Capacities:
     host: int | None
     disk: int | None
 
-    def of(self, tier: str) -> int | None:
-        return getattr(self, tier)
+    def of(self, tier: Tier | str) -> int | None:
+        """The capacity of ``tier`` (a ``Tier`` or its report name)."""
+        return getattr(self, Tier.from_label(tier).label)
 
     @classmethod
     def from_config(
@@ -110,7 +112,6 @@ class Plan:
     # ------------------------------------------------------------------ display
     def table(self) -> str:
         """The plan as text: per unit, per tier, and the predicted step time."""
-        names = {"none": "device", "cpu": "host", "disk": "disk"}
         rows = [("unit", "params", "where", "optimizer", "where", "activations", "where")]
         for u in self.units:
             c = u.choice
@@ -118,11 +119,11 @@ class Plan:
                 (
                     u.name,
                     format_size(u.param_bytes),
-                    names[c.param],
+                    c.param.label,
                     format_size(u.optimizer_bytes),
-                    names[c.optimizer],
+                    c.optimizer.label,
                     format_size(u.saved_bytes),
-                    names[c.activations],
+                    c.activations.label,
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -137,7 +138,7 @@ class Plan:
             return "\n".join(lines)
         lines.append("")
         lines.append(f"{'tier':<7} {'predicted peak':>15} {'may use':>12}")
-        for tier in ("device", "host", "disk"):
+        for tier in TIER_LABELS:
             cap = self.capacities.of(tier)
             limit = "no limit" if cap is None else format_size(cap)
             lines.append(f"{tier:<7} {format_size(e.peak(tier)):>15} {limit:>12}")

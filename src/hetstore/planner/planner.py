@@ -30,12 +30,12 @@ from hetstore.errors import OutOfDeviceMemory, OutOfTierMemory
 from hetstore.planner.cost import UnitChoice, memory, times
 from hetstore.planner.plan import Capacities, Plan
 from hetstore.planner.trace import Trace
+from hetstore.tier import TIER_LABELS, Tier
 
 __all__ = ["make_plan"]
 
-TIER_ORDER = ("device", "host", "disk")  # the order of memory()'s result
-_KEYS = {"device": "max_device_memory", "host": "offload_cpu_size", "disk": "offload_disk_size"}
-_RATIOS = {"device": "hbm_ratio", "host": "cpu_ratio", "disk": None}
+TIER_ORDER = TIER_LABELS  # the order of memory()'s result
+_RATIOS = {Tier.DEVICE: "hbm_ratio", Tier.HOST: "cpu_ratio", Tier.DISK: None}
 
 
 def _fits(value: int, cap: int | None) -> bool:
@@ -73,8 +73,8 @@ def _spill(choices, spills, s):
     """The first ``s`` spills that apply (an item still on host goes to disk)."""
     out = list(choices)
     for i, field_, _ in spills[:s]:
-        if getattr(out[i], field_) == "cpu":
-            out[i] = replace(out[i], **{field_: "disk"})
+        if getattr(out[i], field_) == Tier.HOST:
+            out[i] = replace(out[i], **{field_: Tier.DISK})
     return out
 
 
@@ -109,13 +109,14 @@ def make_plan(trace: Trace, capacities: Capacities, config, *, disk_optimizer: b
     best: tuple[float, list[UnitChoice], int] | None = None
     for depth in sorted({0, 1, 2, config.prefetch_depth}):
         host_opt = [
-            replace(c, optimizer="cpu") if i in trainable else c for i, c in enumerate(everything)
+            replace(c, optimizer=Tier.HOST) if i in trainable else c
+            for i, c in enumerate(everything)
         ]
         device_moves = _order(
             trace,
             host_opt,
-            [(i, "param", "cpu") for i, u in enumerate(trace.units) if not u.is_root]
-            + [(i, "activations", "cpu") for i, u in enumerate(trace.units) if u.saved_bytes],
+            [(i, "param", Tier.HOST) for i, u in enumerate(trace.units) if not u.is_root]
+            + [(i, "activations", Tier.HOST) for i, u in enumerate(trace.units) if u.saved_bytes],
             depth,
             chunk,
             0,
@@ -124,7 +125,7 @@ def make_plan(trace: Trace, capacities: Capacities, config, *, disk_optimizer: b
             base = _apply(host_opt, device_moves[:j])
             # optimizer states back on the device, most time saved per byte first
             returns = _order(
-                trace, base, [(i, "optimizer", "none") for i in trainable], depth, chunk, 0, -1
+                trace, base, [(i, "optimizer", Tier.DEVICE) for i in trainable], depth, chunk, 0, -1
             )
             candidates = []
             device_base = memory(trace, base, depth, chunk)[0]
@@ -162,19 +163,18 @@ def make_plan(trace: Trace, capacities: Capacities, config, *, disk_optimizer: b
     return Plan.build(trace, choices, best[2], capacities, "auto", chunk)
 
 
-_CLOSER = {"disk": "cpu", "cpu": "none"}
-
-
 def _within_margin(trace, choices, depth, chunk, capacities, ratio) -> bool:
     """Optimizer states kept on the device stay within ``ratio`` of the margin (device
     capacity minus everything else's peak), unless every unit's states are there."""
     kept = [
-        i for i, c in enumerate(choices) if c.optimizer == "none" and trace.units[i].trainable_numel
+        i
+        for i, c in enumerate(choices)
+        if c.optimizer == Tier.DEVICE and trace.units[i].trainable_numel
     ]
     trainable = [i for i, u in enumerate(trace.units) if u.trainable_numel]
     if capacities.device is None or not kept or len(kept) == len(trainable):
         return True
-    without = [replace(c, optimizer="cpu") if i in kept else c for i, c in enumerate(choices)]
+    without = [replace(c, optimizer=Tier.HOST) if i in kept else c for i, c in enumerate(choices)]
     rest = memory(trace, without, depth, chunk)[0]
     used = memory(trace, choices, depth, chunk)[0]
     return used - rest <= (capacities.device - rest) * ratio
@@ -194,10 +194,10 @@ def _bring_closer(trace, choices, depth, chunk, capacities, ratio) -> list[UnitC
         changed = False
         for i in reversed(range(len(current))):
             for field_ in ("param", "activations", "optimizer"):
-                closer = _CLOSER.get(getattr(current[i], field_))
+                closer = getattr(current[i], field_).closer
                 if closer is None or (field_ == "param" and trace.units[i].is_root):
                     continue
-                if field_ == "optimizer" and closer == "none":
+                if field_ == "optimizer" and closer == Tier.DEVICE:
                     continue  # the device margin's share is gpu_margin_mem_ratio's to set
                 trial = list(current)
                 trial[i] = replace(trial[i], **{field_: closer})
@@ -222,10 +222,10 @@ def _fit_host(
         trace,
         choices,
         [
-            (i, field_, "disk")
+            (i, field_, Tier.DISK)
             for i, c in enumerate(choices)
             for field_ in ("optimizer", "param", "activations")
-            if getattr(c, field_) == "cpu" and (disk_optimizer or field_ != "optimizer")
+            if getattr(c, field_) == Tier.HOST and (disk_optimizer or field_ != "optimizer")
         ],
         depth,
         chunk,
@@ -252,15 +252,19 @@ def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) 
     """Name every tier that is short, with the least capacity that would fit."""
     chunk = config.optimizer_chunk_size
     lean = [
-        UnitChoice(param="none" if u.is_root else "cpu", optimizer="cpu", activations="cpu")
+        UnitChoice(
+            param=Tier.DEVICE if u.is_root else Tier.HOST,
+            optimizer=Tier.HOST,
+            activations=Tier.HOST,
+        )
         for u in trace.units
     ]
     device_need = memory(trace, lean, 0, chunk)[0]
     on_disk = [
         UnitChoice(
-            param="none" if u.is_root else "disk",
-            optimizer="disk" if disk_optimizer else "cpu",
-            activations="disk",
+            param=Tier.DEVICE if u.is_root else Tier.DISK,
+            optimizer=Tier.DISK if disk_optimizer else Tier.HOST,
+            activations=Tier.DISK,
         )
         for u in trace.units
     ]
@@ -272,21 +276,21 @@ def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) 
         plan = _fit_host(trace, lean, 0, chunk, Capacities(None, host_cap, None), disk_optimizer)
         if plan is not None:
             disk_need = memory(trace, plan, 0, chunk)[2]
-    needs = {"device": device_need, "host": host_need, "disk": disk_need}
+    needs = {Tier.DEVICE: device_need, Tier.HOST: host_need, Tier.DISK: disk_need}
     lines = []
     short = []
     for tier, need in needs.items():
-        cap = capacities.of(tier)
+        cap = capacities.of(tier.label)
         if cap is not None and need > cap:
             short.append(tier)
-            ratio = _RATIOS[tier]
+            ratio, key = _RATIOS[tier], tier.capacity_key
             share = f" x {ratio} {getattr(config, ratio)}" if ratio else ""
             lines.append(
-                f"  {tier}: needs at least {format_size(need)}, may use {format_size(cap)} "
-                f"({_KEYS[tier]}{share}); raise {_KEYS[tier]}" + (f" or {ratio}" if ratio else "")
+                f"  {tier.label}: needs at least {format_size(need)}, may use {format_size(cap)} "
+                f"({key}{share}); raise {key}" + (f" or {ratio}" if ratio else "")
             )
     if not short:  # each tier alone would do; together they do not
-        short = ["host"]
+        short = [Tier.HOST]
         lines.append(
             "  no single tier is short, but no placement fits all three at once; "
             "raise offload_cpu_size or offload_disk_size"
@@ -296,8 +300,8 @@ def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) 
         "within the capacities, even offloading everything it can:\n" + "\n".join(lines)
     )
     tier = short[0]
-    cls = OutOfDeviceMemory if tier == "device" else OutOfTierMemory
-    return cls(message, tier=tier, requested=needs[tier], capacity=capacities.of(tier))
+    cls = OutOfDeviceMemory if tier is Tier.DEVICE else OutOfTierMemory
+    return cls(message, tier=tier.label, requested=needs[tier], capacity=capacities.of(tier.label))
 
 
 def refit_activations(trace: Trace, plan: Plan, config, *, batch: str = "this batch") -> Plan:
@@ -314,9 +318,9 @@ def refit_activations(trace: Trace, plan: Plan, config, *, batch: str = "this ba
         trace,
         choices,
         [
-            (i, "activations", "cpu")
+            (i, "activations", Tier.HOST)
             for i, (u, c) in enumerate(zip(trace.units, choices, strict=True))
-            if c.activations == "none" and u.saved_bytes
+            if c.activations == Tier.DEVICE and u.saved_bytes
         ],
         depth,
         chunk,
@@ -344,7 +348,7 @@ def refit_activations(trace: Trace, plan: Plan, config, *, batch: str = "this ba
     spills = _order(
         trace,
         grown,
-        [(i, "activations", "disk") for i, c in enumerate(grown) if c.activations == "cpu"],
+        [(i, "activations", Tier.DISK) for i, c in enumerate(grown) if c.activations == Tier.HOST],
         depth,
         chunk,
         1,
@@ -354,13 +358,13 @@ def refit_activations(trace: Trace, plan: Plan, config, *, batch: str = "this ba
         host, disk = memory(trace, candidate, depth, chunk)[1:]
         if _fits(host, capacities.host) and _fits(disk, capacities.disk):
             return Plan.build(trace, candidate, depth, capacities, plan.source, chunk)
-    tier = "host" if not _fits(host, capacities.host) else "disk"
-    need = host if tier == "host" else disk
+    tier = Tier.HOST if not _fits(host, capacities.host) else Tier.DISK
+    need = host if tier is Tier.HOST else disk
     raise OutOfTierMemory(
-        f"{batch}: its activations do not fit the {tier} tier: it would hold "
-        f"{format_size(need)} and may use {format_size(capacities.of(tier))} ({_KEYS[tier]}). "
-        "Lower the batch size or raise " + _KEYS[tier],
-        tier=tier,
+        f"{batch}: its activations do not fit the {tier.label} tier: it would hold "
+        f"{format_size(need)} and may use {format_size(capacities.of(tier.label))} "
+        f"({tier.capacity_key}). Lower the batch size or raise {tier.capacity_key}",
+        tier=tier.label,
         requested=need,
         capacity=capacities.of(tier),
     )

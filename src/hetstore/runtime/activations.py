@@ -34,8 +34,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from hetstore.config import TIERS as ACTIVATION_TIERS
 from hetstore.errors import BACKWARD_AFTER_RELEASE, ConfigError
-from hetstore.runtime.flat import DiskArray, wait_all_quiet
+from hetstore.tier import Tier
 from hetstore.tiers import Tiers
+from hetstore.tiers.flat import DiskArray, wait_all_quiet
 
 __all__ = ["ActivationHooks"]
 
@@ -112,7 +113,7 @@ class _Storage:
                 self._source = storage
             else:
                 self.host.tensor[: self.nbytes].copy_(source)
-            if tier == "disk":
+            if tier is Tier.DISK:
                 self.disk = DiskArray(tiers.disk, self.nbytes, torch.uint8, _LABEL)
                 if self._copied is None:
                     self._start_write()
@@ -256,21 +257,21 @@ class ActivationHooks:
         model: nn.Module,
         units,
         tiers: Tiers,
-        tier: str,
+        tier: Tier | str,
         min_bytes: int,
         prefetch_depth: int = 1,
         stream: torch.cuda.Stream | None = None,
     ):
         self.units = units
         self.tiers = tiers
-        self.tier = tier
+        self.tier = Tier(tier)
         self.min_bytes = min_bytes
         self.prefetch_depth = prefetch_depth
         self.count = tiers.device.type == "cpu"
         # CUDA: copies out of the device overlap compute, and run beside the parameter
         # copies coming in (runtime.streams.CudaStreams.activations); None on CPU
         self.stream = stream
-        self._unit_tiers: dict[str, str] = {}
+        self._unit_tiers: dict[str, Tier] = {}
         self._buffer_ptrs = {b.untyped_storage().data_ptr() for b in model.buffers()}
         self._records: dict[tuple[int, int], tuple[StorageWeakRef, _Storage]] = {}
         self._counted: dict[int, tuple[StorageWeakRef, _Counted]] = {}
@@ -302,11 +303,12 @@ class ActivationHooks:
             raise ConfigError(
                 f"set_unit_tier: tier {tier!r} for unit {name!r} is not one of {ACTIVATION_TIERS}"
             )
-        if tier == "disk":
+        tier = Tier(tier)
+        if tier is Tier.DISK:
             self.tiers.disk  # noqa: B018 - fails now, naming offload_path, not mid-forward
         self._unit_tiers[name] = tier
 
-    def tier_of(self, name: str) -> str:
+    def tier_of(self, name: str) -> Tier:
         return self._unit_tiers.get(name, self.tier)
 
     # ------------------------------------------------------------------ context
@@ -382,7 +384,7 @@ class ActivationHooks:
             return _Kept(tensor)
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        if self._current == "none" or nbytes < self.min_bytes:
+        if self._current is Tier.DEVICE or nbytes < self.min_bytes:
             if not self.count:
                 return _Kept(tensor)
             found = self._counted.get(storage.data_ptr())

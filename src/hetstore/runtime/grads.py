@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from hetstore.errors import GradientAccessError
-from hetstore.runtime.flat import DiskArray
+from hetstore.tiers.flat import DiskArray
 
 if TYPE_CHECKING:
     from hetstore.runtime.unit import ParamEntry, Unit

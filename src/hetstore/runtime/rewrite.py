@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from hetstore.runtime.flat import DiskArray, wait_all, wait_all_quiet
+from hetstore.tiers.flat import DiskArray, wait_all, wait_all_quiet
 
 if TYPE_CHECKING:
     from hetstore.tiers import HostBuffer, HostTier

@@ -14,7 +14,7 @@ order of ``entries``: trainable parameters grouped by optimizer param group, the
   the Parameter objects, and autograd's references to them, stay valid; the bytes go.
 - ``grad``: fp32 on the gradient tier, accumulated across micro-batches.
 
-On the disk tier a form is a :class:`~hetstore.runtime.flat.DiskArray`, not a tensor:
+On the disk tier a form is a :class:`~hetstore.tiers.flat.DiskArray`, not a tensor:
 parameters come to the device through the runtime's :class:`ParamStager`, gradients go
 out through its :class:`GradStager`, and the optimizer streams master and states.
 
@@ -43,8 +43,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from hetstore.runtime.flat import ALIGN_ELEMENTS, DiskArray
+from hetstore.tier import Tier
 from hetstore.tiers import HostBuffer, Tiers
+from hetstore.tiers.accounting import FlatAllocation
+from hetstore.tiers.flat import ALIGN_ELEMENTS, DiskArray, read_into, write_from
 
 if TYPE_CHECKING:
     from hetstore.runtime.sharding import ShardGroup
@@ -55,11 +57,15 @@ __all__ = ["ParamEntry", "Segment", "Unit", "Placement"]
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one unit's pieces live: each 'none' (device), 'cpu' (host) or 'disk'."""
+    """Where one unit's pieces live."""
 
-    param: str
-    optimizer: str
-    grad: str
+    param: Tier
+    optimizer: Tier
+    grad: Tier
+
+    def __post_init__(self):  # config spellings ('none', 'cpu', 'disk') are accepted
+        for name in ("param", "optimizer", "grad"):
+            object.__setattr__(self, name, Tier(getattr(self, name)))
 
 
 @dataclass
@@ -164,9 +170,7 @@ class Unit:
         split = compute_only_start is not None and shards is None and not aliased
         self.master_numel = compute_only_start if split else self.numel
         self._grad_bucket: torch.Tensor | None = None  # sharded: the full gradient, gathering
-        self._host_buffers: list[HostBuffer] = []
-        self._device_persistent: list[tuple[torch.Tensor, str]] = []
-        self._disk_arrays: list[DiskArray] = []
+        self._owned: list[FlatAllocation] = []  # every buffer allocate() made
         self.materialized = False
         self.ready_event = None  # CUDA event guarding an in-flight fetch
         self.pending_grads = 0
@@ -193,23 +197,12 @@ class Unit:
     def _collective(self, what: str) -> str:
         return f"{what} of unit {self.name!r}"
 
-    def allocate(self, tier: str, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        """A flat tensor on ``tier`` ('none' = device, 'cpu' = host) owned by this unit
-        and freed by ``close()``; the optimizer keeps its states here too."""
-        label = self._label(what)
-        if tier == "none":
-            tensor = self.tiers.device_tier.empty(numel, dtype, label)
-            self._device_persistent.append((tensor, label))
-            return tensor
-        if tier == "cpu":
-            buffer = self.tiers.host.allocate(numel * dtype.itemsize, label, dtype)
-            self._host_buffers.append(buffer)
-            return buffer.tensor
-        if tier == "disk":
-            array = DiskArray(self.tiers.disk, numel, dtype, label)
-            self._disk_arrays.append(array)
-            return array
-        raise ValueError(f"unknown tier {tier!r} for {what} of unit {self.name!r}")
+    def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        """A flat buffer on ``tier`` (a tensor; a ``DiskArray`` on disk) owned by this
+        unit and freed by ``close()``; the optimizer keeps its states here too."""
+        owned = self.tiers.of(Tier(tier)).allocate_flat(numel, dtype, self._label(what))
+        self._owned.append(owned)
+        return owned.data
 
     def scratch(self, numel: int, dtype: torch.dtype, what: str) -> HostBuffer:
         """A temporary host buffer (free it with ``tiers.host.free``)."""
@@ -226,7 +219,7 @@ class Unit:
             self.home = self.allocate(p.param, self.numel, self.compute_dtype, "params")
         with torch.no_grad():
             self._initialize_master()
-        if p.param == "none" and self.shards is None:
+        if p.param is Tier.DEVICE and self.shards is None:
             self.device_flat = self.home
             self.materialized = True
         else:
@@ -345,20 +338,10 @@ class Unit:
     def _read_master_into(self, flat: torch.Tensor) -> None:
         """The whole layout in fp32 into ``flat`` (host): the master, and the frozen
         parameters that live only in ``home``, widened."""
-        head = flat[: self.master_numel]
-        if not isinstance(self.master, DiskArray):
-            head.copy_(self.master)
-        elif self.master.written:
-            self.master.read(head).wait()
-        else:
-            head.zero_()
-        if not self.has_home_only:
-            return
-        if isinstance(self.home, DiskArray):
-            with self.edit_home_only(write_back=False) as tail:  # through a staging buffer
+        read_into(self.master, flat[: self.master_numel])  # a never-written one reads zeros
+        if self.has_home_only:
+            with self.edit_home_only(write_back=False) as tail:  # widened from the home
                 flat[self.master_numel :].copy_(tail)
-        else:
-            flat[self.master_numel :].copy_(self.home[self.master_numel :])
 
     @contextlib.contextmanager
     def edit_home_only(self, write_back: bool = True):
@@ -372,21 +355,14 @@ class Unit:
         staged = self.scratch(n, self.compute_dtype, "frozen params scratch")
         try:
             tail = staged.tensor[:n]
-            if isinstance(self.home, DiskArray):
-                self.home.read(tail, start).wait()
-            else:
-                tail.copy_(self.home[start:])
+            read_into(self.home, tail, start)
             yield tail
             if not write_back:
                 return
             if self.param_stager is not None:
                 self.param_stager.forget(self)
             with torch.no_grad():
-                if isinstance(self.home, DiskArray):
-                    self.home.write(tail, start)
-                    self.home.wait_writes()
-                else:
-                    self.home[start:].copy_(tail)
+                write_from(self.home, tail, start)
                 if self.materialized and self.device_flat is not self.home:
                     self.device_flat[start : self.numel].copy_(tail)
         finally:
@@ -646,15 +622,9 @@ class Unit:
         if self._grad_bucket is not None:  # a backward that failed before its reduce
             self._grad_bucket = None
             self.tiers.device_tier.release(self._grad_bucket_bytes, self._label("grad bucket"))
-        for buffer in self._host_buffers:
-            self.tiers.host.free(buffer)
-        self._host_buffers.clear()
-        for tensor, label in self._device_persistent:
-            self.tiers.device_tier.release(tensor.numel() * tensor.element_size(), label)
-        self._device_persistent.clear()
-        for array in self._disk_arrays:
-            array.free()
-        self._disk_arrays.clear()
+        for owned in self._owned:
+            owned.free()
+        self._owned.clear()
         # a closed unit holds no buffer, so its bytes go now even if something still
         # references the unit (a reference cycle awaiting the collector)
         self.master = self.home = self.grad = self.device_flat = None

@@ -11,8 +11,10 @@ from collections.abc import Callable
 import torch
 
 from hetstore.config import OffloadConfig
+from hetstore.tier import TIER_LABELS, Tier
 from hetstore.tiers.accounting import MemoryAccount, TierUsage, format_usage
 from hetstore.tiers.device import DeviceTier
+from hetstore.tiers.disk import DiskTier
 from hetstore.tiers.host import HostBuffer, HostTier, PinnedMemoryWarning
 
 __all__ = [
@@ -24,8 +26,6 @@ __all__ = [
     "TierUsage",
     "PinnedMemoryWarning",
 ]
-
-TIER_NAMES = ("device", "host", "disk")
 
 
 class Tiers:
@@ -64,11 +64,9 @@ class Tiers:
         self._disk = None
 
     @property
-    def disk(self):
+    def disk(self) -> DiskTier:
         """The disk tier, created (directory made, free space checked) on first use."""
         if self._disk is None:
-            from hetstore.tiers.disk import DiskTier
-
             cfg = self.config
             self._disk = DiskTier(
                 root=cfg.offload_path,
@@ -81,21 +79,24 @@ class Tiers:
             )
         return self._disk
 
-    def usage(self, name: str) -> TierUsage:
-        if name == "device":
-            return self.device_tier.account.usage()
-        if name == "host":
-            return self.host.account.usage()
-        if name == "disk":
-            if self._disk is None:
-                return TierUsage("disk", 0, 0, self.config.offload_disk_size)
-            stats = self._disk.stats()
-            return TierUsage("disk", stats["current"], stats["peak"], stats["capacity"])
-        raise KeyError(f"unknown tier {name!r}; tiers are {', '.join(TIER_NAMES)}")
+    def of(self, tier: Tier) -> DeviceTier | HostTier | DiskTier:
+        """The storage of ``tier``: each has ``allocate_flat`` and ``usage``."""
+        if tier is Tier.DEVICE:
+            return self.device_tier
+        if tier is Tier.HOST:
+            return self.host
+        return self.disk
+
+    def usage(self, tier: Tier | str) -> TierUsage:
+        """One tier's usage; ``tier`` may be its report name ("device", "host", "disk")."""
+        tier = Tier.from_label(tier)
+        if tier is Tier.DISK and self._disk is None:  # not created yet: nothing on it
+            return TierUsage(tier.label, 0, 0, self.config.offload_disk_size)
+        return self.of(tier).usage()
 
     def memory_stats(self) -> dict[str, dict[str, int | None]]:
         """``{"device"|"host"|"disk": {"current", "peak", "capacity"}}`` in bytes."""
-        return {name: self.usage(name).as_dict() for name in TIER_NAMES}
+        return {name: self.usage(name).as_dict() for name in TIER_LABELS}
 
     def reset_peaks(self) -> None:
         self.device_tier.account.reset_peak()
@@ -107,7 +108,7 @@ class Tiers:
             self._disk.close()
 
     def _report_context(self, failing: str, nbytes: int) -> list[str]:
-        lines = [format_usage(self.usage(name)) for name in TIER_NAMES if name != failing]
+        lines = [format_usage(self.usage(name)) for name in TIER_LABELS if name != failing]
         if self._advice is not None:
             lines.extend(self._advice(failing, nbytes))
         if self.world_size > 1:

@@ -11,15 +11,19 @@ from dataclasses import dataclass
 
 from hetstore._sizes import format_size
 from hetstore.errors import OutOfDeviceMemory, OutOfTierMemory
+from hetstore.tier import Tier
 
-__all__ = ["MemoryAccount", "TierUsage", "format_usage"]
+__all__ = ["MemoryAccount", "TierUsage", "FlatAllocation", "format_usage"]
 
-# The config key that sets each tier's capacity, for error messages.
-CAPACITY_KEYS = {
-    "device": "max_device_memory",
-    "host": "offload_cpu_size",
-    "disk": "offload_disk_size",
-}
+
+@dataclass
+class FlatAllocation:
+    """A flat buffer a tier handed out: ``data`` (a tensor, or a ``DiskArray`` on disk)
+    and ``free``, which gives its bytes back to the tier. Every tier's ``allocate_flat``
+    returns one, so an owner frees what it holds without knowing which tier made it."""
+
+    data: object
+    free: Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class TierUsage:
 
 def format_usage(usage: TierUsage) -> str:
     free = "" if usage.capacity is None else f", free {format_size(usage.capacity - usage.current)}"
-    key = CAPACITY_KEYS.get(usage.name)
+    key = Tier.from_label(usage.name).capacity_key
     capacity = format_size(usage.capacity) + (f" ({key})" if key else "")
     return (
         f"  {usage.name}: capacity {capacity}, in use {format_size(usage.current)}, "
@@ -54,12 +58,13 @@ class MemoryAccount:
 
     def __init__(
         self,
-        name: str,
+        tier: Tier,
         capacity: int | None,
         *,
         context: Callable[[str, int], list[str]] | None = None,
     ):
-        self.name = name
+        self.tier = tier
+        self.name = tier.label
         self.capacity = capacity
         self._current = 0
         self._peak = 0
@@ -116,7 +121,7 @@ class MemoryAccount:
         self._peak = self._current
 
     def overflow_error(self, nbytes: int, label: str) -> OutOfTierMemory:
-        key = CAPACITY_KEYS.get(self.name, "capacity")
+        key = self.tier.capacity_key
         lines = [
             f"hetstore: out of {self.name} memory: requested {format_size(nbytes)} for {label!r}",
             format_usage(self.usage()),
@@ -132,5 +137,5 @@ class MemoryAccount:
                 f"  to fit this request: {key} >= {format_size(need)} ({need} bytes), "
                 f"or move more state off the {self.name} tier"
             )
-        cls = OutOfDeviceMemory if self.name == "device" else OutOfTierMemory
+        cls = OutOfDeviceMemory if self.tier is Tier.DEVICE else OutOfTierMemory
         return cls("\n".join(lines), tier=self.name, requested=nbytes, capacity=self.capacity)

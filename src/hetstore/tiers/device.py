@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from hetstore.tiers.accounting import MemoryAccount
+from hetstore.tier import Tier
+from hetstore.tiers.accounting import FlatAllocation, MemoryAccount, TierUsage
 
 __all__ = ["DeviceTier"]
 
@@ -39,7 +40,7 @@ class DeviceTier:
                 torch.cuda.set_per_process_memory_fraction(capacity / total, device)
             else:
                 capacity = total
-        self.account = MemoryAccount("device", capacity, context=context)
+        self.account = MemoryAccount(Tier.DEVICE, capacity, context=context)
 
     @property
     def capacity(self) -> int | None:
@@ -54,6 +55,17 @@ class DeviceTier:
         except torch.OutOfMemoryError:
             self.account.release(nbytes, label)
             raise
+
+    def allocate_flat(self, numel: int, dtype: torch.dtype, label: str) -> FlatAllocation:
+        """A flat device tensor counted against the budget until the allocation's
+        ``free`` (which gives the bytes back; the storage goes with the last reference,
+        since views of it, a unit's parameters, may outlive the owner's bookkeeping)."""
+        tensor = self.empty(numel, dtype, label)
+        nbytes = numel * dtype.itemsize
+        return FlatAllocation(tensor, lambda: self.release(nbytes, label))
+
+    def usage(self) -> TierUsage:
+        return self.account.usage()
 
     def free(self, tensor: torch.Tensor, label: str) -> None:
         """Release ``tensor``'s bytes from the budget and free its storage now."""

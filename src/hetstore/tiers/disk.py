@@ -46,6 +46,8 @@ import torch
 from hetstore._safefs import create_private_file, make_private_dir, open_root, read_small_file
 from hetstore._sizes import format_size, parse_size
 from hetstore.errors import DiskIOError, OutOfTierMemory
+from hetstore.tier import Tier
+from hetstore.tiers.accounting import FlatAllocation, TierUsage
 from hetstore.tiers.aio import ALIGNMENT, AsyncIOEngine, DiskFile, IOHandle
 
 __all__ = ["DiskRegion", "DiskTier", "reclaim_leftovers"]
@@ -339,7 +341,7 @@ class DiskTier:
         engine: the IO engine to use; by default the tier makes (and closes) its own
             from ``block_size``, ``queue_depth``, ``threads`` and ``enable_aio``.
 
-    Raises ``OutOfTierMemory(tier="disk")`` if ``capacity`` exceeds the free space.
+    Raises ``OutOfTierMemory(tier=Tier.DISK.label)`` if ``capacity`` exceeds the free space.
     """
 
     def __init__(
@@ -404,7 +406,7 @@ class DiskTier:
                 f"{format_size(free)} is free under offload_path {self.root}. Lower "
                 f"offload_disk_size to at most {format_size(free)}, free space there, or "
                 f"change offload_path to a larger disk.",
-                tier="disk",
+                tier=Tier.DISK.label,
                 requested=cap,
                 capacity=free,
             )
@@ -445,12 +447,22 @@ class DiskTier:
             f"Largest holders: {self._holders()}. Raise offload_disk_size (or free space "
             f"under offload_path {self.root}, or point it at a larger disk), offload fewer "
             f"states to disk, or free regions that are no longer needed.",
-            tier="disk",
+            tier=Tier.DISK.label,
             requested=size,
             capacity=self.capacity,
         )
 
     # -- regions ----------------------------------------------------------------------
+
+    def usage(self) -> TierUsage:
+        return TierUsage(Tier.DISK.label, self._current, self._peak, self.capacity)
+
+    def allocate_flat(self, numel: int, dtype: torch.dtype, label: str) -> FlatAllocation:
+        """A ``DiskArray`` of ``numel`` elements, freed by the allocation's ``free``."""
+        from hetstore.tiers.flat import DiskArray  # it builds on this module
+
+        array = DiskArray(self, numel, dtype, label)
+        return FlatAllocation(array, array.free)
 
     def would_fit(self, nbytes: int) -> bool:
         """True when ``nbytes`` more (rounded up to 4096) stay within the capacity."""
@@ -460,7 +472,7 @@ class DiskTier:
     def allocate(self, nbytes: int, label: str) -> DiskRegion:
         """Reserve ``nbytes`` (rounded up to 4096) of disk, preallocated, for ``label``.
 
-        Raises ``OutOfTierMemory(tier="disk")`` if the capacity would be passed or the
+        Raises ``OutOfTierMemory(tier=Tier.DISK.label)`` if the capacity would be passed or the
         file system is full.
         """
         if nbytes < 0:

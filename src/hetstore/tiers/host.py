@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from hetstore._sizes import format_size
+from hetstore.tier import Tier
 from hetstore.tiers._hostmem import PAGE_SIZE, MappedBlock, round_up
-from hetstore.tiers.accounting import MemoryAccount
+from hetstore.tiers.accounting import FlatAllocation, MemoryAccount, TierUsage
 
 __all__ = ["HostTier", "HostBuffer", "PinnedMemoryWarning"]
 
@@ -116,7 +117,7 @@ class HostTier:
         context: Callable[[str, int], list[str]] | None = None,
     ):
         self.block_size = round_up(block_size, PAGE_SIZE)
-        self.account = MemoryAccount("host", capacity, context=context)
+        self.account = MemoryAccount(Tier.HOST, capacity, context=context)
         self._blocks: list[_Block] = []
         self._reserved = 0
         self._pin = pin and device.type == "cuda"
@@ -156,6 +157,14 @@ class HostTier:
             raise
         view = own_version_counter(block.mapping.tensor[offset : offset + nbytes].view(dtype))
         return HostBuffer(view, nbytes, label, block, offset, size)
+
+    def allocate_flat(self, numel: int, dtype: torch.dtype, label: str) -> FlatAllocation:
+        """A flat ``numel``-element tensor owned until the allocation's ``free``."""
+        buffer = self.allocate(numel * dtype.itemsize, label, dtype)
+        return FlatAllocation(buffer.tensor, lambda: self.free(buffer))
+
+    def usage(self) -> TierUsage:
+        return self.account.usage()
 
     def free(self, buffer: HostBuffer) -> None:
         if buffer._block is None:

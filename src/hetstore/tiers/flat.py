@@ -29,7 +29,17 @@ import torch
 from hetstore.tiers.aio import IOHandle
 from hetstore.tiers.disk import DiskRegion, DiskTier
 
-__all__ = ["ALIGN_ELEMENTS", "DiskArray", "DiskSlice", "Done", "wait_all", "wait_all_quiet"]
+__all__ = [
+    "ALIGN_ELEMENTS",
+    "DiskArray",
+    "DiskSlice",
+    "Done",
+    "FlatBuffer",
+    "read_into",
+    "write_from",
+    "wait_all",
+    "wait_all_quiet",
+]
 
 # 4096 bytes of the narrowest dtype a unit stores (2-byte compute dtypes)
 ALIGN_ELEMENTS = 2048
@@ -205,3 +215,26 @@ class DiskSlice:
     @property
     def dtype(self) -> torch.dtype:
         return self.array.dtype
+
+
+# One flat form of a unit on any tier: a tensor in device or host memory, or a DiskArray.
+FlatBuffer = torch.Tensor | DiskArray
+
+
+def read_into(source: FlatBuffer, dst: torch.Tensor, start: int = 0) -> None:
+    """Copy elements ``[start, start + dst.numel())`` of ``source`` into ``dst`` (cast to
+    its dtype in memory; a disk read needs ``dst`` in the array's dtype) and wait."""
+    if isinstance(source, DiskArray):
+        source.read(dst, start).wait()
+    else:
+        dst.copy_(source[start : start + dst.numel()])
+
+
+def write_from(target: FlatBuffer, src: torch.Tensor, start: int = 0) -> None:
+    """Write ``src`` into elements ``[start, start + src.numel())`` of ``target`` and
+    wait until it is there."""
+    if isinstance(target, DiskArray):
+        target.write(src, start)
+        target.wait_writes()
+    else:
+        target[start : start + src.numel()].copy_(src)

@@ -1,0 +1,63 @@
+"""``Tier``: where a piece of training state lives (device, host or disk).
+
+One enum, read by the config, the runtime, the planner and the cost model alike, so a
+tier is never a bare string compared in many places. Its value is the config spelling
+(MindSpore's keys: ``offload_param="none"`` means "not offloaded: on the device"), and a
+``StrEnum`` member equals that string, so configs written as strings keep working.
+``label`` is the name reports and ``memory_stats()`` use ("device", "host", "disk").
+
+Adding a tier (GPU-direct storage, say) is one member here, its storage class in
+:mod:`hetstore.tiers` (``allocate_flat`` and ``usage``) and its cost term in
+:mod:`hetstore.planner.cost`; see docs/how-it-works.md.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+__all__ = ["Tier", "TIER_LABELS"]
+
+
+class Tier(StrEnum):
+    DEVICE = "none"
+    HOST = "cpu"
+    DISK = "disk"
+
+    def __repr__(self) -> str:  # what a config's repr shows: evaluable, names the tier
+        return f"Tier.{self.name}"
+
+    @property
+    def label(self) -> str:
+        """The tier's name in reports, errors and ``memory_stats()``."""
+        return _LABELS[self]
+
+    @property
+    def capacity_key(self) -> str:
+        """The config key that sets this tier's capacity."""
+        return _CAPACITY_KEYS[self]
+
+    @property
+    def closer(self) -> Tier | None:
+        """The next tier toward the device (faster, smaller); None for the device."""
+        return _CLOSER[self]
+
+    @classmethod
+    def from_label(cls, label: str) -> Tier:
+        """The tier a report name ("device", "host", "disk") or a config spelling names."""
+        for tier in cls:
+            if label in (tier.label, tier.value):
+                return tier
+        allowed = ", ".join(repr(t.label) for t in cls)
+        raise KeyError(f"unknown tier {label!r}; tiers are {allowed}")
+
+
+_LABELS = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk"}
+_CAPACITY_KEYS = {
+    Tier.DEVICE: "max_device_memory",
+    Tier.HOST: "offload_cpu_size",
+    Tier.DISK: "offload_disk_size",
+}
+_CLOSER = {Tier.DEVICE: None, Tier.HOST: Tier.DEVICE, Tier.DISK: Tier.HOST}
+
+# report names, nearest first: the keys of memory_stats() and of the planner's peaks
+TIER_LABELS = tuple(t.label for t in Tier)
