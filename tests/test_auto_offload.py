@@ -194,7 +194,7 @@ def test_a_larger_batch_than_traced_is_replanned_within_the_budget(tmp_path):
     mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg, example_inputs=small[0])
     runtime = hetstore.state_of(mine).runtime
     assert not runtime.plan.offloads_anything
-    with pytest.warns(UserWarning, match="re-planned the activations"):
+    with pytest.warns(UserWarning, match="re-planned the placement"):
         losses, _ = run(mine, opt, big)
     assert {u.choice.activations for u in runtime.plan.units} != {"none"}
     ref_losses, _ = run(ref, adamw(ref.parameters()), big)

@@ -191,3 +191,40 @@ def test_export_weights_loads_with_from_pretrained(tmp_path, make):
         mine = model(input_ids=ids, attention_mask=mask).logits
         theirs = loaded(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(mine, theirs)  # the same fp32 weights, the same kernels
+
+
+@pytest.mark.parametrize("make", [llama, gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "padding-mask"])
+def test_auto_offload_without_example_inputs_plans_at_the_first_keyword_call(
+    tmp_path, make, masked
+):
+    """Trainer-style calls (keyword arguments only), budgets only. Without a mask the
+    first batch is traced on meta tensors from its keyword tensors and the activations
+    placed for it. With a padding mask, transformers checks the mask's values in Python
+    (data-dependent: no meta run can follow it), so every unit's activations go to host
+    instead, with a warning naming example_inputs. Either way training matches plain
+    PyTorch within a budget of half the model states."""
+    from hetstore.planner.tracer import model_data_trace
+
+    model = build(make())
+    reference = copy.deepcopy(model)
+    states = model_data_trace(model, hetstore.OffloadConfig(device="cpu"), None).state_bytes
+    budget = states // 2
+    cfg = config_for(tmp_path, auto_offload=True, max_device_memory=budget, device="cpu")
+    model, optimizer = hetstore.offload(model, adamw(model.parameters()), cfg)
+    runtime = hetstore.state_of(model).runtime
+    batches = data() if masked else [(ids, None) for ids, _ in data()]
+    if masked:
+        with pytest.warns(UserWarning, match="could not trace the first batch on meta"):
+            losses = train(model, optimizer, batches)
+        assert runtime.trace.batch_shapes == ()
+        assert {u.choice.activations for u in runtime.plan.units} == {hetstore.Tier.HOST}
+    else:
+        losses = train(model, optimizer, batches)
+        # keyword tensors by name: input_ids, labels
+        assert runtime.trace.batch_shapes == ((2, 16), (2, 16))
+        assert sum(u.saved_bytes for u in runtime.trace.units) > 0
+    torch.testing.assert_close(
+        losses, train(reference, adamw(reference.parameters()), batches), **LOSS_TOL
+    )
+    assert hetstore.memory_stats(model)["device"]["peak"] <= budget

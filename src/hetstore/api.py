@@ -16,11 +16,11 @@ from hetstore.footprints import param_staging_slots
 from hetstore.model_state import ModelState, attach, is_released, state_of
 from hetstore.optim import DynamicLossScaler, OffloadedOptimizer
 from hetstore.optim.registry import FLAT_NAMES, flat_steppable
-from hetstore.planner import Capacities, Plan, UnitChoice, make_plan
+from hetstore.planner import Capacities, Plan, Trace, UnitChoice, make_plan
 from hetstore.planner.calibrate import calibrated_trace, steady_profile
 from hetstore.planner.machine import machine_capacities, measure_machine
 from hetstore.planner.shapes import BatchGuard
-from hetstore.planner.tracer import model_data_trace, trace_model
+from hetstore.planner.tracer import model_data_trace, trace_model, with_batch
 from hetstore.runtime.activations import ActivationHooks
 from hetstore.runtime.grads import GradContract
 from hetstore.runtime.hooks import OffloadRuntime
@@ -157,8 +157,9 @@ def offload(
     streams = CudaStreams.for_device(device)  # the model's side streams (CUDA), one owner
     activations = None
     default_tier = Tier.DEVICE if plan.source == "auto" else config.offload_activations
-    # a plan made for a traced batch may move activations later (a larger batch)
-    replannable = plan.source == "auto" and bool(trace.batch_shapes)
+    # an automatic plan places activations for the batch it was traced with, or at the
+    # first forward when none was given, and moves them for a larger batch later
+    replannable = plan.source == "auto"
     if (
         device.type == "cpu"
         or replannable
@@ -179,10 +180,22 @@ def offload(
     profiler = StepProfiler(device, PROFILED_STEPS)
 
     def replan(new_plan: Plan) -> None:
-        """A larger batch moved activations (planner.shapes): put the new plan in effect."""
+        """The first batch or a larger one placed activations, and parameters that had
+        to leave the device (planner.shapes): put the new plan in effect."""
+        by_name = {u.name: u for u in unit_list}
         for unit_plan in new_plan.units:
+            unit = by_name[unit_plan.name]
+            if unit_plan.choice.param != unit.placement.param:
+                _move_home(unit, unit_plan.choice.param, unit_list, tiers, new_plan)
             activations.set_unit_tier(unit_plan.name, unit_plan.choice.activations)
         runtime.plan = new_plan  # bound below, before any forward can run
+
+    def trace_batch(args: tuple, kwargs: dict) -> Trace:
+        """The first training batch's activations, traced on meta tensors."""
+        with runtime.tracing():
+            traced = with_batch(trace, model, args, kwargs, specs, config, meta_copies=True)
+        runtime.trace = traced
+        return traced
 
     runtime = OffloadRuntime(
         model,
@@ -193,7 +206,18 @@ def offload(
         grad_stager=grad_stager,
         activations=activations,
         profiler=profiler,
-        batch_guard=BatchGuard(trace, plan, config, replan) if replannable else None,
+        batch_guard=(
+            BatchGuard(
+                trace,
+                plan,
+                config,
+                replan,
+                trace_batch=None if trace.batch_shapes else trace_batch,
+                move_params=shards is None,
+            )
+            if replannable
+            else None
+        ),
         copy_stream=streams.params if streams is not None else None,
     )
     unoptimized = [
@@ -216,9 +240,11 @@ def offload(
 
     def profiled(profiles) -> None:
         runtime.profile = steady_profile(profiles)
-        if trace.machine is not None:
-            measured = calibrated_trace(trace, runtime.profile)
-            runtime.calibrated_plan = plan.reestimated(measured, config.optimizer_chunk_size)
+        if runtime.trace.machine is not None:  # the trace and plan in effect
+            measured = calibrated_trace(runtime.trace, runtime.profile)
+            runtime.calibrated_plan = runtime.plan.reestimated(
+                measured, config.optimizer_chunk_size
+            )
 
     profiler.on_profiled = profiled
 
@@ -315,6 +341,30 @@ def _plan_for(model, optimizer, config, specs, device, units, example_inputs):
     streamable = optimizer is None or flat_steppable(optimizer)
     capacities = machine_capacities(config, device)
     return trace, make_plan(trace, capacities, config, disk_optimizer=streamable)
+
+
+def _move_home(unit: Unit, tier: Tier, units: list[Unit], tiers: Tiers, plan: Plan) -> None:
+    """Move ``unit``'s parameters off the device (the first batch's plan); a disk home
+    gets a parameter stager: the model's own when its slots are large enough, else a
+    new one, which the disk homes moved now share."""
+    if tier is Tier.DISK:
+        stager = next(
+            (
+                u.param_stager
+                for u in units
+                if u.param_stager is not None and u.param_stager.slot_bytes >= unit.home_bytes
+            ),
+            None,
+        )
+        if stager is None:
+            largest = max(
+                u.home_bytes
+                for u, p in zip(units, plan.units, strict=True)
+                if p.choice.param == tier
+            )
+            stager = ParamStager(tiers.host, largest, param_staging_slots(plan.prefetch_depth))
+        unit.param_stager = stager
+    unit.move_home(tier)
 
 
 def _attach_stagers(units: list[Unit], tiers: Tiers, prefetch_depth: int) -> GradStager | None:

@@ -310,45 +310,91 @@ def refit_activations(trace: Trace, plan: Plan, config, *, batch: str = "this ba
     host, cheapest per byte first, until the device fits, then from host to disk until
     the host does. Raises ``OutOfDeviceMemory`` / ``OutOfTierMemory`` with the figures
     when even that cannot fit."""
+    choices = [u.choice for u in plan.units]
+    activations = [
+        (i, "activations", Tier.HOST)
+        for i, (u, c) in enumerate(zip(trace.units, choices, strict=True))
+        if c.activations == Tier.DEVICE and u.saved_bytes
+    ]
+    return _fit_moving(
+        trace,
+        plan,
+        activations,
+        config,
+        batch=batch,
+        offloaded=f"every unit's activations "
+        f"({format_size(sum(u.saved_bytes for u in trace.units))} saved for backward)",
+        advice="Lower the batch size, or pass the largest batch as example_inputs to "
+        "hetstore.offload() so the plan is made for it",
+    )
+
+
+def plan_first_batch(
+    trace: Trace, plan: Plan, config, *, batch: str = "the first batch", move_params: bool = True
+) -> Plan:
+    """The plan made at ``offload()`` without a batch (model states only) completed for
+    the first batch's activations (``trace`` has them): activations kept on the device
+    and, with ``move_params``, parameters kept there (not the root's) move to host,
+    least added time per byte freed first, until the device fits; then from host to disk
+    until the host does. Optimizer states stay where they were built. Raises
+    ``OutOfDeviceMemory`` / ``OutOfTierMemory`` naming the capacity that would fit,
+    before the batch's forward allocates anything."""
+    choices = [u.choice for u in plan.units]
+    moves = [
+        (i, "activations", Tier.HOST)
+        for i, (u, c) in enumerate(zip(trace.units, choices, strict=True))
+        if c.activations == Tier.DEVICE and u.saved_bytes
+    ]
+    if move_params:
+        moves += [
+            (i, "param", Tier.HOST)
+            for i, (u, c) in enumerate(zip(trace.units, choices, strict=True))
+            if c.param == Tier.DEVICE and not u.is_root
+        ]
+    return _fit_moving(
+        trace,
+        plan,
+        moves,
+        config,
+        batch=batch,
+        offloaded="every unit's activations and every block's parameters",
+        advice="Lower the batch size or raise max_device_memory",
+    )
+
+
+def _fit_moving(trace: Trace, plan: Plan, moves, config, *, batch, offloaded, advice) -> Plan:
+    """``plan`` with the shortest prefix of ``moves`` (each to host; ordered by added time
+    per device byte freed) that fits the device, then the moved items spilled from host to
+    disk, cheapest first, until host and disk fit."""
     chunk = config.optimizer_chunk_size
     depth = plan.prefetch_depth
     capacities = plan.capacities
     choices = [u.choice for u in plan.units]
-    moves = _order(
-        trace,
-        choices,
-        [
-            (i, "activations", Tier.HOST)
-            for i, (u, c) in enumerate(zip(trace.units, choices, strict=True))
-            if c.activations == Tier.DEVICE and u.saved_bytes
-        ],
-        depth,
-        chunk,
-        0,
-    )
+    moves = _order(trace, choices, moves, depth, chunk, 0)
 
     def device_fits(j: int) -> bool:
         return _fits(memory(trace, _apply(choices, moves[:j]), depth, chunk)[0], capacities.device)
 
     first_fit = next((j for j in range(len(moves) + 1) if device_fits(j)), None)
     if first_fit is None:
-        lean = _apply(choices, moves)
-        need = memory(trace, lean, depth, chunk)[0]
+        need = memory(trace, _apply(choices, moves), depth, chunk)[0]
         raise OutOfDeviceMemory(
-            f"{batch} needs more device memory than the plan allows: with every unit's "
-            f"activations ({format_size(sum(u.saved_bytes for u in trace.units))} saved for "
-            f"backward) offloaded the device would hold {format_size(need)}, and it may use "
-            f"{format_size(capacities.device)}. Lower the batch size, or pass the largest "
-            "batch as example_inputs to hetstore.offload() so the plan is made for it",
+            f"{batch} needs more device memory than the plan allows: with {offloaded} "
+            f"offloaded the device would hold {format_size(need)} ({need} bytes), and it "
+            f"may use {format_size(capacities.device)} (max_device_memory). {advice}",
             tier="device",
             requested=need,
             capacity=capacities.device,
         )
     grown = _apply(choices, moves[:first_fit])
+    # any activations on host may spill; parameters only if moved here (a home built on
+    # host stays there)
+    moved_params = {i for i, f, _ in moves[:first_fit] if f == "param"}
     spills = _order(
         trace,
         grown,
-        [(i, "activations", Tier.DISK) for i, c in enumerate(grown) if c.activations == Tier.HOST],
+        [(i, "activations", Tier.DISK) for i, c in enumerate(grown) if c.activations == Tier.HOST]
+        + [(i, "param", Tier.DISK) for i in sorted(moved_params)],
         depth,
         chunk,
         1,

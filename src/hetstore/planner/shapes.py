@@ -18,12 +18,11 @@ import warnings
 from collections.abc import Callable
 from dataclasses import replace
 
-import torch
-from torch.utils._pytree import tree_flatten
-
 from hetstore.planner.plan import Plan
-from hetstore.planner.planner import refit_activations
+from hetstore.planner.planner import plan_first_batch, refit_activations
 from hetstore.planner.trace import Trace
+from hetstore.planner.tracer import batch_shapes
+from hetstore.tier import Tier
 
 __all__ = ["BatchGuard", "scaled_trace"]
 
@@ -54,18 +53,56 @@ def _growth(shapes, traced) -> float:
 
 
 class BatchGuard:
-    """Called with each forward's positional arguments (see module doc). ``apply(plan)``
-    puts a re-made plan into effect; ``plan`` is the one in effect."""
+    """Called with each training forward's arguments (see module doc). ``apply(plan)``
+    puts a re-made plan into effect; ``plan`` is the one in effect.
 
-    def __init__(self, trace: Trace, plan: Plan, config, apply: Callable[[Plan], None]):
+    Made without a batch (``auto_offload`` with no ``example_inputs``), the guard plans
+    at the first training forward instead: ``trace_batch(args, kwargs)`` traces that
+    batch on meta tensors, before any activation exists, and
+    :func:`~hetstore.planner.planner.plan_first_batch` places its activations (and moves
+    parameters off the device when they must make room)."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        plan: Plan,
+        config,
+        apply: Callable[[Plan], None],
+        *,
+        trace_batch: Callable[[tuple, dict], Trace] | None = None,
+        move_params: bool = True,
+    ):
         self.trace = trace
         self.plan = plan
         self.config = config
         self.apply = apply
+        self.trace_batch = trace_batch
+        self.move_params = move_params  # may the first batch move parameters off the device
         self.allowed = 1.0  # the growth over the traced batch the plan in effect covers
 
-    def __call__(self, args) -> None:
-        shapes = [tuple(t.shape) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+    @property
+    def waiting_for_first_batch(self) -> bool:
+        return not self.trace.batch_shapes and self.trace_batch is not None
+
+    def __call__(self, args, kwargs=None) -> None:
+        kwargs = kwargs or {}
+        shapes = list(batch_shapes(args, kwargs))
+        if self.waiting_for_first_batch:
+            try:
+                trace = self.trace_batch(args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - any failure of the meta run
+                self._without_a_trace(exc)
+                return
+            plan = plan_first_batch(
+                trace,
+                self.plan,
+                self.config,
+                batch=f"a batch of shapes {shapes}",
+                move_params=self.move_params,
+            )
+            self._put_in_effect(plan, f"the first batch (shapes {shapes})", "planned")
+            self.trace = trace
+            return
         scale = _growth(shapes, self.trace.batch_shapes)
         if scale <= self.allowed:
             return
@@ -75,16 +112,46 @@ class BatchGuard:
         plan = refit_activations(
             scaled_trace(self.trace, scale), self.plan, self.config, batch=batch
         )
+        self._put_in_effect(plan, batch, "re-planned")
+        self.allowed = scale
+
+    def _without_a_trace(self, exc: Exception) -> None:
+        """The forward cannot run on meta tensors (data-dependent Python control flow,
+        such as a check of an attention mask's values): offload every unit's activations
+        to host, the placement that needs no figures, and say so. Parameters stay."""
+        self.trace_batch = None  # tried once; later batches are not compared
+        choices = [replace(u.choice, activations=Tier.HOST) for u in self.plan.units]
+        plan = Plan.build(
+            self.trace,
+            choices,
+            self.plan.prefetch_depth,
+            self.plan.capacities,
+            self.plan.source,
+            self.config.optimizer_chunk_size,
+        )
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        warnings.warn(
+            "hetstore: auto_offload could not trace the first batch on meta tensors "
+            f"({type(exc).__name__}: {reason}); every unit's activations go to host memory "
+            "instead of a plan made for them. Pass example_inputs (meta tensors of the "
+            "batch's shapes) to hetstore.offload() for a plan made for the batch",
+            stacklevel=3,
+        )
+        self.apply(plan)
+        self.plan = plan
+
+    def _put_in_effect(self, plan: Plan, batch: str, verb: str) -> None:
         moved = [
-            f"{new.name}: {old.choice.activations} -> {new.choice.activations}"
+            f"{new.name} {what}: {getattr(old.choice, field).label} -> "
+            f"{getattr(new.choice, field).label}"
             for old, new in zip(self.plan.units, plan.units, strict=True)
-            if old.choice.activations != new.choice.activations
+            for field, what in (("param", "params"), ("activations", "activations"))
+            if getattr(old.choice, field) != getattr(new.choice, field)
         ]
         if moved:
             warnings.warn(
-                f"hetstore: {batch} re-planned the activations ({', '.join(moved)})",
-                stacklevel=2,
+                f"hetstore: {batch} {verb} the placement ({', '.join(moved)})",
+                stacklevel=3,
             )
-            self.apply(plan)
+        self.apply(plan)
         self.plan = plan
-        self.allowed = scale

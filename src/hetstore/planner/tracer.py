@@ -28,7 +28,7 @@ from hetstore.optim.registry import state_itemsize
 from hetstore.planner.trace import MachineRates, Trace, UnitTrace
 from hetstore.units import UnitSpec, find_units
 
-__all__ = ["trace_model", "model_data_trace", "state_itemsize"]
+__all__ = ["trace_model", "with_batch", "batch_shapes", "model_data_trace", "state_itemsize"]
 
 
 def _trainable(param: nn.Parameter, optimizer) -> bool:
@@ -99,11 +99,33 @@ def trace_model(
     specs = find_units(model, units)
     base = model_data_trace(model, config, machine, optimizer=optimizer, specs=specs)
     on_meta = any(p.is_meta for p in model.parameters())
-    saved, kept, largest, flops = _run(model, example_inputs, specs, config, on_meta)
+    return with_batch(base, model, example_inputs, {}, specs, config, on_meta=on_meta)
+
+
+def with_batch(
+    base: Trace,
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    specs: list[UnitSpec],
+    config,
+    *,
+    on_meta: bool = False,
+    meta_copies: bool = False,
+) -> Trace:
+    """``base`` (a model-data trace) with the activations, FLOPs and times of one forward
+    of ``model(*args, **kwargs)``, and the batch's shapes (which the batch guard compares
+    later batches with).
+
+    ``meta_copies``: run on meta tensors of the parameters' shapes instead of the
+    parameters themselves: how an offloaded model is traced at its first forward (its
+    released parameters have no bytes for a fake copy to read, and nothing real may move)."""
+    machine = base.machine
+    saved, kept, largest, flops = _run(model, args, kwargs, specs, config, on_meta, meta_copies)
     traced = []
     for index, unit in enumerate(base.units):
         forward_flops = flops.get(index, 0.0)
-        forward_s = forward_flops / machine.flops if machine.flops else 0.0
+        forward_s = forward_flops / machine.flops if machine is not None and machine.flops else 0.0
         traced.append(
             replace(
                 unit,
@@ -115,18 +137,16 @@ def trace_model(
                 backward_s=2 * forward_s,
             )
         )
-    leaves = tree_flatten(example_inputs)[0]
-    shapes = tuple(tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor))
-    return Trace(
-        units=tuple(traced),
-        machine=machine,
-        buffer_bytes=base.buffer_bytes,
-        batch_shapes=shapes,
-        step_overlap=base.step_overlap,
-    )
+    return replace(base, units=tuple(traced), batch_shapes=batch_shapes(args, kwargs))
 
 
-def _run(model, inputs, specs, config, on_meta):
+def batch_shapes(args: tuple, kwargs: dict) -> tuple:
+    """The shapes of a forward's tensor arguments, positional then keyword (by name)."""
+    leaves = tree_flatten((args, dict(sorted(kwargs.items()))))[0]
+    return tuple(tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _run(model, inputs, kwargs, specs, config, on_meta, meta_copies=False):
     """One forward; per unit index: offloadable saved bytes, kept bytes, forward FLOPs."""
     # imported here: they pull in sympy and dynamo (hundreds of MB of RSS), which a
     # manually placed model never needs
@@ -149,16 +169,25 @@ def _run(model, inputs, specs, config, on_meta):
         handles.append(
             spec.module.register_forward_hook(lambda m, a, o: current.__setitem__(0, root_index))
         )
-    mode = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
+    meta = on_meta or meta_copies
+    mode = contextlib.nullcontext() if meta else FakeTensorMode(allow_non_fake_inputs=True)
+    to_meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, kwargs)
     try:
         with mode:
             named = dict(model.named_parameters(remove_duplicate=False))
             named.update(dict(model.named_buffers(remove_duplicate=False)))
-            if on_meta:
-                swapped = named
+            if meta:
+                # one meta tensor per parameter object, so tied weights stay tied
+                copies: dict[int, torch.Tensor] = {}
+                swapped = (
+                    {name: copies.setdefault(id(t), _meta_like(t)) for name, t in named.items()}
+                    if meta_copies
+                    else named
+                )
                 args = tree_map(
                     lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, inputs
                 )
+                kwargs = to_meta
             else:
                 # run on fake copies of the parameters (held here, so their storages are
                 # recognized when saved, and no address is reused)
@@ -166,8 +195,9 @@ def _run(model, inputs, specs, config, on_meta):
                 swapped = {
                     name: fakes.setdefault(id(t), mode.from_tensor(t)) for name, t in named.items()
                 }
-                args = tree_map(
-                    lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, inputs
+                args, kwargs = tree_map(
+                    lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
+                    (inputs, kwargs),
                 )
             model_storages = {StorageWeakRef(t.untyped_storage()).cdata for t in swapped.values()}
 
@@ -191,7 +221,7 @@ def _run(model, inputs, specs, config, on_meta):
                 FlopCounterMode(display=False) as counter,
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
             ):
-                torch.func.functional_call(model, swapped, args, tie_weights=False)
+                torch.func.functional_call(model, swapped, args, kwargs, tie_weights=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -204,3 +234,12 @@ def _run(model, inputs, specs, config, on_meta):
             flops[index] = float(sum(counts.get(f"{prefix}.{spec.name}", {}).values()))
     flops[root_index] = max(0.0, total - sum(flops.values()))
     return saved, kept, largest, flops
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with ``tensor``'s shape, dtype and requires_grad (a parameter stays
+    one, so the trace saves for backward what training would)."""
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(copy, requires_grad=tensor.requires_grad)
+    return copy

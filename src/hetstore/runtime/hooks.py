@@ -15,6 +15,7 @@ released by a forward hook while a backward is running.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -113,25 +114,32 @@ class OffloadRuntime:
         # and resizes storages, which a graph must never capture (Inductor cannot lower
         # a storage resize, and a graph replayed later would skip the fetch). Dynamo
         # breaks the graph at each hook, so a compiled block is one graph between them.
+        # True while the planner traces a batch through the model on meta tensors (the
+        # first forward without example_inputs): the module hooks then do nothing
+        self._tracing = False
         pre_hook, post_hook = model.register_forward_pre_hook, model.register_forward_hook
         if batch_guard is not None:  # first: it may change where activations go
-            self._handles.append(pre_hook(_eager(self._check_batch)))
+            self._handles.append(pre_hook(self._module_hook(self._check_batch), with_kwargs=True))
         self.activations = activations
         if activations is not None:
             # first in, last out: the saved-tensor hooks cover the root's work too, and
             # always_call leaves them even when forward raises
-            self._handles.append(pre_hook(_eager(self._enter_activations)))
-            self._handles.append(post_hook(_eager(self._exit_activations), always_call=True))
-        self._handles.append(pre_hook(_eager(self._model_pre_forward)))
-        self._handles.append(post_hook(_eager(self._model_post_forward)))
+            self._handles.append(pre_hook(self._module_hook(self._enter_activations)))
+            self._handles.append(
+                post_hook(self._module_hook(self._exit_activations), always_call=True)
+            )
+        self._handles.append(pre_hook(self._module_hook(self._model_pre_forward)))
+        self._handles.append(post_hook(self._module_hook(self._model_post_forward)))
         for unit in self.block_units:
             module = unit_modules[unit.index]
             self._handles.append(
-                module.register_forward_pre_hook(_eager(lambda m, a, u=unit: self._pre_forward(u)))
+                module.register_forward_pre_hook(
+                    self._module_hook(lambda m, a, u=unit: self._pre_forward(u))
+                )
             )
             self._handles.append(
                 module.register_forward_hook(
-                    _eager(lambda m, a, out, u=unit: self._post_forward(u, out))
+                    self._module_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
                 )
             )
         # Hooks on tensors live in autograd's C++ side, which the garbage collector cannot
@@ -145,6 +153,25 @@ class OffloadRuntime:
                         _GradReadyHook(self._weak, unit.index, e)
                     )
                 )
+
+    def _module_hook(self, hook):
+        """``hook`` as a module hook: eager, and idle while a batch is traced."""
+
+        def run(*args):
+            if not self._tracing:
+                return hook(*args)
+            return None
+
+        return _eager(run)
+
+    @contextlib.contextmanager
+    def tracing(self):
+        """The model's forward runs on meta tensors for the planner: nothing moves."""
+        self._tracing = True
+        try:
+            yield
+        finally:
+            self._tracing = False
 
     def adopt(self, handles: list) -> None:
         """Take ownership of hooks installed elsewhere, so ``remove()`` takes them off too."""
@@ -160,9 +187,9 @@ class OffloadRuntime:
         set_torch_grad(param, None)
 
     # ------------------------------------------------------------------ forward
-    def _check_batch(self, module, args) -> None:
+    def _check_batch(self, module, args, kwargs) -> None:
         if torch.is_grad_enabled() and not _in_backward():
-            self.batch_guard(args)
+            self.batch_guard(args, kwargs)
 
     def _enter_activations(self, module, args) -> None:
         if torch.is_grad_enabled() and not _in_backward():

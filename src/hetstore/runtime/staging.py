@@ -95,6 +95,11 @@ class ParamStager:
     def unmade_bytes(self) -> int:
         return self._slots.unmade_bytes
 
+    @property
+    def slot_bytes(self) -> int:
+        """The largest compute-dtype home one slot holds."""
+        return self._slots.nbytes
+
     def _reclaim_uploads(self, block: bool) -> None:
         still = []
         for slot, event in self._uploading:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -447,6 +447,41 @@ class Unit:
         finally:
             self.tiers.host.free(staged)
         self.home_stale = False
+
+    def move_home(self, tier: Tier) -> None:
+        """Move the compute-dtype parameters kept on the device to ``tier`` (host or
+        disk): the plan made without a batch is refined at the first forward
+        (``planner.plan_first_batch``). The values are copied once; the device bytes go,
+        and the unit is fetched like any offloaded one from then on. A disk home needs
+        ``param_stager`` set first. Not for sharded units (their device home is a shard)."""
+        if self.placement.param is not Tier.DEVICE or tier is Tier.DEVICE or self.shards:
+            raise ValueError(
+                f"unit {self.name!r}: only unsharded parameters kept on the device move, "
+                f"from {self.placement.param.label} to {tier.label}"
+            )
+        old = self.home
+        owned = next(o for o in self._owned if o.data is old)
+        if tier is self.placement.optimizer and self.compute_dtype == torch.float32:
+            new = self.master if not self.has_home_only else None  # the same values
+        else:
+            new = None
+        if new is None:
+            new = self.allocate(tier, self.numel, self.compute_dtype, "params")
+            if isinstance(new, DiskArray):
+                staged = self.scratch(self.numel, self.compute_dtype, "params scratch")
+                try:
+                    staged.tensor.copy_(old)
+                    write_from(new, staged.tensor)
+                finally:
+                    self.tiers.host.free(staged)
+            else:
+                new.copy_(old)
+        # the device bytes now count as a fetched copy (same label and size), which
+        # release() gives back; device_flat (old) keeps the parameters' views
+        self._owned.remove(owned)
+        self.home = new
+        self.placement = replace(self.placement, param=tier)
+        self.release()
 
     # ------------------------------------------------------------------ movement
     def fetch(self, stream: torch.cuda.Stream | None = None) -> None:

@@ -16,7 +16,7 @@ from hetstore.tier import Tier
 __all__ = ["MemoryAccount", "TierUsage", "FlatAllocation", "format_usage"]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two allocations are never "equal" by their contents
 class FlatAllocation:
     """A flat buffer a tier handed out: ``data`` (a tensor, or a ``DiskArray`` on disk)
     and ``free``, which gives its bytes back to the tier. Every tier's ``allocate_flat``
