@@ -208,3 +208,38 @@ def test_a_larger_batch_than_traced_is_replanned_within_the_budget(tmp_path):
     losses, _ = run(mine, opt, big[:1])
     ref_losses, _ = run(ref, adamw(ref.parameters()), big[:1])
     torch.testing.assert_close(losses, ref_losses, **TIGHT)
+
+
+def test_cli_plans_a_hugging_face_config_beside_accelerates_estimate(tmp_path):
+    """A 7B Llama config.json (no weights anywhere): planned on the meta device, printed
+    with accelerate's estimate-memory beside it; the weights agree (both count 4 bytes
+    per fp32 parameter); a bad path is refused clearly."""
+    import subprocess
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+    )
+    config.to_json_file(str(tmp_path / "config.json"))
+    base = [sys.executable, "-m", "hetstore", "plan", "--device", "cpu", "--path", str(tmp_path)]
+    base += ["--device-memory", "8GB", "--disk", "200GB", "--ctx", "512"]  # a plan, not a run
+    done = subprocess.run(
+        base + ["--hf-config", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "LlamaForCausalLM" in out and "6.74B parameters" in out
+    assert "model.layers.31" in out and "accelerate estimate-memory" in out
+    weights = next(line for line in out.splitlines() if line.startswith("weights"))
+    assert weights.split()[1:3] == weights.split()[3:5], weights  # same bytes both sides
+    bad = subprocess.run(
+        base + ["--hf-config", str(tmp_path / "missing.json")], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--hf-config" in bad.stderr and "Traceback" not in bad.stderr

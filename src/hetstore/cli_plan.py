@@ -8,7 +8,9 @@ shapes and reports the largest the capacities can hold.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 __all__ = ["add_plan_parser", "run_plan"]
 
@@ -50,6 +52,13 @@ def add_plan_parser(sub) -> None:
     p.add_argument(
         "--max-model", action="store_true", help="find the largest GPT of the ladder that fits"
     )
+    p.add_argument(
+        "--hf-config",
+        metavar="PATH",
+        help="plan a Hugging Face causal LM (Llama, Qwen, Mistral, GPT-2 ...) from its "
+        "config.json, a file or a directory holding one, instead of the GPT: built on "
+        "the meta device, nothing downloaded; printed beside accelerate's estimate-memory",
+    )
 
 
 def _gpt(width: int, depth: int, vocab: int, ctx: int):
@@ -59,6 +68,66 @@ def _gpt(width: int, depth: int, vocab: int, ctx: int):
 
     with torch.device("meta"):
         return GPT(vocab=vocab, width=width, depth=depth, heads=max(1, width // 128), ctx=ctx)
+
+
+def _hf_model(path: str):
+    """A causal LM from a Hugging Face config.json, on the meta device (no weights)."""
+    import torch
+    import transformers
+
+    from hetstore.errors import ConfigError
+
+    location = Path(path)
+    if location.is_dir():
+        location = location / "config.json"
+    try:
+        values = json.loads(location.read_text())
+        hf_config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(hf_config)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"--hf-config {path!r}: not a config.json of a causal LM transformers knows ({exc})"
+        ) from None
+
+
+def accelerate_side_by_side(model, plan) -> str:
+    """accelerate's ``estimate-memory`` figures for ``model`` beside the plan's, and why
+    they differ."""
+    from accelerate.utils import calculate_maximum_sizes
+
+    from hetstore._sizes import format_size
+
+    weights, (largest, _) = calculate_maximum_sizes(model)
+    params = sum(u.param_bytes for u in plan.units)
+    states = params + sum(u.optimizer_bytes for u in plan.units)
+    saved = sum(u.saved_bytes for u in plan.units)
+    e = plan.estimate
+    rows = [
+        ("", "accelerate estimate-memory", "hetstore plan"),
+        ("weights", format_size(weights), format_size(params)),
+        ("largest layer", format_size(largest), "-"),
+        ("training with Adam", f"{format_size(4 * weights)} (4 x weights)", format_size(states)),
+        ("saved for backward", "not counted", format_size(saved)),
+        (
+            "peaks device/host/disk",
+            "-",
+            f"{format_size(e.device)} / {format_size(e.host)} / {format_size(e.disk)}",
+        ),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += [
+        "",
+        "accelerate counts the weights in their dtype and takes Adam training as four times",
+        "that (weights, gradients and two moments, all in that dtype). hetstore's model",
+        "states are 16 bytes per trainable element (fp32 master, fp32 gradient, two fp32",
+        "moments) plus the parameters in the compute dtype (no second copy where those are",
+        "the fp32 master on its tier); it adds the tensors saved for backward at this",
+        "batch, and gives each tier's peak after placement, staging buffers included.",
+    ]
+    return "\n".join(lines)
 
 
 def run_plan(args) -> int:
@@ -84,6 +153,30 @@ def run_plan(args) -> int:
         print(f"hetstore plan: {exc}", file=sys.stderr)
         return 2
     tokens = torch.empty(args.batch, args.ctx, dtype=torch.long, device="meta")
+    if args.hf_config:
+        try:
+            model = _hf_model(args.hf_config)
+        except ConfigError as exc:
+            print(f"hetstore plan: {exc}", file=sys.stderr)
+            return 2
+        numel = sum(p.numel() for p in model.parameters())
+        try:
+            plan = hetstore.plan(model, (tokens,), config, machine=machine)
+        except OutOfTierMemory as exc:
+            print(f"hetstore plan: {exc}", file=sys.stderr)
+            return 1
+        name = type(model).__name__
+        print(
+            f"{name} from {args.hf_config}: {numel / 1e9:.2f}B parameters, batch "
+            f"{args.batch} x {args.ctx} tokens\n"
+        )
+        print(plan)
+        print()
+        print(accelerate_side_by_side(model, plan))
+        if args.json:
+            plan.save(args.json)
+            print(f"\nplan saved to {args.json}")
+        return 0
 
     def plan_for(width, depth):
         model = _gpt(width, depth, args.vocab, args.ctx)
