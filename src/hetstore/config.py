@@ -94,9 +94,11 @@ class OffloadConfig:
         default=False,
         metadata=_doc(
             "Let the planner choose every unit's placement (parameters, optimizer states, "
-            "activations, prefetch depth) from a trace of the model and the tier capacities; "
-            "hetstore.offload(..., example_inputs=...) lets the trace include activations. "
-            "The offload_* keys are then not used. MindSpore key."
+            "activations, prefetch depth) from a trace of the model and the tier capacities. "
+            "With hetstore.offload(..., example_inputs=...) the trace includes that batch's "
+            "activations; without, the first training forward's batch is traced (on meta "
+            "tensors) and planned for before it runs. The offload_* keys are then not used. "
+            "MindSpore key."
         ),
     )
     # --- capacities ---
