@@ -15,6 +15,7 @@ import hetstore
 from hetstore import OffloadConfig, OutOfDeviceMemory, Tier
 from hetstore.planner.tracer import model_data_trace
 from tests.models.gpt import GPT, batches
+from tests.test_auto_offload import auto_config
 from tests.test_host_offload import TIGHT, adamw, assert_same_weights, pair, run
 
 
@@ -24,17 +25,10 @@ def model():
 
 
 def budgets_only(tmp_path, **kw):
-    """auto_offload and budgets, as the seed's config is written. activation_min_bytes=0:
-    this model's saved tensors are all far below the 1 MiB default (sized for real
-    models), which would keep every one on the device."""
-    return OffloadConfig(
-        auto_offload=True,
-        activation_min_bytes=0,
-        offload_path=str(tmp_path),
-        enable_pinned_mem=False,
-        device="cpu",
-        **kw,
-    )
+    """auto_offload and budgets, as the seed's config is written (no example_inputs
+    anywhere below). activation_min_bytes=0: this model's saved tensors are all far below
+    the 1 MiB default (sized for real models), which would keep every one on the device."""
+    return auto_config(tmp_path, **kw)
 
 
 def states_bytes() -> int:
