@@ -193,7 +193,7 @@ def offload(
     def trace_batch(args: tuple, kwargs: dict) -> Trace:
         """The first training batch's activations, traced on meta tensors."""
         with runtime.tracing():
-            traced = with_batch(trace, model, args, kwargs, specs, config, meta_copies=True)
+            traced = with_batch(trace, model, args, kwargs, specs, config, on_meta=True)
         runtime.trace = traced
         return traced
 

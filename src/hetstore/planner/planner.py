@@ -34,7 +34,6 @@ from hetstore.tier import TIER_LABELS, Tier
 
 __all__ = ["make_plan"]
 
-TIER_ORDER = TIER_LABELS  # the order of memory()'s result
 _RATIOS = {Tier.DEVICE: "hbm_ratio", Tier.HOST: "cpu_ratio", Tier.DISK: None}
 
 
@@ -203,7 +202,8 @@ def _bring_closer(trace, choices, depth, chunk, capacities, ratio) -> list[UnitC
                 trial[i] = replace(trial[i], **{field_: closer})
                 used = memory(trace, trial, depth, chunk)
                 if not all(
-                    _fits(v, capacities.of(t)) for t, v in zip(TIER_ORDER, used, strict=True)
+                    _fits(v, capacities.of(t))
+                    for t, v in zip(TIER_LABELS, used, strict=True)  # memory() order
                 ) or not _within_margin(trace, trial, depth, chunk, capacities, ratio):
                     continue
                 t_trial = _time(trace, trial, depth)
@@ -280,7 +280,7 @@ def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) 
     lines = []
     short = []
     for tier, need in needs.items():
-        cap = capacities.of(tier.label)
+        cap = capacities.of(tier)
         if cap is not None and need > cap:
             short.append(tier)
             ratio, key = _RATIOS[tier], tier.capacity_key
@@ -301,7 +301,7 @@ def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) 
     )
     tier = short[0]
     cls = OutOfDeviceMemory if tier is Tier.DEVICE else OutOfTierMemory
-    return cls(message, tier=tier.label, requested=needs[tier], capacity=capacities.of(tier.label))
+    return cls(message, tier=tier.label, requested=needs[tier], capacity=capacities.of(tier))
 
 
 def refit_activations(trace: Trace, plan: Plan, config, *, batch: str = "this batch") -> Plan:
@@ -310,16 +310,10 @@ def refit_activations(trace: Trace, plan: Plan, config, *, batch: str = "this ba
     host, cheapest per byte first, until the device fits, then from host to disk until
     the host does. Raises ``OutOfDeviceMemory`` / ``OutOfTierMemory`` with the figures
     when even that cannot fit."""
-    choices = [u.choice for u in plan.units]
-    activations = [
-        (i, "activations", Tier.HOST)
-        for i, (u, c) in enumerate(zip(trace.units, choices, strict=True))
-        if c.activations == Tier.DEVICE and u.saved_bytes
-    ]
     return _fit_moving(
         trace,
         plan,
-        activations,
+        _activations_off_the_device(trace, plan),
         config,
         batch=batch,
         offloaded=f"every unit's activations "
@@ -339,17 +333,12 @@ def plan_first_batch(
     until the host does. Optimizer states stay where they were built. Raises
     ``OutOfDeviceMemory`` / ``OutOfTierMemory`` naming the capacity that would fit,
     before the batch's forward allocates anything."""
-    choices = [u.choice for u in plan.units]
-    moves = [
-        (i, "activations", Tier.HOST)
-        for i, (u, c) in enumerate(zip(trace.units, choices, strict=True))
-        if c.activations == Tier.DEVICE and u.saved_bytes
-    ]
+    moves = _activations_off_the_device(trace, plan)
     if move_params:
         moves += [
             (i, "param", Tier.HOST)
-            for i, (u, c) in enumerate(zip(trace.units, choices, strict=True))
-            if c.param == Tier.DEVICE and not u.is_root
+            for i, (u, p) in enumerate(zip(trace.units, plan.units, strict=True))
+            if p.choice.param == Tier.DEVICE and not u.is_root
         ]
     return _fit_moving(
         trace,
@@ -360,6 +349,15 @@ def plan_first_batch(
         offloaded="every unit's activations and every block's parameters",
         advice="Lower the batch size or raise max_device_memory",
     )
+
+
+def _activations_off_the_device(trace: Trace, plan: Plan) -> list:
+    """Moves to host of every unit's activations kept on the device (and saved at all)."""
+    return [
+        (i, "activations", Tier.HOST)
+        for i, (u, p) in enumerate(zip(trace.units, plan.units, strict=True))
+        if p.choice.activations == Tier.DEVICE and u.saved_bytes
+    ]
 
 
 def _fit_moving(trace: Trace, plan: Plan, moves, config, *, batch, offloaded, advice) -> Plan:
@@ -408,7 +406,7 @@ def _fit_moving(trace: Trace, plan: Plan, moves, config, *, batch, offloaded, ad
     need = host if tier is Tier.HOST else disk
     raise OutOfTierMemory(
         f"{batch}: its activations do not fit the {tier.label} tier: it would hold "
-        f"{format_size(need)} and may use {format_size(capacities.of(tier.label))} "
+        f"{format_size(need)} and may use {format_size(capacities.of(tier))} "
         f"({tier.capacity_key}). Lower the batch size or raise {tier.capacity_key}",
         tier=tier.label,
         requested=need,

@@ -111,17 +111,17 @@ def with_batch(
     config,
     *,
     on_meta: bool = False,
-    meta_copies: bool = False,
 ) -> Trace:
     """``base`` (a model-data trace) with the activations, FLOPs and times of one forward
     of ``model(*args, **kwargs)``, and the batch's shapes (which the batch guard compares
     later batches with).
 
-    ``meta_copies``: run on meta tensors of the parameters' shapes instead of the
-    parameters themselves: how an offloaded model is traced at its first forward (its
-    released parameters have no bytes for a fake copy to read, and nothing real may move)."""
+    ``on_meta``: run on meta tensors of the parameters' shapes, and the arguments moved
+    to meta; else on fake copies. A meta-device model is traced so, and so is an
+    offloaded model at its first forward (its released parameters have no bytes for a
+    fake copy to read, and nothing real may move)."""
     machine = base.machine
-    saved, kept, largest, flops = _run(model, args, kwargs, specs, config, on_meta, meta_copies)
+    saved, kept, largest, flops = _run(model, args, kwargs, specs, config, on_meta)
     traced = []
     for index, unit in enumerate(base.units):
         forward_flops = flops.get(index, 0.0)
@@ -146,7 +146,7 @@ def batch_shapes(args: tuple, kwargs: dict) -> tuple:
     return tuple(tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor))
 
 
-def _run(model, inputs, kwargs, specs, config, on_meta, meta_copies=False):
+def _run(model, inputs, kwargs, specs, config, on_meta):
     """One forward; per unit index: offloadable saved bytes, kept bytes, forward FLOPs."""
     # imported here: they pull in sympy and dynamo (hundreds of MB of RSS), which a
     # manually placed model never needs
@@ -169,25 +169,21 @@ def _run(model, inputs, kwargs, specs, config, on_meta, meta_copies=False):
         handles.append(
             spec.module.register_forward_hook(lambda m, a, o: current.__setitem__(0, root_index))
         )
-    meta = on_meta or meta_copies
-    mode = contextlib.nullcontext() if meta else FakeTensorMode(allow_non_fake_inputs=True)
-    to_meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, kwargs)
+    mode = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with mode:
             named = dict(model.named_parameters(remove_duplicate=False))
             named.update(dict(model.named_buffers(remove_duplicate=False)))
-            if meta:
+            if on_meta:
                 # one meta tensor per parameter object, so tied weights stay tied
                 copies: dict[int, torch.Tensor] = {}
-                swapped = (
-                    {name: copies.setdefault(id(t), _meta_like(t)) for name, t in named.items()}
-                    if meta_copies
-                    else named
+                swapped = {
+                    name: copies.setdefault(id(t), _meta_like(t)) for name, t in named.items()
+                }
+                args, kwargs = tree_map(
+                    lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t,
+                    (inputs, kwargs),
                 )
-                args = tree_map(
-                    lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, inputs
-                )
-                kwargs = to_meta
             else:
                 # run on fake copies of the parameters (held here, so their storages are
                 # recognized when saved, and no address is reused)

@@ -339,9 +339,14 @@ class Unit:
         """The whole layout in fp32 into ``flat`` (host): the master, and the frozen
         parameters that live only in ``home``, widened."""
         read_into(self.master, flat[: self.master_numel])  # a never-written one reads zeros
-        if self.has_home_only:
-            with self.edit_home_only(write_back=False) as tail:  # widened from the home
-                flat[self.master_numel :].copy_(tail)
+        if not self.has_home_only:
+            return
+        tail = flat[self.master_numel :]
+        if isinstance(self.home, DiskArray):
+            with self.edit_home_only(write_back=False) as staged:  # read in its dtype
+                tail.copy_(staged)
+        else:  # widened straight from memory, no staging copy
+            tail.copy_(self.home[self.master_numel :])
 
     @contextlib.contextmanager
     def edit_home_only(self, write_back: bool = True):
@@ -461,11 +466,14 @@ class Unit:
             )
         old = self.home
         owned = next(o for o in self._owned if o.data is old)
-        if tier is self.placement.optimizer and self.compute_dtype == torch.float32:
-            new = self.master if not self.has_home_only else None  # the same values
-        else:
-            new = None
-        if new is None:
+        # fp32 on the master's tier: the master is the home (it holds the same values)
+        aliased = (
+            tier is self.placement.optimizer
+            and self.compute_dtype == torch.float32
+            and not self.has_home_only
+        )
+        new = self.master
+        if not aliased:
             new = self.allocate(tier, self.numel, self.compute_dtype, "params")
             if isinstance(new, DiskArray):
                 staged = self.scratch(self.numel, self.compute_dtype, "params scratch")
