@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hetstore
-from hetstore import OffloadConfig, OutOfDeviceMemory, Tier
+from hetstore import OffloadConfig, OutOfDeviceMemory, OutOfTierMemory, Tier
 from hetstore.planner.tracer import model_data_trace
 from tests.models.gpt import GPT, batches
 from tests.test_auto_offload import auto_config
@@ -139,3 +139,50 @@ def test_states_that_cannot_fit_are_refused_at_offload(tmp_path):
             mine, adamw(mine.parameters()), budgets_only(tmp_path, max_device_memory=4096)
         )
     assert hetstore.state_of(mine) is None
+
+
+def test_example_inputs_without_the_targets_are_traced_again_at_the_first_training_step(
+    tmp_path,
+):
+    """``example_inputs`` often hold the tokens only, while a training forward also
+    passes the targets: the loss's saved tensors (the logits cross-entropy keeps for its
+    backward) were not in the trace. A plan accepted on that trace ran out of device
+    memory at the first step (the demo's shape at 60 MB: 'requested 2.00 MiB for
+    activations'). The forward with more inputs than the trace saw is traced again and
+    planned for, before it allocates: training matches plain PyTorch within the budget."""
+    torch.manual_seed(0)
+    ref = GPT(width=256, depth=8, vocab=512, ctx=128)
+    mine = GPT(width=256, depth=8, vocab=512, ctx=128)
+    mine.load_state_dict(ref.state_dict())
+    data = batches(2, vocab=512, batch=8, ctx=128)
+    budget = 60 << 20
+    cfg = auto_config(tmp_path, max_device_memory=budget, activation_min_bytes=1 << 20)
+    mine, opt = hetstore.offload(
+        mine, adamw(mine.parameters()), cfg, example_inputs=data[0][0]
+    )
+    runtime = hetstore.state_of(mine).runtime
+    assert runtime.trace.batch_shapes == ((8, 128),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the re-plan may or may not move anything
+        losses, _ = run(mine, opt, data)
+    assert runtime.trace.batch_shapes == ((8, 128), (8, 128))
+    ref_losses, _ = run(ref, adamw(ref.parameters()), data)
+    torch.testing.assert_close(losses, ref_losses, **TIGHT)
+    assert_same_weights(ref, mine)
+    peak = hetstore.memory_stats(mine)["device"]["peak"]
+    assert peak <= budget
+    assert peak <= runtime.plan.estimate.device  # the plan in effect counted the loss
+
+
+def test_a_first_batch_that_overflows_the_host_names_example_inputs(tmp_path):
+    """Budgets only: the optimizer states were placed at offload() before any activation
+    was known; when the first batch's activations cannot fit the host beside them, the
+    refusal (before the forward) says how to let the planner put the states on disk."""
+    states = states_bytes()
+    _, mine = pair(model)
+    cfg = budgets_only(
+        tmp_path, max_device_memory=int(states * 0.2), offload_cpu_size=int(states * 1.0)
+    )
+    mine, _ = hetstore.offload(mine, adamw(mine.parameters()), cfg)
+    with pytest.raises(OutOfTierMemory, match=r"offload_cpu_size.*pass example_inputs"):
+        mine(*batches(1, batch=64)[0])

@@ -224,6 +224,10 @@ def test_auto_offload_without_example_inputs_plans_at_the_first_keyword_call(
         # keyword tensors by name: input_ids, labels
         assert runtime.trace.batch_shapes == ((2, 16), (2, 16))
         assert sum(u.saved_bytes for u in runtime.trace.units) > 0
+        # the compute probe ran transformers' decoder layer for real from its recorded
+        # call (position embeddings, a cache object it passes as None)
+        assert runtime.trace.compute_basis == "probed"
+        assert runtime.plan.estimate.basis == "probed"
     torch.testing.assert_close(
         losses, train(reference, adamw(reference.parameters()), batches), **LOSS_TOL
     )

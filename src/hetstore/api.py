@@ -20,6 +20,7 @@ from hetstore.planner import Capacities, Plan, Trace, UnitChoice, make_plan
 from hetstore.planner.calibrate import calibrated_trace, steady_profile
 from hetstore.planner.machine import machine_capacities, measure_machine
 from hetstore.planner.shapes import BatchGuard
+from hetstore.planner.probe import Probe
 from hetstore.planner.tracer import model_data_trace, trace_model, with_batch
 from hetstore.runtime.activations import ActivationHooks
 from hetstore.runtime.grads import GradContract
@@ -193,7 +194,9 @@ def offload(
     def trace_batch(args: tuple, kwargs: dict) -> Trace:
         """The first training batch's activations, traced on meta tensors."""
         with runtime.tracing():
-            traced = with_batch(trace, model, args, kwargs, specs, config, on_meta=True)
+            traced = with_batch(
+                trace, model, args, kwargs, specs, config, on_meta=True, probe=Probe(device)
+            )
         runtime.trace = traced
         return traced
 
@@ -212,7 +215,7 @@ def offload(
                 plan,
                 config,
                 replan,
-                trace_batch=None if trace.batch_shapes else trace_batch,
+                trace_batch=trace_batch,
                 move_params=shards is None,
             )
             if replannable
@@ -334,7 +337,13 @@ def _plan_for(model, optimizer, config, specs, device, units, example_inputs):
     machine = measure_machine(device, config.offload_path)
     if example_inputs is not None:
         trace = trace_model(
-            model, example_inputs, config, machine, optimizer=optimizer, units=units
+            model,
+            example_inputs,
+            config,
+            machine,
+            optimizer=optimizer,
+            units=units,
+            probe=Probe(device),  # one unit of each kind timed for real: a step's fraction
         )
     else:
         trace = model_data_trace(model, config, machine, optimizer=optimizer, specs=specs)

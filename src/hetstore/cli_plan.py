@@ -53,6 +53,12 @@ def add_plan_parser(sub) -> None:
         "--max-model", action="store_true", help="find the largest GPT of the ladder that fits"
     )
     p.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="predict compute from FLOPs only; by default one block's forward and backward "
+        "run for real at the batch's shapes (skipped when one would take over 2 s)",
+    )
+    p.add_argument(
         "--hf-config",
         metavar="PATH",
         help="plan a Hugging Face causal LM (Llama, Qwen, Mistral, GPT-2 ...) from its "
@@ -161,7 +167,9 @@ def run_plan(args) -> int:
             return 2
         numel = sum(p.numel() for p in model.parameters())
         try:
-            plan = hetstore.plan(model, (tokens,), config, machine=machine)
+            plan = hetstore.plan(
+                model, (tokens,), config, machine=machine, probe=not args.no_probe
+            )
         except OutOfTierMemory as exc:
             print(f"hetstore plan: {exc}", file=sys.stderr)
             return 1
@@ -178,17 +186,17 @@ def run_plan(args) -> int:
             print(f"\nplan saved to {args.json}")
         return 0
 
-    def plan_for(width, depth):
+    def plan_for(width, depth, probe):
         model = _gpt(width, depth, args.vocab, args.ctx)
         numel = sum(p.numel() for p in model.parameters())
-        return numel, hetstore.plan(model, (tokens, tokens), config, machine=machine)
+        return numel, hetstore.plan(model, (tokens, tokens), config, machine=machine, probe=probe)
 
     if args.max_model:
         print(f"{'width':>6} {'depth':>5} {'params':>9}  result")
         largest = None
         for width, depth in LADDER:
             try:
-                numel, plan = plan_for(width, depth)
+                numel, plan = plan_for(width, depth, probe=False)  # what fits: no timing
             except OutOfTierMemory as exc:
                 print(f"{width:>6} {depth:>5} {'':>9}  does not fit ({exc.tier} short)")
                 break
@@ -205,7 +213,7 @@ def run_plan(args) -> int:
         print(plan)
     else:
         try:
-            numel, plan = plan_for(args.width, args.depth)
+            numel, plan = plan_for(args.width, args.depth, probe=not args.no_probe)
         except OutOfTierMemory as exc:
             print(f"hetstore plan: {exc}", file=sys.stderr)
             return 1

@@ -10,6 +10,7 @@ from hetstore.config import OffloadConfig
 from hetstore.errors import ConfigError
 from hetstore.planner import Plan, UnitChoice, make_plan
 from hetstore.planner.machine import machine_capacities, measure_machine
+from hetstore.planner.probe import Probe
 from hetstore.planner.trace import MachineRates
 from hetstore.planner.tracer import trace_model
 
@@ -24,14 +25,24 @@ def plan(
     optimizer=None,
     units: Sequence[nn.Module] | None = None,
     machine: MachineRates | None = None,
+    probe: bool | None = None,
+    probe_budget_s: float | None = 2.0,
 ) -> Plan:
     """The placement plan for training ``model`` on ``example_inputs`` under ``config``.
 
     ``model`` may live on the meta device (built under ``torch.device("meta")``): it is
-    traced on fake or meta tensors, so nothing is allocated and nothing computed.
-    ``example_inputs`` are the arguments of one forward (a tensor or a tuple; meta
-    tensors with the batch's shapes and dtypes will do). ``machine``: rates to plan
-    with instead of measuring this machine (another machine's, or made up).
+    traced on fake or meta tensors, so none of it is allocated. ``example_inputs`` are
+    the arguments of one forward (a tensor or a tuple; meta tensors with the batch's
+    shapes and dtypes will do). ``machine``: rates to plan with instead of measuring this
+    machine (another machine's, or made up).
+
+    ``probe``: to predict the step time, one unit of each kind (one transformer block)
+    runs its forward and backward for real at the batch's shapes, on random tensors, a
+    few times (:mod:`hetstore.planner.probe`), unless the FLOP estimate says one run
+    would take longer than ``probe_budget_s`` (None: always). Default: probe when
+    ``machine`` is measured here, not when it is given; without a probe compute comes
+    from FLOPs. The plan says how its compute time was obtained and how far to trust
+    each figure.
 
     With ``auto_offload`` the planner chooses (and refuses with each short tier's need
     when nothing fits); otherwise the ``offload_*`` keys' placement is predicted as is.
@@ -41,8 +52,19 @@ def plan(
     if not isinstance(config, OffloadConfig):
         raise ConfigError(f"config must be a hetstore.OffloadConfig, got {type(config).__name__}")
     device = config.resolved_device()
-    machine = machine if machine is not None else measure_machine(device, config.offload_path)
-    trace = trace_model(model, example_inputs, config, machine, optimizer=optimizer, units=units)
+    if probe is None:
+        probe = machine is None  # this machine's rates: its compute can be timed too
+    if machine is None:
+        machine = measure_machine(device, config.offload_path)
+    trace = trace_model(
+        model,
+        example_inputs,
+        config,
+        machine,
+        optimizer=optimizer,
+        units=units,
+        probe=Probe(device, probe_budget_s) if probe else None,
+    )
     capacities = machine_capacities(config, device)
     if config.auto_offload:
         return make_plan(trace, capacities, config)

@@ -78,6 +78,9 @@ class Estimate:
     optimizer_s: float  # the step time left after backward
     overhead_s: float
     optimizer_hidden_s: float = 0.0  # stepped during backward, beside it (overlap_step)
+    # where compute_s comes from: "flops", "probed", "partly probed" or "measured" (the
+    # profiled steps); see Trace.compute_basis and the plan's confidence line
+    basis: str = "flops"
 
     @property
     def step_s(self) -> float:
@@ -317,6 +320,7 @@ def estimate(
 ) -> Estimate:
     device, host, disk = memory(trace, choices, depth, chunk_bytes)
     compute, stall, exposed, optimizer, hidden = times(trace, choices, depth, overlap)
+    basis = "measured" if trace.measured else trace.compute_basis
     return Estimate(
-        device, host, disk, compute, stall, exposed, optimizer, trace.overhead_s, hidden
+        device, host, disk, compute, stall, exposed, optimizer, trace.overhead_s, hidden, basis
     )

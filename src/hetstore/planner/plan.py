@@ -13,7 +13,27 @@ from hetstore.planner.cost import Estimate, UnitChoice, estimate, optimizer_byte
 from hetstore.planner.trace import Trace
 from hetstore.tier import TIER_LABELS, Tier
 
-__all__ = ["Capacities", "Plan", "UnitPlan"]
+__all__ = ["Capacities", "Plan", "UnitPlan", "confidence"]
+
+
+# how far to trust a prediction, by where its compute time came from (Estimate.basis);
+# the bounds are what benchmarks/planner.py measured (docs/BENCHMARKS.md)
+_STEP_CONFIDENCE = {
+    "measured": "within about 5%: compute measured in the profiled steps",
+    "probed": "within about 20%: one block of each kind ran for real at the batch's shapes",
+    "partly probed": "within about 30%: some blocks ran for real, the others from FLOPs",
+    "flops": "to about 40%, usually short: compute from counted FLOPs at a matmul's rate",
+}
+
+
+def confidence(e: Estimate) -> str:
+    """One line: how far to trust the step time and the peaks of ``e``."""
+    step = _STEP_CONFIDENCE.get(e.basis, e.basis)
+    return (
+        f"confidence: step time {step}; peaks within about 10% (model states and staging "
+        "as the tiers allocate them, activations as traced for this batch; none before a "
+        "batch is traced)"
+    )
 
 
 @dataclass(frozen=True)
@@ -150,6 +170,7 @@ class Plan:
             f" + overhead {e.overhead_s * 1e3:.1f}  (prefetch_depth={self.prefetch_depth},"
             f" {self.source} plan)"
         )
+        lines.append(confidence(e))
         if e.optimizer_hidden_s:
             lines.append(
                 f"stepping disk units during backward (overlap_step) hides "

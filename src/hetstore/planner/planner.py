@@ -348,6 +348,8 @@ def plan_first_batch(
         batch=batch,
         offloaded="every unit's activations and every block's parameters",
         advice="Lower the batch size or raise max_device_memory",
+        spill_advice=", or pass example_inputs to hetstore.offload() so the optimizer "
+        "states are placed knowing the activations (on disk if need be)",
     )
 
 
@@ -360,10 +362,13 @@ def _activations_off_the_device(trace: Trace, plan: Plan) -> list:
     ]
 
 
-def _fit_moving(trace: Trace, plan: Plan, moves, config, *, batch, offloaded, advice) -> Plan:
+def _fit_moving(
+    trace: Trace, plan: Plan, moves, config, *, batch, offloaded, advice, spill_advice=""
+) -> Plan:
     """``plan`` with the shortest prefix of ``moves`` (each to host; ordered by added time
     per device byte freed) that fits the device, then the moved items spilled from host to
-    disk, cheapest first, until host and disk fit."""
+    disk, cheapest first, until host and disk fit. ``advice`` ends the device refusal,
+    ``spill_advice`` the host or disk one."""
     chunk = config.optimizer_chunk_size
     depth = plan.prefetch_depth
     capacities = plan.capacities
@@ -407,7 +412,8 @@ def _fit_moving(trace: Trace, plan: Plan, moves, config, *, batch, offloaded, ad
     raise OutOfTierMemory(
         f"{batch}: its activations do not fit the {tier.label} tier: it would hold "
         f"{format_size(need)} and may use {format_size(capacities.of(tier))} "
-        f"({tier.capacity_key}). Lower the batch size or raise {tier.capacity_key}",
+        f"({tier.capacity_key}). Lower the batch size or raise {tier.capacity_key}"
+        f"{spill_advice}",
         tier=tier.label,
         requested=need,
         capacity=capacities.of(tier),

@@ -87,11 +87,16 @@ class BatchGuard:
     def __call__(self, args, kwargs=None) -> None:
         kwargs = kwargs or {}
         shapes = list(batch_shapes(args, kwargs))
-        if self.waiting_for_first_batch:
+        unseen = self.trace_batch is not None and len(shapes) > len(self.trace.batch_shapes)
+        if self.waiting_for_first_batch or unseen:
+            # the first batch, or one with tensors the trace never saw (example_inputs
+            # without the targets a training forward also takes: the loss's saved
+            # tensors were not counted): trace this batch and plan for it
+            what = "the first batch" if self.waiting_for_first_batch else "a batch with more inputs"
             try:
                 trace = self.trace_batch(args, kwargs)
             except Exception as exc:  # noqa: BLE001 - any failure of the meta run
-                self._without_a_trace(exc)
+                self._without_a_trace(exc, what)
                 return
             plan = plan_first_batch(
                 trace,
@@ -100,8 +105,9 @@ class BatchGuard:
                 batch=f"a batch of shapes {shapes}",
                 move_params=self.move_params,
             )
-            self._put_in_effect(plan, f"the first batch (shapes {shapes})", "planned")
+            self._put_in_effect(plan, f"{what} (shapes {shapes})", "planned")
             self.trace = trace
+            self.allowed = 1.0
             return
         scale = _growth(shapes, self.trace.batch_shapes)
         if scale <= self.allowed:
@@ -115,7 +121,7 @@ class BatchGuard:
         self._put_in_effect(plan, batch, "re-planned")
         self.allowed = scale
 
-    def _without_a_trace(self, exc: Exception) -> None:
+    def _without_a_trace(self, exc: Exception, what: str) -> None:
         """The forward cannot run on meta tensors (data-dependent Python control flow,
         such as a check of an attention mask's values): offload every unit's activations
         to host, the placement that needs no figures, and say so. Parameters stay."""
@@ -131,7 +137,7 @@ class BatchGuard:
         )
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         warnings.warn(
-            "hetstore: auto_offload could not trace the first batch on meta tensors "
+            f"hetstore: auto_offload could not trace {what} on meta tensors "
             f"({type(exc).__name__}: {reason}); every unit's activations go to host memory "
             "instead of a plan made for them. Pass example_inputs (meta tensors of the "
             "batch's shapes) to hetstore.offload() for a plan made for the batch",

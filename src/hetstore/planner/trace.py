@@ -96,6 +96,10 @@ class Trace:
     # the runtime steps disk units during backward (``overlap_step``): the cost model
     # hides what it can of their steps behind backward
     step_overlap: bool = True
+    # where the units' compute times come from: "flops" (counted FLOPs at the probed
+    # matmul rate), "probed" / "partly probed" (planner.probe timed one unit of each
+    # kind, or some kinds, for real); ``measured`` (the profiled steps) overrides it
+    compute_basis: str = "flops"
 
     def __post_init__(self) -> None:
         names = [u.name for u in self.units]
@@ -121,7 +125,7 @@ class Trace:
         )
         machine = MachineRates(**data["machine"]) if data.get("machine") else None
         shapes = tuple(tuple(s) for s in data.get("batch_shapes", ()))
-        keys = ("buffer_bytes", "overhead_s", "measured", "step_overlap")
+        keys = ("buffer_bytes", "overhead_s", "measured", "step_overlap", "compute_basis")
         rest = {k: data[k] for k in keys if k in data}
         return cls(units=units, machine=machine, batch_shapes=shapes, **rest)
 

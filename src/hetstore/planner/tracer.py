@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hetstore.optim.registry import state_itemsize
+from hetstore.planner.probe import Probe, UnitCall, describe_call, probe_compute
 from hetstore.planner.trace import MachineRates, Trace, UnitTrace
 from hetstore.units import UnitSpec, find_units
 
@@ -88,18 +89,22 @@ def trace_model(
     *,
     optimizer=None,
     units: Sequence[nn.Module] | None = None,
+    probe: Probe | None = None,
 ) -> Trace:
     """Trace ``model(*example_inputs)`` on fake or meta tensors (see module doc).
 
     ``example_inputs``: a tuple of arguments (a single tensor is one argument); tensors
     may be real, meta, or given as ``torch.empty(shape, dtype=..., device="meta")``.
+    ``probe``: also time one unit of each kind for real (:mod:`hetstore.planner.probe`).
     """
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     specs = find_units(model, units)
     base = model_data_trace(model, config, machine, optimizer=optimizer, specs=specs)
     on_meta = any(p.is_meta for p in model.parameters())
-    return with_batch(base, model, example_inputs, {}, specs, config, on_meta=on_meta)
+    return with_batch(
+        base, model, example_inputs, {}, specs, config, on_meta=on_meta, probe=probe
+    )
 
 
 def with_batch(
@@ -111,6 +116,7 @@ def with_batch(
     config,
     *,
     on_meta: bool = False,
+    probe: Probe | None = None,
 ) -> Trace:
     """``base`` (a model-data trace) with the activations, FLOPs and times of one forward
     of ``model(*args, **kwargs)``, and the batch's shapes (which the batch guard compares
@@ -119,9 +125,13 @@ def with_batch(
     ``on_meta``: run on meta tensors of the parameters' shapes, and the arguments moved
     to meta; else on fake copies. A meta-device model is traced so, and so is an
     offloaded model at its first forward (its released parameters have no bytes for a
-    fake copy to read, and nothing real may move)."""
+    fake copy to read, and nothing real may move).
+
+    ``probe``: then time one unit of each kind for real at the traced shapes, on the
+    compute device (:mod:`hetstore.planner.probe`); else compute is FLOPs at the
+    machine's matmul rate."""
     machine = base.machine
-    saved, kept, largest, flops = _run(model, args, kwargs, specs, config, on_meta)
+    saved, kept, largest, flops, calls = _run(model, args, kwargs, specs, config, on_meta)
     traced = []
     for index, unit in enumerate(base.units):
         forward_flops = flops.get(index, 0.0)
@@ -137,7 +147,17 @@ def with_batch(
                 backward_s=2 * forward_s,
             )
         )
-    return replace(base, units=tuple(traced), batch_shapes=batch_shapes(args, kwargs))
+    traced = replace(base, units=tuple(traced), batch_shapes=batch_shapes(args, kwargs))
+    if probe is None:
+        return traced
+    return probe_compute(
+        traced,
+        specs,
+        calls,
+        probe.device,
+        config.torch_compute_dtype,
+        budget_s=probe.budget_s,
+    )
 
 
 def batch_shapes(args: tuple, kwargs: dict) -> tuple:
@@ -147,7 +167,8 @@ def batch_shapes(args: tuple, kwargs: dict) -> tuple:
 
 
 def _run(model, inputs, kwargs, specs, config, on_meta):
-    """One forward; per unit index: offloadable saved bytes, kept bytes, forward FLOPs."""
+    """One forward; per unit index: offloadable saved bytes, kept bytes, the largest saved
+    storage, forward FLOPs, and the unit's first call (for the compute probe)."""
     # imported here: they pull in sympy and dynamo (hundreds of MB of RSS), which a
     # manually placed model never needs
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -158,14 +179,19 @@ def _run(model, inputs, kwargs, specs, config, on_meta):
     saved: dict[int, int] = {}
     kept: dict[int, int] = {}
     largest: dict[int, int] = {}
+    calls: dict[int, UnitCall] = {}
     seen: dict = {}  # (storage, version) -> storage, held so addresses are not reused
     handles = []
     for index, spec in enumerate(specs):
         if spec.module is None:
             continue
-        handles.append(
-            spec.module.register_forward_pre_hook(lambda m, a, i=index: current.__setitem__(0, i))
-        )
+
+        def enter(module, args, kwargs, i=index):
+            current[0] = i
+            if i not in calls:  # the first call of each unit: what a probe runs again
+                calls[i] = describe_call(args, kwargs)
+
+        handles.append(spec.module.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(
             spec.module.register_forward_hook(lambda m, a, o: current.__setitem__(0, root_index))
         )
@@ -229,7 +255,7 @@ def _run(model, inputs, kwargs, specs, config, on_meta):
         if spec.module is not None:
             flops[index] = float(sum(counts.get(f"{prefix}.{spec.name}", {}).values()))
     flops[root_index] = max(0.0, total - sum(flops.values()))
-    return saved, kept, largest, flops
+    return saved, kept, largest, flops, calls
 
 
 def _meta_like(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,125 @@
+"""The planner's compute probe (hetstore.planner.probe): one block of each kind runs its
+forward and backward for real at the traced shapes, on random stand-ins for its tensors,
+and the trace and the plan say where the compute figures came from. The probe never
+touches the model, and a call it cannot reproduce falls back to the FLOP estimate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+import hetstore
+from hetstore.planner.probe import Probe
+from hetstore.planner.tracer import trace_model
+from tests.models.gpt import GPT, batches
+from tests.test_auto_offload import auto_config
+from tests.test_planner import CPU
+
+CPU_DEVICE = torch.device("cpu")
+
+
+def gpt():
+    torch.manual_seed(0)
+    return GPT(width=32, depth=3, ctx=16)
+
+
+def real_calls(blocks) -> list[int]:
+    """Per block, how many of its forwards ran on real tensors (not the tracer's fake or
+    meta ones)."""
+    counts = [0] * len(blocks)
+
+    def count(i):
+        def hook(module, args):
+            x = args[0]
+            if not isinstance(x, FakeTensor) and not x.is_meta:
+                counts[i] += 1
+
+        return hook
+
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(count(i))
+    return counts
+
+
+def test_one_block_of_each_kind_runs_for_real_and_the_plan_says_so(tmp_path):
+    model = gpt()
+    counts = real_calls(model.blocks)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = batches(1, batch=4)[0][0]
+    trace = trace_model(model, (x,), auto_config(tmp_path), CPU, probe=Probe(CPU_DEVICE))
+    assert trace.compute_basis == "probed"
+    # three identical blocks: the first is timed (a warm-up and timed runs), the others
+    # take its figures
+    assert counts[0] >= 2 and counts[1:] == [0, 0]
+    blocks = [u for u in trace.units if not u.is_root]
+    assert len({(u.forward_s, u.backward_s) for u in blocks}) == 1
+    assert blocks[0].forward_s > 0 and blocks[0].backward_s > 0
+    # the root (embeddings, head, loss) is not a module of its own: its FLOPs at the
+    # rate the probed block achieved, backward twice forward as for FLOPs
+    (root,) = [u for u in trace.units if u.is_root]
+    rate = blocks[0].flops / (blocks[0].forward_s + blocks[0].backward_s)
+    assert root.forward_s == pytest.approx(root.flops / 3 / rate)
+    assert root.backward_s == pytest.approx(2 * root.forward_s)
+    # nothing of the model changed
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert all(p.grad is None for p in model.parameters())
+    plan = hetstore.plan(model, x, auto_config(tmp_path), machine=CPU, probe=True)
+    assert plan.estimate.basis == "probed"
+    assert "confidence: step time within about 20%" in str(plan)
+
+
+def test_without_a_probe_or_over_its_budget_compute_comes_from_flops(tmp_path):
+    model = gpt()
+    counts = real_calls(model.blocks)
+    x = batches(1, batch=4)[0][0]
+    cfg = auto_config(tmp_path)
+    for probe in (None, Probe(CPU_DEVICE, budget_s=0.0)):
+        trace = trace_model(model, (x,), cfg, CPU, probe=probe)
+        assert trace.compute_basis == "flops"
+        for unit in trace.units:
+            assert unit.forward_s == pytest.approx(unit.flops / 3 / CPU.flops)
+    assert counts == [0, 0, 0]
+    # rates given for another machine: nothing here is timed
+    plan = hetstore.plan(model, x, cfg, machine=CPU)
+    assert plan.estimate.basis == "flops"
+    assert "usually short: compute from counted FLOPs" in str(plan)
+
+
+class Scale:
+    """An argument object the probe cannot rebuild (it passes None)."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+
+class ScaledBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, scale: Scale):
+        return torch.tanh(self.lin(x)) * scale.factor
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(ScaledBlock() for _ in range(3))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        scale = Scale(0.5)
+        for block in self.blocks:
+            x = block(x, scale)
+        return self.head(x).sum()
+
+
+def test_a_call_the_probe_cannot_reproduce_falls_back_to_flops(tmp_path):
+    model = Scaled()
+    x = torch.randn(4, 16)
+    trace = trace_model(model, (x,), auto_config(tmp_path), CPU, probe=Probe(CPU_DEVICE))
+    assert trace.compute_basis == "flops"
+    assert all(u.forward_s == pytest.approx(u.flops / 3 / CPU.flops) for u in trace.units)
