@@ -156,7 +156,13 @@ def test_example_inputs_without_the_targets_are_traced_again_at_the_first_traini
     mine.load_state_dict(ref.state_dict())
     data = batches(2, vocab=512, batch=8, ctx=128)
     budget = 60 << 20
-    cfg = auto_config(tmp_path, max_device_memory=budget, activation_min_bytes=1 << 20)
+    cfg = OffloadConfig(
+        auto_offload=True,
+        device="cpu",
+        offload_path=str(tmp_path),
+        enable_pinned_mem=False,
+        max_device_memory=budget,  # activation_min_bytes: the 1 MiB default
+    )
     mine, opt = hetstore.offload(
         mine, adamw(mine.parameters()), cfg, example_inputs=data[0][0]
     )

@@ -26,7 +26,8 @@ Time (seconds per step)
   copies everywhere, as the runtime does them synchronously)
   + overlappable transfers beyond the compute they hide behind (CUDA copies with
   prefetch, disk reads and writes), plus one unit's transfer to fill the pipeline,
-  divided by the prefetch depth
+  divided by the prefetch depth; activations' disk traffic stalls compute on a CPU
+  device or without prefetch
   + the optimizer step per unit: device rate, host rate, or for disk the host rate or
   the disk's read+write time, whichever is longer (the chunks are pipelined).
   Units whose states and parameters are on disk are stepped during backward
@@ -284,7 +285,15 @@ def times(
             else:
                 stall += copies
             if c.activations == Tier.DISK:
-                unit_transfer += u.saved_bytes / m.disk_write + u.saved_bytes / m.disk_read
+                disk_io = u.saved_bytes / m.disk_write + u.saved_bytes / m.disk_read
+                if m.copies_overlap and depth > 0:
+                    unit_transfer += disk_io
+                else:
+                    # without prefetch backward waits for each read; on a CPU device
+                    # the disk paths' staging copies and completions share the cores
+                    # compute runs on (measured: a unit whose activations go to disk
+                    # took 1.3x its forward and 2x its backward; benchmarks/planner.py)
+                    stall += disk_io
         overlappable += unit_transfer
         fill = max(fill, unit_transfer)
         # the optimizer step
