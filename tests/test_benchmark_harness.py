@@ -19,8 +19,10 @@ def test_planner_benchmark_prints_predictions_and_measurements(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "predicted (calibrated)" in done.stdout
-    for budget in ("100%", "50%", "20%", "20%, host 100%"):
-        assert f"| {budget} | device |" in done.stdout
+    for model in ("gpt", "llama"):
+        for budget in ("100%", "50%", "20%", "20%, host 100%"):
+            assert f"| {model} | {budget} | device |" in done.stdout
+            assert f"| {model} | {budget} | " in done.stdout.split("| model | budget |")[0]
 
 
 def test_checkpoint_benchmark_prints_its_table(tmp_path):

@@ -163,9 +163,7 @@ def test_example_inputs_without_the_targets_are_traced_again_at_the_first_traini
         enable_pinned_mem=False,
         max_device_memory=budget,  # activation_min_bytes: the 1 MiB default
     )
-    mine, opt = hetstore.offload(
-        mine, adamw(mine.parameters()), cfg, example_inputs=data[0][0]
-    )
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg, example_inputs=data[0][0])
     runtime = hetstore.state_of(mine).runtime
     assert runtime.trace.batch_shapes == ((8, 128),)
     with warnings.catch_warnings():

@@ -19,8 +19,8 @@ from hetstore.optim.registry import FLAT_NAMES, flat_steppable
 from hetstore.planner import Capacities, Plan, Trace, UnitChoice, make_plan
 from hetstore.planner.calibrate import calibrated_trace, steady_profile
 from hetstore.planner.machine import machine_capacities, measure_machine
-from hetstore.planner.shapes import BatchGuard
 from hetstore.planner.probe import Probe
+from hetstore.planner.shapes import BatchGuard
 from hetstore.planner.tracer import model_data_trace, trace_model, with_batch
 from hetstore.runtime.activations import ActivationHooks
 from hetstore.runtime.grads import GradContract

@@ -167,9 +167,7 @@ def run_plan(args) -> int:
             return 2
         numel = sum(p.numel() for p in model.parameters())
         try:
-            plan = hetstore.plan(
-                model, (tokens,), config, machine=machine, probe=not args.no_probe
-            )
+            plan = hetstore.plan(model, (tokens,), config, machine=machine, probe=not args.no_probe)
         except OutOfTierMemory as exc:
             print(f"hetstore plan: {exc}", file=sys.stderr)
             return 1

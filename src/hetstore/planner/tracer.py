@@ -102,9 +102,7 @@ def trace_model(
     specs = find_units(model, units)
     base = model_data_trace(model, config, machine, optimizer=optimizer, specs=specs)
     on_meta = any(p.is_meta for p in model.parameters())
-    return with_batch(
-        base, model, example_inputs, {}, specs, config, on_meta=on_meta, probe=probe
-    )
+    return with_batch(base, model, example_inputs, {}, specs, config, on_meta=on_meta, probe=probe)
 
 
 def with_batch(
