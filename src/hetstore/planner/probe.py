@@ -106,24 +106,23 @@ def _real(spec: TensorSpec, device: torch.device, float_dtype: torch.dtype) -> t
 
 
 def _module_tensors(module, device, dtype) -> tuple[dict, list[torch.Tensor]]:
-    """Random stand-ins for the module's parameters and buffers (floating ones in the
-    compute dtype, as the runtime's device copies are), and the ones autograd fills."""
+    """Random stand-ins for the module's parameters (floating ones in the compute dtype,
+    as the runtime's device copies are) and buffers, and the ones autograd fills."""
     named, leaves = {}, []
     for name, param in module.named_parameters(remove_duplicate=False):
-        spec = TensorSpec(tuple(param.shape), param.dtype, param.requires_grad)
-        tensor = _real(spec, device, dtype)
+        tensor = _real(TensorSpec(tuple(param.shape), param.dtype, False), device, dtype)
         if tensor.is_floating_point():
-            tensor = tensor.detach().mul_(0.02).requires_grad_(param.requires_grad)
-        named[name] = tensor
-        if tensor.requires_grad:
+            tensor.mul_(0.02)  # small weights keep the activations in range
+        named[name] = tensor.requires_grad_(param.requires_grad)
+        if param.requires_grad:
             leaves.append(tensor)
     for name, buffer in module.named_buffers(remove_duplicate=False):
         spec = TensorSpec(tuple(buffer.shape), buffer.dtype, False)
-        named[name] = _real(spec, device, buffer.dtype if buffer.is_floating_point() else dtype)
+        named[name] = _real(spec, device, buffer.dtype)
     return named, leaves
 
 
-def _time_unit(module, call: UnitCall, device, dtype, repeats: int | None) -> tuple[float, float]:
+def _time_unit(module, call: UnitCall, device, dtype) -> tuple[float, float]:
     """Median forward and backward seconds of ``module`` on ``call``'s shapes.
 
     After a warm-up, the timed forwards run one after another with every graph kept,
@@ -161,8 +160,7 @@ def _time_unit(module, call: UnitCall, device, dtype, repeats: int | None) -> tu
         first, outs = forward()  # warm-up: the allocator, lazy initialization
         first += backward(outs)
         del outs
-        n = max(1, _repeats(first) if repeats is None else repeats)
-        forwards = [forward() for _ in range(n)]
+        forwards = [forward() for _ in range(_repeats(first))]
         backwards = [backward(outs) for _, outs in reversed(forwards)]
     for param in params:
         param.grad = None
@@ -182,7 +180,6 @@ def probe_compute(
     dtype: torch.dtype,
     *,
     budget_s: float | None = None,
-    repeats: int | None = None,
 ) -> Trace:
     """``trace`` with each unit's forward and backward seconds measured (see module
     doc). ``calls``: unit index -> its recorded call. ``budget_s``: see :class:`Probe`."""
@@ -202,23 +199,22 @@ def probe_compute(
             timed[kind] = None
             continue
         try:
-            timed[kind] = _time_unit(module, call, device, dtype, repeats)
+            timed[kind] = _time_unit(module, call, device, dtype)
         except Exception:  # noqa: BLE001 - the module's own code, on arguments rebuilt
             timed[kind] = None  # from shapes: a call it cannot reproduce is left to FLOPs
     measured = {i: timed[k] for i, k in kinds.items() if timed.get(k) is not None}
     if not measured:
         return trace
-    # the rate the probed units achieved, for what has no probe (the root's FLOPs)
+    # what has no probe (the root: embeddings, head, loss) runs at the rate the probed
+    # units achieved: its FLOP-based times, made at the machine's matmul rate, rescaled
     flops = sum(trace.units[i].flops for i in measured)
     seconds = sum(f + b for f, b in measured.values())
-    rate = flops / seconds if flops and seconds else machine.flops
+    scale = machine.flops * seconds / flops if flops and seconds else 1.0
     units = []
     for index, unit in enumerate(trace.units):
-        if index in measured:
-            forward_s, backward_s = measured[index]
-        else:
-            forward_s = unit.flops / 3 / rate if rate else 0.0
-            backward_s = 2 * forward_s
+        forward_s, backward_s = measured.get(
+            index, (unit.forward_s * scale, unit.backward_s * scale)
+        )
         units.append(replace(unit, forward_s=forward_s, backward_s=backward_s))
     blocks = sum(1 for u in trace.units if not u.is_root)
     basis = "probed" if len(measured) == blocks else "partly probed"
