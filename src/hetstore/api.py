@@ -16,6 +16,7 @@ from hetstore.footprints import param_staging_slots
 from hetstore.model_state import ModelState, attach, is_released, state_of
 from hetstore.optim import DynamicLossScaler, OffloadedOptimizer
 from hetstore.optim.registry import FLAT_NAMES, flat_steppable
+from hetstore.optim.state_format import state_format
 from hetstore.planner import Capacities, Plan, Trace, UnitChoice, make_plan
 from hetstore.planner.calibrate import calibrated_trace, steady_profile
 from hetstore.planner.machine import machine_capacities, measure_machine
@@ -104,6 +105,8 @@ def offload(
                 f"{FLAT_NAMES} (non-differentiable); got "
                 f"{type(optimizer).__name__}. Use one of those, or process_group=False"
             )
+    if optimizer is not None and config.optimizer_state_format != "fp32":
+        _check_compact_states(optimizer, config.optimizer_state_format, shards)
     groups_of = _group_index(model, optimizer)
     specs = find_units(model, units)
     trace, plan = _plan_for(model, optimizer, config, specs, device, units, example_inputs)
@@ -262,6 +265,7 @@ def offload(
             param_order=list(model.parameters()),
             shards=shards,
             overlap_step=config.overlap_step,
+            state_format=state_format(config.optimizer_state_format),
             on_step_begin=lambda: profiler.switch("optimizer"),
             on_step=profiler.step_ends,
         )
@@ -277,6 +281,20 @@ def _ranks_on_host() -> int:
     import os
 
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def _check_compact_states(optimizer: Optimizer, fmt: str, shards) -> None:
+    if not flat_steppable(optimizer):
+        raise ConfigError(
+            f"optimizer_state_format={fmt!r} keeps the states of {FLAT_NAMES} compact; got "
+            f"{type(optimizer).__name__}. Use one of those, or optimizer_state_format='fp32'"
+        )
+    if shards is not None:
+        raise ConfigError(
+            f"optimizer_state_format={fmt!r} is not supported sharded over "
+            f"{shards.world_size} ranks yet; use optimizer_state_format='fp32' there, or "
+            "process_group=False"
+        )
 
 
 def _check_streamable(optimizer: Optimizer) -> None:

@@ -42,6 +42,10 @@ def _doc(text: str) -> dict[str, str]:
     return {"doc": text}
 
 
+# optimizer_state_format's values (what each means: hetstore.optim.state_format)
+STATE_FORMATS = ("fp32", "bf16", "8bit")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OffloadConfig:
     """Where training state lives and how much of each tier hetstore may use.
@@ -223,6 +227,16 @@ class OffloadConfig:
             "optimizer state (about 12 x this for Adam with gradients on disk)."
         ),
     )
+    optimizer_state_format: str = field(
+        default="fp32",
+        metadata=_doc(
+            "How optimizer states (Adam's moments, SGD's momentum) are stored: 'fp32' "
+            "(4 bytes per element, bitwise plain PyTorch), 'bf16' (2) or '8bit' (1 + 1/64: "
+            "block-wise scaled 8-bit floats, second moments as square roots). The fp32 "
+            "master weights are kept in every format; the update is torch's fused step on "
+            "decoded fp32 chunks. Compact formats need Adam, AdamW or SGD, one process."
+        ),
+    )
     overlap_step: bool = field(
         default=True,
         metadata=_doc(
@@ -273,6 +287,11 @@ class OffloadConfig:
         _set(self, "offload_path", _path_string("offload_path", self.offload_path))
         _set(self, "compute_dtype", _compute_dtype(self.compute_dtype))
         _set(self, "device", _device(self.device))
+        if self.optimizer_state_format not in STATE_FORMATS:
+            raise ConfigError(
+                f"optimizer_state_format={short_repr(self.optimizer_state_format)}: allowed "
+                f"values are {', '.join(repr(f) for f in STATE_FORMATS)}"
+            )
         if self.offload_grad is Tier.DISK and self.offload_optimizer is not Tier.DISK:
             raise ConfigError(
                 f"offload_grad='disk' with offload_optimizer='{self.offload_optimizer}': "

@@ -28,8 +28,10 @@ import torch
 from torch.optim import Optimizer
 
 from hetstore.errors import ConfigError
+from hetstore.optim.compact import CompactUnitStep
 from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.registry import FLAT_NAMES, flat_spec, flat_steppable
+from hetstore.optim.state_format import StateFormat, state_format
 from hetstore.optim.step_ahead import StepAhead, eligible
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.sharding import ShardGroup
@@ -37,6 +39,9 @@ from hetstore.runtime.unit import ParamEntry, Unit
 from hetstore.tiers.flat import DiskArray, DiskSlice
 
 __all__ = ["OffloadedOptimizer"]
+
+# unit steps that own their states chunk by chunk (on disk, or compact in memory)
+_CHUNKED = (StreamedUnitStep, CompactUnitStep)
 
 
 class _UnitStep:
@@ -64,6 +69,7 @@ class OffloadedOptimizer(Optimizer):
         param_order: list | None = None,
         shards: ShardGroup | None = None,
         overlap_step: bool = False,
+        state_format: StateFormat | None = None,
     ):
         # Optimizer.__init__ gives us live param_groups over the original parameters,
         # which LR schedulers and user code read and edit.
@@ -77,6 +83,7 @@ class OffloadedOptimizer(Optimizer):
         self._on_step_begin = on_step_begin
         self._flat = flat_steppable(original)
         self._spec = flat_spec(original)  # what states a flat step keeps
+        self.state_format = state_format or _fp32()
         self._entry_of: dict[int, tuple[Unit, ParamEntry]] = {}
         for unit in units:
             for entry in unit.entries:
@@ -145,7 +152,12 @@ class OffloadedOptimizer(Optimizer):
                 )
             keys = self._spec.state_keys(self.param_groups)
             return StreamedUnitStep(
-                unit, self.optimizer_class, self._hyper, keys, self._chunk_numel
+                unit, self.optimizer_class, self._hyper, keys, self._chunk_numel, self.state_format
+            )
+        if not self.state_format.exact:  # checked at offload(): a flat optimizer
+            keys = self._spec.state_keys(self.param_groups)
+            return CompactUnitStep(
+                unit, self.optimizer_class, self._hyper, keys, self._chunk_numel, self.state_format
             )
         inner_groups, tensors, owners = [], [], []
         if self._flat:
@@ -426,7 +438,7 @@ class OffloadedOptimizer(Optimizer):
             if not unit.any_grad():
                 continue  # like torch: parameters without a gradient are not stepped
             self._warn_missing([e.name for e in unit.trainable_entries if not e.has_grad])
-            if isinstance(unit_step, StreamedUnitStep):
+            if isinstance(unit_step, _CHUNKED):
                 unit_step.step(self._disk_grad_factors if isinstance(unit.grad, DiskArray) else [])
                 continue
             unit.fill_missing_grads()
@@ -479,7 +491,7 @@ class OffloadedOptimizer(Optimizer):
     def _locate(self, param) -> tuple[_UnitStep, int, torch.Tensor, ParamEntry]:
         unit, entry = self._entry_of[id(param)]
         for unit_step in self._unit_steps:
-            if unit_step.unit is unit and isinstance(unit_step, StreamedUnitStep):
+            if unit_step.unit is unit and isinstance(unit_step, _CHUNKED):
                 return unit_step, entry.offset, None, entry
             if unit_step.unit is unit:
                 if self._flat:
@@ -511,7 +523,7 @@ class OffloadedOptimizer(Optimizer):
             ids = []
             for param in group["params"]:
                 unit_step, start, tensor, entry = self._locate(param)
-                if isinstance(unit_step, StreamedUnitStep):
+                if isinstance(unit_step, _CHUNKED):
                     streamed = self._export_streamed(unit_step, entry)
                     if streamed:
                         state[index] = streamed
@@ -527,10 +539,13 @@ class OffloadedOptimizer(Optimizer):
                 ids.append(index)
                 index += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        return {"state": state, "param_groups": groups}
+        out = {"state": state, "param_groups": groups}
+        if not self.state_format.exact:  # states decoded to fp32; loads check the format
+            out["state_format"] = self.state_format.name
+        return out
 
     @staticmethod
-    def _export_streamed(unit_step: StreamedUnitStep, entry: ParamEntry) -> dict:
+    def _export_streamed(unit_step: StreamedUnitStep | CompactUnitStep, entry: ParamEntry) -> dict:
         if not unit_step.stepped:
             return {}
         out = {}
@@ -559,6 +574,14 @@ class OffloadedOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_alive("load_state_dict")
         self._refuse_sharded("load_state_dict")
+        saved_format = state_dict.get("state_format", "fp32")
+        if saved_format != self.state_format.name:
+            raise ValueError(
+                f"optimizer.load_state_dict(): the states were saved with "
+                f"optimizer_state_format={saved_format!r} and this run keeps them as "
+                f"{self.state_format.name!r}; to convert them (rounding them to this run's "
+                f"format), set state_dict['state_format'] = {self.state_format.name!r} first"
+            )
         if self.step_ahead is not None:
             self.step_ahead.discard_all()
         groups = state_dict["param_groups"]
@@ -576,14 +599,14 @@ class OffloadedOptimizer(Optimizer):
                 if key != "params":
                     group[key] = value
         saved_state = state_dict["state"]
-        streamed: dict[StreamedUnitStep, tuple[dict, list]] = {}
+        streamed: dict[StreamedUnitStep | CompactUnitStep, tuple[dict, list]] = {}
         for saved, group in zip(groups, self.param_groups, strict=True):
             for index, param in zip(saved["params"], group["params"], strict=True):
                 if index not in saved_state and str(index) not in saved_state:
                     continue
                 values = saved_state.get(index, saved_state.get(str(index)))
                 unit_step, start, _, entry = self._locate(param)
-                if isinstance(unit_step, StreamedUnitStep):
+                if isinstance(unit_step, _CHUNKED):
                     slices, steps = streamed.setdefault(unit_step, ({}, []))
                     for key, value in values.items():
                         if key == "step":
@@ -606,11 +629,12 @@ class OffloadedOptimizer(Optimizer):
                 "again to finish it before saving a checkpoint"
             )
 
-    def streamed_step_of(self, unit: Unit) -> StreamedUnitStep | None:
-        """The step that owns ``unit``'s states when they are on disk, else None."""
+    def streamed_step_of(self, unit: Unit) -> StreamedUnitStep | CompactUnitStep | None:
+        """The step that owns ``unit``'s states chunk by chunk (on disk, or in a compact
+        format in memory), else None."""
         for unit_step in self._unit_steps:
             if unit_step.unit is unit:
-                return unit_step if isinstance(unit_step, StreamedUnitStep) else None
+                return unit_step if isinstance(unit_step, _CHUNKED) else None
         return None
 
     def export_param_state(self, param) -> dict:
@@ -618,7 +642,7 @@ class OffloadedOptimizer(Optimizer):
         buffers (memory) or :class:`DiskSlice` (disk), the rest as torch keeps it. Empty
         before the parameter's first step, as in torch."""
         unit_step, start, tensor, entry = self._locate(param)
-        if isinstance(unit_step, StreamedUnitStep):
+        if isinstance(unit_step, _CHUNKED):
             if not unit_step.stepped:
                 return {}
             segment = next(
@@ -626,7 +650,11 @@ class OffloadedOptimizer(Optimizer):
             )
             out: dict = {"step": unit_step.steps[segment]} if unit_step.has_step else {}
             for key, array in unit_step.states.items():
-                out[key] = DiskSlice(array, entry.offset, entry.numel, entry.param.shape)
+                if self.state_format.exact:
+                    out[key] = DiskSlice(array, entry.offset, entry.numel, entry.param.shape)
+                else:  # decoded: the copy a compact format needs
+                    value = unit_step.read_state(key, entry.offset, entry.numel)
+                    out[key] = value.view(entry.param.shape)
             return out
         inner_state = unit_step.optimizer.state.get(tensor)
         if not inner_state or not self._has_started(inner_state):
@@ -686,7 +714,7 @@ class OffloadedOptimizer(Optimizer):
         """Make the in-memory states of ``unit`` fresh (as before any step) before a
         checkpoint's are imported; states on disk are rewritten whole by the loader."""
         for unit_step in self._unit_steps:
-            if unit_step.unit is not unit or isinstance(unit_step, StreamedUnitStep):
+            if unit_step.unit is not unit or isinstance(unit_step, _CHUNKED):
                 continue
             for tensor in unit_step.tensors:
                 state = unit_step.optimizer.state.get(tensor)
@@ -718,3 +746,7 @@ class OffloadedOptimizer(Optimizer):
                 inner[key] = value.to(dtype=torch.float32, device=tensor.device, copy=True)
             else:
                 inner[key] = value
+
+
+def _fp32() -> StateFormat:
+    return state_format("fp32")

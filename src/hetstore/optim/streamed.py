@@ -29,13 +29,53 @@ from torch.optim import Optimizer
 
 from hetstore.footprints import STREAMED_STEP_SLOT_SETS
 from hetstore.optim.registry import flat_spec
+from hetstore.optim.state_format import (
+    BLOCK,
+    StateFormat,
+    blocks,
+    decode,
+    encode,
+    state_format,
+    stored_arrays,
+)
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
 from hetstore.runtime.unit import Unit
 from hetstore.tier import Tier
 from hetstore.tiers.flat import ALIGN_ELEMENTS, DiskArray, wait_all_quiet
 from hetstore.tiers.host import own_version_counter
 
-__all__ = ["StreamedUnitStep"]
+__all__ = ["StreamedUnitStep", "step_flat", "chunks_of"]
+
+
+def step_flat(
+    inner: Optimizer,
+    hyper: dict,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: dict[str, torch.Tensor],
+    step: torch.Tensor | None,
+    fresh: bool,
+) -> None:
+    """One fused step of flat ``param`` with ``grad`` and the fp32 ``states`` (views the
+    step updates in place), as ``inner`` (a one-group optimizer of the user's class) would
+    step it with the group values ``hyper``; ``step``: the counter before this step (not
+    changed here). ``fresh``: torch makes the states itself (SGD's first momentum)."""
+    group = inner.param_groups[0]
+    group.update(hyper)
+    group["params"] = [param]
+    param.grad = grad
+    state = {} if step is None else {"step": step.clone()}
+    if not fresh:
+        state.update(states)
+    inner.state.clear()
+    inner.state[param] = state
+    inner.step()
+    for key, view in states.items():
+        value = inner.state[param].get(key)
+        if value is not None and value.data_ptr() != view.data_ptr():
+            view.copy_(value)  # a state torch created itself (SGD's first momentum)
+    param.grad = None
+    inner.state.clear()
 
 
 @dataclass(frozen=True)
@@ -47,7 +87,7 @@ class _Chunk:
     step_end: int  # stepped range [start, step_end)
 
 
-def _chunks(unit: Unit, chunk_numel: int) -> list[_Chunk]:
+def chunks_of(unit: Unit, chunk_numel: int) -> list[_Chunk]:
     """The master's elements ``[0, master_numel)`` in chunks: frozen parameters without
     a master are not part of a step at all."""
     end = unit.master_numel
@@ -76,19 +116,25 @@ class StreamedUnitStep:
         hyper: Callable[[int], dict],
         state_keys: tuple[str, ...],
         chunk_numel: int,
+        fmt: StateFormat | None = None,
     ):
         self.unit = unit
         self.optimizer_class = optimizer_class
         self.hyper = hyper
         self.chunk_numel = max(ALIGN_ELEMENTS, chunk_numel // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
         self.has_step = flat_spec(optimizer_class).has_step
-        self.states: dict[str, DiskArray] = {
-            key: unit.allocate(Tier.DISK, unit.trainable_numel, torch.float32, key)
-            for key in state_keys
-        }
+        self.format = fmt or state_format("fp32")
+        numel = unit.trainable_numel
+        self.states: dict[str, DiskArray] = {}  # per element, in the format's dtype
+        self.scales: dict[str, DiskArray] = {}  # 8-bit: each block's scale
+        for key in state_keys:
+            for suffix, (dtype, size) in stored_arrays(self.format, numel).items():
+                label = f"{key} {suffix}".strip()
+                array = unit.allocate(Tier.DISK, size, dtype, label)
+                (self.scales if suffix else self.states)[key] = array
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in unit.segments]
         self.stepped = False  # states hold values (else: fresh, as torch starts them)
-        self._chunks = _chunks(unit, self.chunk_numel)
+        self._chunks = chunks_of(unit, self.chunk_numel)
         placeholder = torch.zeros(1)
         self._inner: list[Optimizer] = [
             optimizer_class([{**hyper(s.group), "params": [placeholder]}]) for s in unit.segments
@@ -144,20 +190,85 @@ class StreamedUnitStep:
         """Step every segment of the unit; all-or-nothing (see module doc)."""
         unit = self.unit
         grad_on_disk = isinstance(unit.grad, DiskArray)
-        rewrite = ChunkedRewrite(unit, self.states)
-        names = rewrite.slot_arrays() + ([("grad", torch.float32)] if grad_on_disk else [])
         if unit.grad_stager is not None:
             unit.grad_stager.finish()  # backward's gradient writes, and their errors
+        rewrite = self.new_rewrite()
+        names = self.slot_names() if grad_on_disk else self._state_slot_names(rewrite)
         count = min(STREAMED_STEP_SLOT_SETS, len(self._chunks))
-        sets, buffers = self._slot_sets(count, names, self.longest_chunk)
         hyper = {s.group: self.hyper(s.group) for s in unit.segments}
         try:
-            read, fill = self._pipeline(grad_multipliers, hyper)
+            sets, buffers = self._slot_sets(count, names, self.longest_chunk)
+        except BaseException:
+            rewrite.discard()
+            raise
+        try:
+            read, fill = self._pipeline(grad_multipliers, hyper, rewrite)
             rewrite.run(self._chunks, sets, fill, read)
         finally:
             for buffer in buffers:
                 unit.tiers.host.free(buffer)
         self._count_step()
+
+    # ------------------------------------------------------------------ the format
+    def new_rewrite(self, speculative: bool = False) -> ChunkedRewrite:
+        """The rewrite of this unit's master and states. In the 8-bit format it carries
+        the block scales: the current ones read whole into host memory (``old_scales``)
+        and the new ones, filled chunk by chunk and written whole at its end."""
+        if not self.scales:
+            return ChunkedRewrite(self.unit, self.states, speculative=speculative)
+        host = self.unit.tiers.host
+        taken = []
+
+        def free() -> None:
+            for buffer in taken:
+                host.free(buffer)
+            taken.clear()
+
+        try:
+            old, new = {}, {}
+            for key, array in self.scales.items():
+                for side in (old, new):
+                    buffer = self.unit.scratch(array.numel, torch.float32, f"{key} scales")
+                    taken.append(buffer)
+                    side[key] = buffer.tensor[: array.numel]
+                array.read(old[key]).wait()
+            whole = {f"{key} scales": (self.scales[key], new[key]) for key in self.scales}
+            rewrite = ChunkedRewrite(
+                self.unit, self.states, speculative=speculative, whole=whole, on_close=free
+            )
+        except BaseException:
+            free()
+            raise
+        rewrite.old_scales, rewrite.new_scales = old, new
+        return rewrite
+
+    def _state_slot_names(self, rewrite: ChunkedRewrite) -> list[tuple[str, torch.dtype]]:
+        """The rewrite's buffers, and fp32 ones to step compact states in."""
+        names = rewrite.slot_arrays()
+        if not self.format.exact:
+            names += [(f"{key} fp32", torch.float32) for key in self.states]
+        return names
+
+    def decode_chunk(self, rewrite: ChunkedRewrite, slot, start: int, n_state: int) -> None:
+        """Compact formats: the chunk's states, from ``slot[key]``, as fp32 in
+        ``slot[key + " fp32"]``."""
+        for key in self.states:
+            if self._states_absent:  # not read: fresh (the padding must stay zero)
+                slot[f"{key} fp32"][:n_state].zero_()
+                continue
+            scales = None
+            if self.scales:
+                scales = rewrite.old_scales[key][start // BLOCK : blocks(start + n_state)]
+            decode(self.format, key, slot[key][:n_state], scales, slot[f"{key} fp32"][:n_state])
+
+    def encode_chunk(self, rewrite: ChunkedRewrite, slot, start: int, n_state: int) -> None:
+        """Compact formats: ``slot[key + " fp32"]`` stored back into ``slot[key]`` (and
+        the new block scales)."""
+        for key in self.states:
+            scales = None
+            if self.scales:
+                scales = rewrite.new_scales[key][start // BLOCK : blocks(start + n_state)]
+            encode(self.format, key, slot[f"{key} fp32"][:n_state], slot[key][:n_state], scales)
 
     # ------------------------------------------------------------------ step ahead
     # A speculative step (hetstore.optim.step_ahead): the same arithmetic, from
@@ -165,12 +276,14 @@ class StreamedUnitStep:
     def slot_names(self) -> list[tuple[str, torch.dtype]]:
         """The worker's buffers: the rewrite's, and one for gradients (read from disk,
         or multiplied by fp16's unscale factor without touching the live ones)."""
-        return ChunkedRewrite(self.unit, self.states).slot_arrays() + [("grad", torch.float32)]
+        rewrite = ChunkedRewrite(self.unit, self.states)
+        return self._state_slot_names(rewrite) + [("grad", torch.float32)]
 
     @property
     def shadow_bytes(self) -> int:
         """Disk bytes a step of this unit holds beside its arrays until it commits."""
-        return ChunkedRewrite(self.unit, self.states).shadow_bytes
+        scales = sum(array.nbytes for array in self.scales.values())
+        return ChunkedRewrite(self.unit, self.states).shadow_bytes + scales
 
     @property
     def longest_chunk(self) -> int:
@@ -178,8 +291,12 @@ class StreamedUnitStep:
 
     def begin_speculation(self) -> ChunkedRewrite:
         """Main thread: the shadows of a speculative step (raises when the disk is full)."""
-        rewrite = ChunkedRewrite(self.unit, self.states, speculative=True)
-        rewrite.begin()
+        rewrite = self.new_rewrite(speculative=True)
+        try:
+            rewrite.begin()
+        except BaseException:
+            rewrite.discard()
+            raise
         return rewrite
 
     @torch.no_grad()
@@ -196,7 +313,7 @@ class StreamedUnitStep:
         ``grads`` (a host copy of gradients on disk), or else read back from disk;
         multiplied by ``factor`` (fp16's unscale) into the slot's own buffer."""
         multipliers = [factor] if factor is not None else []
-        read, fill = self._pipeline(multipliers, hyper, grads, speculative=True)
+        read, fill = self._pipeline(multipliers, hyper, rewrite, grads, speculative=True)
         rewrite.write(self._chunks, slots, fill, read)
 
     def commit_speculation(self, rewrite: ChunkedRewrite) -> None:
@@ -212,6 +329,7 @@ class StreamedUnitStep:
         self,
         grad_multipliers: list,
         hyper: dict,
+        rewrite: ChunkedRewrite,
         grads: torch.Tensor | None = None,
         speculative: bool = False,
     ):
@@ -232,10 +350,16 @@ class StreamedUnitStep:
             return handles
 
         def fill(i: int, c: _Chunk, slot) -> None:
+            n_state = c.state_end - c.start
+            compact = not self.format.exact and n_state > 0
+            if compact:
+                self.decode_chunk(rewrite, slot, c.start, n_state)
             if c.segment is not None and c.step_end > c.start:
                 master = slot["master"][: c.end - c.start]
                 grad = slot["grad"] if grad_on_disk else grads[c.start : c.step_end]
                 self._step_chunk(c, slot, master, grad, grad_multipliers, hyper, speculative)
+            if compact:
+                self.encode_chunk(rewrite, slot, c.start, n_state)
 
         return read, fill
 
@@ -259,28 +383,13 @@ class StreamedUnitStep:
             unit.fill_missing_grads(grad, c.start)  # like the in-memory step: zeros
         for m in multipliers:
             grad.mul_(m)
-        param = master[:n]
-        inner = self._inner[c.segment]
-        group = inner.param_groups[0]
-        group.update(hyper[unit.segments[c.segment].group])
-        group["params"] = [param]
-        param.grad = grad
-        state = {}
-        if self.has_step:
-            state["step"] = self.steps[c.segment].clone()
-        for key in self.states:
-            if not self._states_absent:
-                state[key] = slot[key][:n]
-        inner.state.clear()
-        inner.state[param] = state
-        inner.step()
-        for key in self.states:
-            value = inner.state[param].get(key)
-            view = slot[key][:n]
-            if value is not None and value.data_ptr() != view.data_ptr():
-                view.copy_(value)  # a state torch created itself (SGD's first momentum)
-        param.grad = None
-        inner.state.clear()
+        fp32 = "" if self.format.exact else " fp32"  # the slot buffers stepped in fp32
+        states = {key: slot[key + fp32][:n] for key in self.states}
+        hyper_of = hyper[unit.segments[c.segment].group]
+        step = self.steps[c.segment] if self.has_step else None
+        step_flat(
+            self._inner[c.segment], hyper_of, master[:n], grad, states, step, self._states_absent
+        )
 
     # ------------------------------------------------------------------ state dict
     def mark_loaded(self, segment_steps: list[float] | None) -> None:
@@ -299,9 +408,27 @@ class StreamedUnitStep:
         """Elements ``[start, start+numel)`` of state ``key`` (None before the first step)."""
         if not self.stepped:
             return None
-        out = torch.empty(numel, dtype=torch.float32)
-        self.states[key].read(out, start).wait()
-        return out
+        return self._read_decoded(key, start, numel)
+
+    def _read_decoded(self, key: str, start: int, numel: int) -> torch.Tensor:
+        """Elements ``[start, start+numel)`` of state ``key`` as fp32 (whole blocks are
+        read and decoded in the 8-bit format)."""
+        array = self.states[key]
+        if self.format.exact:
+            out = torch.empty(numel, dtype=torch.float32)
+            array.read(out, start).wait()
+            return out
+        a = start // BLOCK * BLOCK
+        b = min(array.numel, blocks(start + numel) * BLOCK)
+        codes = torch.empty(b - a, dtype=array.dtype)
+        array.read(codes, a).wait()
+        scales = None
+        if key in self.scales:
+            scales = torch.empty(blocks(b) - a // BLOCK, dtype=torch.float32)
+            self.scales[key].read(scales, a // BLOCK).wait()
+        out = torch.empty(b - a, dtype=torch.float32)
+        decode(self.format, key, codes, scales, out)
+        return out[start - a : start - a + numel]
 
     def write_states(self, values: dict[str, list[tuple[int, torch.Tensor]]], step) -> None:
         """Overwrite slices of the states: ``values[key] = [(start, flat tensor), ...]``;
@@ -309,17 +436,34 @@ class StreamedUnitStep:
         loaded state has one value for all of a unit's parameters in practice)."""
         unit = self.unit
         unit.before_state_change()
-        scratch = unit.scratch(unit.trainable_numel, torch.float32, "state scratch")
+        n = unit.trainable_numel
+        scratch = unit.scratch(n, torch.float32, "state scratch")
         try:
             for key, array in self.states.items():
-                flat = scratch.tensor
-                array.read(flat).wait()
+                flat = scratch.tensor[:n]
+                if self.format.exact:
+                    array.read(flat).wait()
+                else:
+                    flat.copy_(self._read_decoded(key, 0, n))
                 for start, value in values.get(key, []):
                     flat[start : start + value.numel()].copy_(value.reshape(-1))
-                array.write_all(flat)
+                self._write_encoded(key, flat)
         finally:
             unit.tiers.host.free(scratch)
         if step is not None:
             for counter in self.steps:
                 counter.fill_(float(step))
         self.stepped = True
+
+    def _write_encoded(self, key: str, flat: torch.Tensor) -> None:
+        """State ``key`` from fp32 ``flat`` (all of it; overwritten in the 8-bit format)."""
+        array = self.states[key]
+        if self.format.exact:
+            array.write_all(flat)
+            return
+        codes = torch.empty(array.numel, dtype=array.dtype)
+        scales = torch.empty(self.scales[key].numel) if key in self.scales else None
+        encode(self.format, key, flat, codes, scales)
+        array.write_all(codes)
+        if scales is not None:
+            self.scales[key].write_all(scales)

@@ -92,9 +92,21 @@ class ChunkedRewrite:
     decides later. It needs a unit whose copies all live in shadowed disk arrays (see
     :meth:`can_speculate`)."""
 
-    def __init__(self, unit, states: dict[str, DiskArray], *, speculative: bool = False):
+    def __init__(
+        self,
+        unit,
+        states: dict[str, DiskArray],
+        *,
+        speculative: bool = False,
+        whole: dict[str, tuple[DiskArray, torch.Tensor]] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ):
         self.unit = unit
-        self.states = states
+        self.states = states  # per-element arrays, written chunk by chunk
+        # arrays written whole after the last chunk, from a host tensor the caller fills
+        # meanwhile (the 8-bit optimizer states' block scales), shadowed like the rest
+        self.whole = whole or {}
+        self._on_close = on_close  # frees the caller's buffers once committed or discarded
         self.speculative = speculative
         home = unit.home
         self.home_on_disk = isinstance(home, DiskArray) and home is not unit.master
@@ -104,6 +116,7 @@ class ChunkedRewrite:
         self.targets: dict[str, DiskArray] = {"master": unit.master, **states}
         if self.home_on_disk and not self.home_in_place:
             self.targets["home"] = home
+        self.targets.update({name: array for name, (array, _) in self.whole.items()})
         self._shadows: dict[str, DiskArray] = {}
         self._touched_memory = False
 
@@ -125,7 +138,8 @@ class ChunkedRewrite:
 
     def slot_arrays(self) -> list[tuple[str, torch.dtype]]:
         """The host buffers one chunk needs here: the master, each state, the cast home."""
-        names = [("master", torch.float32)] + [(key, torch.float32) for key in self.states]
+        names = [("master", torch.float32)]
+        names += [(key, array.dtype) for key, array in self.states.items()]
         if self.home_on_disk:
             names.append(("home", self.unit.compute_dtype))
         return names
@@ -197,6 +211,9 @@ class ChunkedRewrite:
                 writes[i % len(slots)] = handles
             for handles in writes.values():
                 wait_all(handles)
+            for name, (array, values) in self.whole.items():
+                array.write(values, 0, into=shadows[name])
+                shadows[name].wait_writes()
         except BaseException:
             for handles in list(reads.values()) + list(writes.values()):
                 wait_all_quiet(handles)
@@ -214,6 +231,12 @@ class ChunkedRewrite:
             unit.param_stager.forget(unit)
         if self.speculative and unit.materialized:
             unit.release()  # its device copy is the old one: the next fetch reads the new
+        self._close()
+
+    def _close(self) -> None:
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
 
     def discard(self) -> None:
         """Throw the shadows away; the unit is as before :meth:`begin`."""
@@ -229,6 +252,7 @@ class ChunkedRewrite:
         if self._touched_memory:
             self._touched_memory = False
             self._restore_memory_copies()
+        self._close()
 
     def _restore_memory_copies(self) -> None:
         """After a failed rewrite: the in-memory home and device copy back from the

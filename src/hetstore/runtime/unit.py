@@ -19,7 +19,7 @@ parameters come to the device through the runtime's :class:`ParamStager`, gradie
 out through its :class:`GradStager`, and the optimizer streams master and states.
 
 Layout: each optimizer segment starts at a multiple of ``ALIGN_ELEMENTS`` (padding of at
-most 8 KiB in between), so chunks of different segments never share a disk page and can
+most 16 KiB in between), so chunks of different segments never share a disk page and can
 be read and written at the same time.
 
 Sharded over ranks (ZeRO-3, :mod:`hetstore.runtime.sharding`): the *full* layout above

@@ -41,8 +41,8 @@ __all__ = [
     "wait_all_quiet",
 ]
 
-# 4096 bytes of the narrowest dtype a unit stores (2-byte compute dtypes)
-ALIGN_ELEMENTS = 2048
+# 4096 bytes of the narrowest dtype a unit stores (1-byte 8-bit optimizer states)
+ALIGN_ELEMENTS = 4096
 
 
 class Done:

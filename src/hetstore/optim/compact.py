@@ -1,0 +1,192 @@
+"""The optimizer step of a unit whose master is in memory and whose states are compact.
+
+With ``optimizer_state_format`` "bf16" or "8bit" and the states on the device or in
+host memory, the states are kept in their format beside the fp32 master (see
+:mod:`hetstore.optim.state_format`) and the step goes chunk by chunk, the same chunks
+as the disk tier's streamed step: decode a chunk's states into fp32 scratch, one fused
+step of the chunk (torch's kernel, the group's values), encode them back. The scratch is
+one chunk per state, on the master's device, counted in its tier while the step runs.
+
+Chunks start at multiples of the chunk size from each segment start (multiples of the
+8-bit block), so the result is the same whatever the chunk size and the same as the
+streamed step's from disk: a unit moved between tiers, or resumed from a checkpoint,
+steps bit for bit as it would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.optim import Optimizer
+
+from hetstore.optim.registry import flat_spec
+from hetstore.optim.state_format import (
+    BLOCK,
+    StateFormat,
+    blocks,
+    decode,
+    encode,
+    stored_arrays,
+)
+from hetstore.optim.streamed import chunks_of, step_flat
+from hetstore.runtime.unit import Unit
+from hetstore.tiers.flat import ALIGN_ELEMENTS
+
+__all__ = ["CompactUnitStep"]
+
+
+class CompactUnitStep:
+    """Owns the compact states of a unit whose master is in memory, and steps them."""
+
+    def __init__(
+        self,
+        unit: Unit,
+        optimizer_class: type,
+        hyper: Callable[[int], dict],
+        state_keys: tuple[str, ...],
+        chunk_numel: int,
+        fmt: StateFormat,
+    ):
+        self.unit = unit
+        self.format = fmt
+        self.hyper = hyper
+        self.has_step = flat_spec(optimizer_class).has_step
+        tier = unit.placement.optimizer
+        numel = unit.trainable_numel
+        self.states: dict[str, torch.Tensor] = {}
+        self.scales: dict[str, torch.Tensor] = {}
+        for key in state_keys:
+            for suffix, (dtype, size) in stored_arrays(fmt, numel).items():
+                array = unit.allocate(tier, size, dtype, f"{key} {suffix}".strip())
+                array.view(torch.uint8).zero_()  # fresh states are zeros in every format
+                (self.scales if suffix else self.states)[key] = array
+        device = unit.master.device
+        self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in unit.segments]
+        self.stepped = False
+        chunk_numel = max(ALIGN_ELEMENTS, chunk_numel // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
+        self._chunks = [c for c in chunks_of(unit, chunk_numel) if c.state_end > c.start]
+        placeholder = torch.zeros(1, device=device)
+        self._inner: list[Optimizer] = [
+            optimizer_class([{**hyper(s.group), "params": [placeholder]}]) for s in unit.segments
+        ]
+
+    @property
+    def _fresh(self) -> bool:
+        """SGD's momentum before its first step: torch makes it from the gradient."""
+        return not self.stepped and not self.has_step
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, grad_multipliers: list) -> None:
+        """Step every segment (``grad_multipliers``: unused, gradients in memory are
+        scaled in place before the step)."""
+        unit = self.unit
+        unit.fill_missing_grads()
+        longest = max((c.state_end - c.start for c in self._chunks), default=0)
+        if not longest:
+            return
+        hyper = {s.group: self.hyper(s.group) for s in unit.segments}
+        with self._scratch(longest) as scratch:
+            for c in self._chunks:
+                n_state = c.state_end - c.start
+                values = {key: buffer[:n_state] for key, buffer in scratch.items()}
+                self._decode(c.start, values)
+                if c.segment is not None and c.step_end > c.start:
+                    n = c.step_end - c.start
+                    segment = unit.segments[c.segment]
+                    step_flat(
+                        self._inner[c.segment],
+                        hyper[segment.group],
+                        unit.master[c.start : c.step_end],
+                        unit.grad[c.start : c.step_end],
+                        {key: value[:n] for key, value in values.items()},
+                        self.steps[c.segment] if self.has_step else None,
+                        self._fresh,
+                    )
+                self._encode(c.start, values)
+        for counter in self.steps:
+            counter += 1
+        self.stepped = True
+        unit.refresh_after_step()
+
+    def _scratch(self, numel: int):
+        """One fp32 chunk per state on the master's device, counted in its tier."""
+        import contextlib
+
+        unit = self.unit
+
+        @contextlib.contextmanager
+        def scratch():
+            if unit.master.device.type != "cpu":
+                with contextlib.ExitStack() as stack:
+                    yield {
+                        key: stack.enter_context(
+                            unit._device_scratch(numel, torch.float32, f"{key} step scratch")
+                        )
+                        for key in self.states
+                    }
+                return
+            taken = [
+                unit.scratch(numel, torch.float32, f"{key} step scratch") for key in self.states
+            ]
+            try:
+                yield {key: b.tensor[:numel] for key, b in zip(self.states, taken, strict=True)}
+            finally:
+                for buffer in taken:
+                    unit.tiers.host.free(buffer)
+
+        return scratch()
+
+    def _decode(self, start: int, values: dict[str, torch.Tensor]) -> None:
+        for key, out in values.items():
+            if self._fresh:
+                out.zero_()
+                continue
+            end = start + out.numel()
+            scales = self.scales[key][start // BLOCK : blocks(end)] if self.scales else None
+            decode(self.format, key, self.states[key][start:end], scales, out)
+
+    def _encode(self, start: int, values: dict[str, torch.Tensor]) -> None:
+        for key, value in values.items():
+            end = start + value.numel()
+            scales = self.scales[key][start // BLOCK : blocks(end)] if self.scales else None
+            encode(self.format, key, value, self.states[key][start:end], scales)
+
+    # ------------------------------------------------------------------ state dict
+    def mark_loaded(self, segment_steps: list[float] | None) -> None:
+        """After a checkpoint rewrote the states: each segment's step counter, or None
+        for states that are fresh."""
+        for i, counter in enumerate(self.steps):
+            counter.fill_(0.0 if segment_steps is None else float(segment_steps[i]))
+        self.stepped = segment_steps is not None
+
+    def read_state(self, key: str, start: int, numel: int) -> torch.Tensor | None:
+        """Elements ``[start, start+numel)`` of state ``key``, decoded to fp32 (None
+        before the first step)."""
+        if not self.stepped:
+            return None
+        a = start // BLOCK * BLOCK
+        b = min(self.states[key].numel(), blocks(start + numel) * BLOCK)
+        out = torch.empty(b - a, dtype=torch.float32, device=self.states[key].device)
+        scales = self.scales[key][a // BLOCK : blocks(b)] if self.scales else None
+        decode(self.format, key, self.states[key][a:b], scales, out)
+        return out[start - a : start - a + numel].cpu()
+
+    @torch.no_grad()
+    def write_states(self, values: dict[str, list[tuple[int, torch.Tensor]]], step) -> None:
+        """Overwrite slices of the states (``values[key] = [(start, flat tensor), ...]``,
+        fp32, encoded here); every segment's counter becomes ``step`` when given."""
+        self.unit.before_state_change()
+        n = self.unit.trainable_numel
+        for key in self.states:
+            flat = torch.zeros(n, dtype=torch.float32, device=self.states[key].device)
+            if self.stepped:
+                self._decode(0, {key: flat})
+            for start, value in values.get(key, []):
+                flat[start : start + value.numel()].copy_(value.reshape(-1))
+            self._encode(0, {key: flat})
+        if step is not None:
+            for counter in self.steps:
+                counter.fill_(float(step))
+        self.stepped = True
