@@ -48,6 +48,12 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--disk", help="offload_disk_size, e.g. 1TB (default: free space)")
     p.add_argument("--path", default="./offload", help="offload_path (default ./offload)")
     p.add_argument("--dtype", default="fp32", help="compute dtype: fp32, bf16, fp16")
+    p.add_argument(
+        "--state-format",
+        default="fp32",
+        help="optimizer_state_format: fp32 (default), bf16 or 8bit (bytes per parameter of "
+        "the optimizer states: 8, 4 or 2.03 for Adam)",
+    )
     p.add_argument("--json", metavar="FILE", help="also save the plan as JSON")
     p.add_argument(
         "--max-model", action="store_true", help="find the largest GPT of the ladder that fits"
@@ -153,6 +159,7 @@ def run_plan(args) -> int:
             offload_disk_size=args.disk,
             offload_path=args.path,
             compute_dtype=args.dtype,
+            optimizer_state_format=args.state_format,
         )
         machine = measure_machine(config.resolved_device(), config.offload_path)
     except (ConfigError, OSError) as exc:

@@ -44,13 +44,16 @@ def streamed_step_bytes(
     *,
     grad_on_disk: bool,
     home_itemsize: int,
+    state_itemsize: float = 4.0,
 ) -> int:
     """Host bytes of one unit's streamed step: buffer sets of one chunk for the fp32
-    master, each fp32 state, the fp32 gradient when it is on disk, and the home's cast
-    (``home_itemsize``: 0 when the home is not a separate disk array)."""
+    master, each state (read in its stored format, ``state_itemsize`` bytes an element,
+    and stepped in fp32 when that is compact), the fp32 gradient when it is on disk, and
+    the home's cast (``home_itemsize``: 0 when the home is not a separate disk array)."""
     if master_numel <= 0:
         return 0
     chunk = max(1, min(chunk_numel, master_numel))
     sets = min(STREAMED_STEP_SLOT_SETS, -(-master_numel // chunk))
-    per_element = 4 * (1 + state_count + int(grad_on_disk)) + home_itemsize
-    return sets * chunk * per_element
+    per_state = 4 if state_itemsize >= 4 else 4 + state_itemsize  # + the fp32 scratch
+    per_element = 4 * (1 + int(grad_on_disk)) + state_count * per_state + home_itemsize
+    return int(sets * chunk * per_element)

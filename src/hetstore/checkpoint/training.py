@@ -61,6 +61,7 @@ from torch.optim import Optimizer
 from hetstore.checkpoint import sharded, tagged
 from hetstore.checkpoint.files import CheckpointError, CheckpointReader, CheckpointWriter
 from hetstore.checkpoint.safetensors_stream import SafetensorsFile, TensorSpec
+from hetstore.config import STATE_FORMATS
 from hetstore.errors import ConfigError, DiskIOError
 from hetstore.model_state import state_of
 from hetstore.optim.loss_scaler import DynamicLossScaler
@@ -299,7 +300,15 @@ def _optimizer_header(optimizer: Optimizer, names: dict[int, str], tensors: dict
         "class": _optimizer_class(optimizer).__qualname__,
         "param_groups": groups,
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        # the states' values are saved in fp32 whatever the format; a load into another
+        # format would round them, so it must be asked for (load(convert_state_format=))
+        "state_format": _state_format_of(optimizer),
     }
+
+
+def _state_format_of(optimizer) -> str:
+    fmt = getattr(optimizer, "state_format", None)
+    return fmt.name if fmt is not None else "fp32"
 
 
 def _file_plan(model, optimizer, runtime, names, shards=None) -> list[tuple]:
@@ -716,6 +725,7 @@ def load(
     optimizer: Optimizer | None = None,
     *,
     strict: bool = True,
+    convert_state_format: bool = False,
 ):
     """Restore what :func:`save` wrote into ``model`` (and ``optimizer``); return ``extra``.
 
@@ -729,6 +739,10 @@ def load(
     naming the file (and the tensor or key), a checkpoint of another model or optimizer
     :class:`ConfigError`; either way the model and optimizer are unchanged. With
     ``strict=False`` parameters missing from the checkpoint keep their values.
+
+    A checkpoint records its ``optimizer_state_format``; loading it into an optimizer
+    that keeps its states in another format is refused unless ``convert_state_format``
+    is True (the states are then rounded to this run's format).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load() takes an nn.Module, got {type(model).__name__}")
@@ -737,7 +751,7 @@ def load(
     plan, failure = None, None
     try:
         with CheckpointReader(path) as reader:
-            plan = _verify(reader, model, optimizer, strict)
+            plan = _verify(reader, model, optimizer, strict, convert_state_format)
     except Exception as exc:
         if shards is None:
             raise
@@ -756,7 +770,9 @@ def load(
     return plan.extra
 
 
-def _verify(reader: CheckpointReader, model: nn.Module, optimizer, strict: bool) -> _Plan:
+def _verify(
+    reader: CheckpointReader, model: nn.Module, optimizer, strict: bool, convert: bool = False
+) -> _Plan:
     """Everything a load needs, read and checked; the model and optimizer untouched."""
     meta = reader.meta
     if meta.get("kind") != KIND or not _is_count(meta.get("world_size")):
@@ -782,6 +798,7 @@ def _verify(reader: CheckpointReader, model: nn.Module, optimizer, strict: bool)
         header = None
         if optimizer is not None:
             header = _check_optimizer_header(reader, optimizer, names, groups_tensors)
+            _check_state_format(reader, optimizer, convert)
             _check_state_keys(ckpt, model, optimizer, names, header)
         buffers = _check_buffers(reader, model, strict)
         extra = None
@@ -903,6 +920,24 @@ def _check_optimizer_header(reader: CheckpointReader, optimizer, names, groups_t
     ):
         raise CheckpointError(f"checkpoint file {shown!r}: loss_scaler is not valid: {scaler!r}")
     return {"hypers": hypers, "loss_scaler": scaler}
+
+
+def _check_state_format(reader: CheckpointReader, optimizer, convert: bool) -> None:
+    header = reader.read_json("optimizer.json")
+    saved = header.get("state_format", "fp32")  # checkpoints before the key: fp32
+    if saved not in STATE_FORMATS:
+        shown = str(reader.dir / "optimizer.json")
+        raise CheckpointError(
+            f"checkpoint file {shown!r}: state_format {saved!r} is not one of {STATE_FORMATS}"
+        )
+    mine = _state_format_of(optimizer)
+    if saved != mine and not convert:
+        raise ConfigError(
+            f"load: the checkpoint's optimizer states were kept as {saved!r} and this "
+            f"optimizer keeps them as {mine!r} (optimizer_state_format); pass "
+            "convert_state_format=True to load them rounded to this run's format, or "
+            f"offload with optimizer_state_format={saved!r}"
+        )
 
 
 def _apply_optimizer_header(optimizer, header: dict) -> None:
@@ -1084,6 +1119,8 @@ def _load_unit(unit: Unit, ckpt, names, optimizer, groups_tensors, buffers: _Buf
             if ckpt.has(name):
                 ckpt.read_into(name, None, flat[e.offset : e.offset + e.numel])
         unit.store_master(flat)
+        if streamed is not None:  # compact states in memory
+            _load_compact_states(unit, entries, ckpt, streamed)
     if optimizer is None or streamed is not None:
         return
     optimizer.reset_unit_state(unit)
@@ -1092,11 +1129,27 @@ def _load_unit(unit: Unit, ckpt, names, optimizer, groups_tensors, buffers: _Buf
             optimizer.import_param_state(e.param, ckpt.state(name, groups_tensors))
 
 
+def _load_compact_states(unit: Unit, entries, ckpt: _Checkpoint, streamed) -> None:
+    """A unit whose states are compact in memory: each parameter's states from the
+    checkpoint (zeros where it has none), encoded into the unit's format."""
+    values: dict[str, list] = {}
+    for name, e in entries:
+        if e.group is None or not ckpt.has(name):
+            continue
+        for key in streamed.states:
+            if ckpt.has(name, key):
+                values.setdefault(key, []).append((e.offset, ckpt.read(name, key)))
+    streamed.mark_loaded(None)  # from zeros, not from the states being replaced
+    streamed.write_states(values, None)
+    streamed.mark_loaded(_segment_steps(unit, entries, ckpt))
+
+
 def _rewrite_disk_unit(unit: Unit, entries, ckpt: _Checkpoint, streamed, buffers) -> None:
     """Rebuild a unit whose master (and states, when ``streamed``) are on disk, chunk by
     chunk into shadow regions; commit them together at the end (all or nothing: the
     pipeline the streamed step uses, :class:`hetstore.runtime.rewrite.ChunkedRewrite`)."""
-    rewrite = ChunkedRewrite(unit, dict(streamed.states) if streamed is not None else {})
+    rewrite = streamed.new_rewrite() if streamed is not None else ChunkedRewrite(unit, {})
+    compact = streamed is not None and not streamed.format.exact
     chunk = max(ALIGN_ELEMENTS, CHUNK_ELEMENTS // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
     end = unit.master_numel
     spans = [
@@ -1114,20 +1167,30 @@ def _rewrite_disk_unit(unit: Unit, entries, ckpt: _Checkpoint, streamed, buffers
             None,
             keep=unit.master,
         )
-        for key in rewrite.states if span.state_end > span.start else ():
-            _fill(slot[key][: span.state_end - span.start], span.start, entries, ckpt, key)
+        n_state = span.state_end - span.start
+        for key in rewrite.states if n_state > 0 else ():
+            out = slot[f"{key} fp32" if compact else key][:n_state]
+            _fill(out, span.start, entries, ckpt, key)
+        if compact and n_state > 0:
+            streamed.encode_chunk(rewrite, slot, span.start, n_state)
 
     try:
         slots = []
         for _ in range(min(2, len(spans))):  # none: every parameter is frozen, home-only
             slot = {}
-            for name, dtype in rewrite.slot_arrays():
+            names = streamed.state_slot_names(rewrite) if streamed else rewrite.slot_arrays()
+            for name, dtype in names:
                 pair = buffers.take(min(chunk, unit.numel), dtype, f"load {name}")
                 taken.append(pair)
                 slot[name] = pair[1]
             slots.append(slot)
         if spans:
             rewrite.run(spans, slots, fill)
+        else:
+            rewrite.discard()
+    except BaseException:
+        rewrite.discard()  # (again: frees what the rewrite was given)
+        raise
     finally:
         buffers.give(taken)
     unit.home_stale = False

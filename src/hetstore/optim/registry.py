@@ -16,7 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FlatOptimizer", "flat_spec", "flat_steppable", "state_itemsize", "FLAT_NAMES"]
+from hetstore.optim.state_format import state_format
+
+__all__ = [
+    "FlatOptimizer",
+    "flat_spec",
+    "flat_steppable",
+    "state_count",
+    "state_itemsize",
+    "FLAT_NAMES",
+]
 
 
 @dataclass(frozen=True)
@@ -24,7 +33,7 @@ class FlatOptimizer:
     """One family of optimizers hetstore steps flat."""
 
     classes: tuple[type, ...]
-    # the per-element fp32 state tensors kept for these param groups, in a fixed order
+    # the per-element state tensors kept for these param groups, in a fixed order
     _states: Callable[[list[dict]], tuple[str, ...]]
     has_step: bool  # a 0-d step counter per segment, as torch keeps per parameter
     # torch's fused step accepts states allocated ahead (zeros), so they are placed in
@@ -34,8 +43,8 @@ class FlatOptimizer:
     def state_keys(self, groups: list[dict]) -> tuple[str, ...]:
         return self._states(groups)
 
-    def state_bytes_per_element(self, groups: list[dict]) -> int:
-        return 4 * len(self.state_keys(groups))
+    def state_bytes_per_element(self, groups: list[dict], fmt: str = "fp32") -> float:
+        return state_format(fmt).bytes_per_element() * len(self.state_keys(groups))
 
 
 def _adam_states(groups: list[dict]) -> tuple[str, ...]:
@@ -70,11 +79,18 @@ def flat_steppable(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
-def state_itemsize(optimizer: torch.optim.Optimizer | None) -> int:
+def state_count(optimizer: torch.optim.Optimizer | None) -> int:
+    """Per-element states of ``optimizer`` (2, as AdamW, for None or an unknown class)."""
+    spec = flat_spec(optimizer) if optimizer is not None else None
+    return len(spec.state_keys(optimizer.param_groups)) if spec is not None else 2
+
+
+def state_itemsize(optimizer: torch.optim.Optimizer | None, fmt: str = "fp32") -> float:
     """Optimizer-state bytes per trainable parameter, for the planner: exact for the flat
-    families, AdamW's 8 with no optimizer (what training will most likely use), and 8 for
-    an unknown one (two fp32 states, as most adaptive optimizers keep)."""
+    families in ``fmt`` (``optimizer_state_format``), AdamW's with no optimizer (what
+    training will most likely use), and two fp32 states for an unknown one (as most
+    adaptive optimizers keep; compact formats apply to the flat families only)."""
     if optimizer is None:
-        return _FLAT[0].state_bytes_per_element([])
+        return _FLAT[0].state_bytes_per_element([], fmt)
     spec = flat_spec(optimizer)
-    return spec.state_bytes_per_element(optimizer.param_groups) if spec is not None else 8
+    return spec.state_bytes_per_element(optimizer.param_groups, fmt) if spec is not None else 8

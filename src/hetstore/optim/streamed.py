@@ -193,7 +193,7 @@ class StreamedUnitStep:
         if unit.grad_stager is not None:
             unit.grad_stager.finish()  # backward's gradient writes, and their errors
         rewrite = self.new_rewrite()
-        names = self.slot_names() if grad_on_disk else self._state_slot_names(rewrite)
+        names = self.slot_names() if grad_on_disk else self.state_slot_names(rewrite)
         count = min(STREAMED_STEP_SLOT_SETS, len(self._chunks))
         hyper = {s.group: self.hyper(s.group) for s in unit.segments}
         try:
@@ -242,7 +242,7 @@ class StreamedUnitStep:
         rewrite.old_scales, rewrite.new_scales = old, new
         return rewrite
 
-    def _state_slot_names(self, rewrite: ChunkedRewrite) -> list[tuple[str, torch.dtype]]:
+    def state_slot_names(self, rewrite: ChunkedRewrite) -> list[tuple[str, torch.dtype]]:
         """The rewrite's buffers, and fp32 ones to step compact states in."""
         names = rewrite.slot_arrays()
         if not self.format.exact:
@@ -277,7 +277,7 @@ class StreamedUnitStep:
         """The worker's buffers: the rewrite's, and one for gradients (read from disk,
         or multiplied by fp16's unscale factor without touching the live ones)."""
         rewrite = ChunkedRewrite(self.unit, self.states)
-        return self._state_slot_names(rewrite) + [("grad", torch.float32)]
+        return self.state_slot_names(rewrite) + [("grad", torch.float32)]
 
     @property
     def shadow_bytes(self) -> int:

@@ -163,8 +163,9 @@ def memory(
         chunks = _max(
             streamed_step_bytes(
                 _master_bytes(u, c) // 4,
-                u.state_itemsize // 4,
+                u.state_count,
                 chunk_bytes // 4,
+                state_itemsize=u.state_itemsize / max(u.state_count, 1),
                 grad_on_disk=True,  # the planner puts gradients in the optimizer's tier
                 home_itemsize=u.compute_itemsize
                 if c.param == Tier.DISK and not _aliases_master(u, c)

@@ -139,19 +139,26 @@ def measure_machine(device: torch.device | str, offload_path: str) -> MachineRat
 
 def machine_capacities(config, device: torch.device | str) -> Capacities:
     """The planner's limits on this machine: the configured capacities, else the device's
-    memory (CUDA), the physical RAM and the free space under ``offload_path``."""
+    memory (CUDA), the physical RAM and the free space under ``offload_path``.
+
+    On a CPU device the "device" and the host tier are the same RAM: unless configured,
+    the device gets a quarter of it and the host tier half (the rest is left to
+    activations in flight, staging and the process), so a plan never counts the RAM
+    twice (it used to call a 21B-parameter GPT trainable on a 24 GiB box)."""
     from hetstore.tiers import _physical_memory
 
     device = torch.device(device)
-    device_total = (
-        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    )
+    ram = _physical_memory()
+    if device.type == "cuda":
+        device_total, host_total = torch.cuda.get_device_properties(device).total_memory, ram
+    else:
+        device_total, host_total = ram // 4, ram // 2
     path = os.path.abspath(config.offload_path)
     while not os.path.exists(path):
         path = os.path.dirname(path)
     return Capacities.from_config(
         config,
         device_total=device_total,
-        host_total=_physical_memory(),
+        host_total=host_total,
         disk_free=shutil.disk_usage(path).free,
     )

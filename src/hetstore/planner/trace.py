@@ -8,6 +8,7 @@ without any device, or on another machine after swapping the :class:`MachineRate
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -51,10 +52,12 @@ class UnitTrace:
     numel: int  # elements of all its parameters
     trainable_numel: int  # elements the optimizer steps
     compute_itemsize: int  # bytes per element of the compute dtype
-    state_itemsize: int  # optimizer-state bytes per trainable element (Adam: 8)
+    # optimizer-state bytes per trainable element (Adam: 8 in fp32, 2.03 in 8-bit)
+    state_itemsize: float
     # frozen elements already in the compute dtype: stored only in it, with no fp32
     # master, unless the master is the parameters' home itself (see Unit.master_numel)
     frozen_compute_numel: int = 0
+    state_count: int = 2  # per-element states (Adam: 2); a step holds fp32 chunks of each
     saved_bytes: int = 0
     kept_bytes: int = 0  # saved, but below activation_min_bytes: never offloaded
     largest_saved_bytes: int = 0  # its largest saved storage
@@ -80,7 +83,7 @@ class UnitTrace:
 
     @property
     def state_bytes(self) -> int:
-        return self.trainable_numel * self.state_itemsize
+        return math.ceil(self.trainable_numel * self.state_itemsize)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 
-from hetstore.optim.registry import state_itemsize
+from hetstore.optim.registry import state_count, state_itemsize
 from hetstore.planner.probe import Probe, UnitCall, describe_call, probe_compute
 from hetstore.planner.trace import MachineRates, Trace, UnitTrace
 from hetstore.units import UnitSpec, find_units
@@ -52,7 +52,8 @@ def model_data_trace(
     """A trace of model data only (no activations, no compute times)."""
     specs = specs if specs is not None else find_units(model, units)
     itemsize = config.torch_compute_dtype.itemsize
-    states = state_itemsize(optimizer)
+    states = state_itemsize(optimizer, config.optimizer_state_format)
+    count = state_count(optimizer)
     traced = []
     for spec in specs:
         params = [module._parameters[attr] for module, attr, _ in spec.params]
@@ -68,6 +69,7 @@ def model_data_trace(
                 ),
                 compute_itemsize=itemsize,
                 state_itemsize=states,
+                state_count=count,
                 max_param_numel=max((p.numel() for p in params), default=0),
                 is_root=spec.is_root,
             )
