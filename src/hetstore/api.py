@@ -35,7 +35,7 @@ from hetstore.runtime.streams import CudaStreams
 from hetstore.runtime.unit import Placement, Unit
 from hetstore.tier import Tier
 from hetstore.tiers import Tiers
-from hetstore.tiers.flat import DiskArray
+from hetstore.tiers.flat import ALIGN_ELEMENTS, BYTE_ALIGN_ELEMENTS, DiskArray
 from hetstore.units import UnitSpec, find_units
 
 __all__ = ["offload"]
@@ -125,6 +125,8 @@ def offload(
         advice=advice,
     )
     compute_dtype = config.torch_compute_dtype
+    byte_states = config.optimizer_state_format == "8bit"
+    align = BYTE_ALIGN_ELEMENTS if byte_states else ALIGN_ELEMENTS
 
     def build(index: int) -> None:
         spec = specs[index]
@@ -141,7 +143,7 @@ def offload(
         grad = choice.optimizer if plan.source == "auto" else config.grad_tier
         placement = Placement(param=choice.param, optimizer=choice.optimizer, grad=grad)
         built[index] = Unit(
-            index, spec.name, params, placement, tiers, compute_dtype, shards=shards
+            index, spec.name, params, placement, tiers, compute_dtype, shards=shards, align=align
         )
 
     try:

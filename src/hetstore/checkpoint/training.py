@@ -68,7 +68,7 @@ from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.offloaded import OffloadedOptimizer
 from hetstore.runtime.rewrite import ChunkedRewrite, Span
 from hetstore.runtime.unit import Unit
-from hetstore.tiers.flat import ALIGN_ELEMENTS, DiskArray, DiskSlice, wait_all_quiet
+from hetstore.tiers.flat import DiskArray, DiskSlice, wait_all_quiet
 
 __all__ = ["save", "load"]
 
@@ -1150,7 +1150,7 @@ def _rewrite_disk_unit(unit: Unit, entries, ckpt: _Checkpoint, streamed, buffers
     pipeline the streamed step uses, :class:`hetstore.runtime.rewrite.ChunkedRewrite`)."""
     rewrite = streamed.new_rewrite() if streamed is not None else ChunkedRewrite(unit, {})
     compact = streamed is not None and not streamed.format.exact
-    chunk = max(ALIGN_ELEMENTS, CHUNK_ELEMENTS // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
+    chunk = max(unit.align, CHUNK_ELEMENTS // unit.align * unit.align)
     end = unit.master_numel
     spans = [
         Span(a, min(a + chunk, end), min(a + chunk, unit.trainable_numel))

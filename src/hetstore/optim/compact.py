@@ -31,7 +31,6 @@ from hetstore.optim.state_format import (
 )
 from hetstore.optim.streamed import chunks_of, step_flat
 from hetstore.runtime.unit import Unit
-from hetstore.tiers.flat import ALIGN_ELEMENTS
 
 __all__ = ["CompactUnitStep"]
 
@@ -64,7 +63,7 @@ class CompactUnitStep:
         device = unit.master.device
         self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in unit.segments]
         self.stepped = False
-        chunk_numel = max(ALIGN_ELEMENTS, chunk_numel // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
+        chunk_numel = max(unit.align, chunk_numel // unit.align * unit.align)
         self._chunks = [c for c in chunks_of(unit, chunk_numel) if c.state_end > c.start]
         placeholder = torch.zeros(1, device=device)
         self._inner: list[Optimizer] = [

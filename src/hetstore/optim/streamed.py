@@ -41,7 +41,7 @@ from hetstore.optim.state_format import (
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
 from hetstore.runtime.unit import Unit
 from hetstore.tier import Tier
-from hetstore.tiers.flat import ALIGN_ELEMENTS, DiskArray, wait_all_quiet
+from hetstore.tiers.flat import DiskArray, wait_all_quiet
 from hetstore.tiers.host import own_version_counter
 
 __all__ = ["StreamedUnitStep", "step_flat", "chunks_of"]
@@ -93,7 +93,7 @@ def chunks_of(unit: Unit, chunk_numel: int) -> list[_Chunk]:
     end = unit.master_numel
     spans = [(i, s.start, s.end) for i, s in enumerate(unit.segments)]
     tail = unit.segments[-1].end if unit.segments else 0
-    tail += -tail % ALIGN_ELEMENTS
+    tail += -tail % unit.align
     if tail < end:
         spans.append((None, tail, end))
     chunks = []
@@ -121,7 +121,8 @@ class StreamedUnitStep:
         self.unit = unit
         self.optimizer_class = optimizer_class
         self.hyper = hyper
-        self.chunk_numel = max(ALIGN_ELEMENTS, chunk_numel // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
+        # chunks start at multiples of the layout's alignment (and of the 8-bit block)
+        self.chunk_numel = max(unit.align, chunk_numel // unit.align * unit.align)
         self.has_step = flat_spec(optimizer_class).has_step
         self.format = fmt or state_format("fp32")
         numel = unit.trainable_numel

@@ -18,8 +18,9 @@ On the disk tier a form is a :class:`~hetstore.tiers.flat.DiskArray`, not a tens
 parameters come to the device through the runtime's :class:`ParamStager`, gradients go
 out through its :class:`GradStager`, and the optimizer streams master and states.
 
-Layout: each optimizer segment starts at a multiple of ``ALIGN_ELEMENTS`` (padding of at
-most 16 KiB in between), so chunks of different segments never share a disk page and can
+Layout: each optimizer segment starts at a multiple of ``Unit.align`` elements,
+``ALIGN_ELEMENTS`` or ``BYTE_ALIGN_ELEMENTS`` with 8-bit optimizer states (padding of at
+most 8 or 16 KiB in between), so chunks of different segments never share a disk page and can
 be read and written at the same time.
 
 Sharded over ranks (ZeRO-3, :mod:`hetstore.runtime.sharding`): the *full* layout above
@@ -101,9 +102,13 @@ class Unit:
         compute_dtype: torch.dtype,
         *,
         shards: ShardGroup | None = None,
+        align: int = ALIGN_ELEMENTS,
     ):
         self.index = index
         self.shards = shards
+        # segment starts (and shard sizes) are multiples of this: 4096 bytes of the
+        # narrowest array the unit keeps (BYTE_ALIGN_ELEMENTS with 8-bit states)
+        self.align = align
         self.name = name
         self.placement = placement
         self.tiers = tiers
@@ -127,8 +132,8 @@ class Unit:
         compute_only_start = None
         for item in ordered:
             name_, param, group = item
-            if kind(item) != previous_kind and offset % ALIGN_ELEMENTS:
-                offset += ALIGN_ELEMENTS - offset % ALIGN_ELEMENTS  # a segment starts aligned
+            if kind(item) != previous_kind and offset % align:
+                offset += align - offset % align  # a segment starts aligned
             previous_kind = kind(item)
             if previous_kind[0] == 2 and compute_only_start is None:
                 compute_only_start = offset
@@ -157,7 +162,7 @@ class Unit:
             self.full_numel, self.shard_start, self.numel = offset, 0, offset
             self.segments = full_segments
         else:
-            quantum = shards.world_size * ALIGN_ELEMENTS
+            quantum = shards.world_size * align
             self.full_numel = -(-offset // quantum) * quantum
             self.shard_start, self.numel = shards.shard_range(self.full_numel)
             self.segments = _shard_segments(full_segments, self.shard_start, self.numel)

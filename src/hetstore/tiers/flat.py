@@ -31,6 +31,7 @@ from hetstore.tiers.disk import DiskRegion, DiskTier
 
 __all__ = [
     "ALIGN_ELEMENTS",
+    "BYTE_ALIGN_ELEMENTS",
     "DiskArray",
     "DiskSlice",
     "Done",
@@ -41,8 +42,10 @@ __all__ = [
     "wait_all_quiet",
 ]
 
-# 4096 bytes of the narrowest dtype a unit stores (1-byte 8-bit optimizer states)
-ALIGN_ELEMENTS = 4096
+# 4096 bytes of the narrowest dtype a unit stores (2-byte compute dtypes)
+ALIGN_ELEMENTS = 2048
+# the same with 1-byte arrays (8-bit optimizer states): units that keep them align so
+BYTE_ALIGN_ELEMENTS = 4096
 
 
 class Done:
