@@ -112,7 +112,6 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--out", default="benchmarks/results", help="PNG and JSON go here")
     args = p.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     settings = DemoSettings(context=args.context, batch=args.batch, steps=args.steps, seed=0)
     batches = _batches(load_corpus(), settings)
     with tempfile.TemporaryDirectory(prefix="hetstore-formats-") as tmp:

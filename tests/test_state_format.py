@@ -99,9 +99,9 @@ def _model():
     return GPT(vocab=128, width=64, depth=2, heads=4, ctx=32)
 
 
-def _offload(fmt: str, tier: str, tmp_path, chunk: int = 32 * 2**20, optimizer=None, grad=None):
+def _offload(fmt: str, tier: str, tmp_path, chunk: int = 32 * 2**20, grad=None):
     model = _model()
-    opt = optimizer(model) if optimizer else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = hetstore.OffloadConfig(
         offload_param=tier,
         offload_optimizer=tier,

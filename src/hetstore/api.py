@@ -125,8 +125,8 @@ def offload(
         advice=advice,
     )
     compute_dtype = config.torch_compute_dtype
-    byte_states = config.optimizer_state_format == "8bit"
-    align = BYTE_ALIGN_ELEMENTS if byte_states else ALIGN_ELEMENTS
+    # 1-byte states need page-aligned chunks of their own
+    align = BYTE_ALIGN_ELEMENTS if config.optimizer_state_format == "8bit" else ALIGN_ELEMENTS
 
     def build(index: int) -> None:
         spec = specs[index]

@@ -798,7 +798,7 @@ def _verify(
         header = None
         if optimizer is not None:
             header = _check_optimizer_header(reader, optimizer, names, groups_tensors)
-            _check_state_format(reader, optimizer, convert)
+            _check_state_format(header["state_format"], optimizer, convert)
             _check_state_keys(ckpt, model, optimizer, names, header)
         buffers = _check_buffers(reader, model, strict)
         extra = None
@@ -870,7 +870,8 @@ def _check_params(model: nn.Module, ckpt: _Checkpoint, strict: bool) -> None:
 
 def _check_optimizer_header(reader: CheckpointReader, optimizer, names, groups_tensors) -> dict:
     """The optimizer header checked against ``optimizer`` and decoded: ``{"hypers": [each
-    group's saved hyper-parameters], "loss_scaler": its state or None}``."""
+    group's saved hyper-parameters], "loss_scaler": its state or None, "state_format":
+    the states' format}``."""
     if "optimizer.json" not in reader.files:
         raise ConfigError("load: the checkpoint has no optimizer state; call load() without one")
     shown = str(reader.dir / "optimizer.json")
@@ -919,17 +920,16 @@ def _check_optimizer_header(reader: CheckpointReader, optimizer, names, groups_t
         or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in scaler.values())
     ):
         raise CheckpointError(f"checkpoint file {shown!r}: loss_scaler is not valid: {scaler!r}")
-    return {"hypers": hypers, "loss_scaler": scaler}
-
-
-def _check_state_format(reader: CheckpointReader, optimizer, convert: bool) -> None:
-    header = reader.read_json("optimizer.json")
-    saved = header.get("state_format", "fp32")  # checkpoints before the key: fp32
-    if saved not in STATE_FORMATS:
-        shown = str(reader.dir / "optimizer.json")
+    state_format = header.get("state_format", "fp32")  # checkpoints before the key: fp32
+    if state_format not in STATE_FORMATS:
         raise CheckpointError(
-            f"checkpoint file {shown!r}: state_format {saved!r} is not one of {STATE_FORMATS}"
+            f"checkpoint file {shown!r}: state_format {state_format!r} is not one of "
+            f"{STATE_FORMATS}"
         )
+    return {"hypers": hypers, "loss_scaler": scaler, "state_format": state_format}
+
+
+def _check_state_format(saved: str, optimizer, convert: bool) -> None:
     mine = _state_format_of(optimizer)
     if saved != mine and not convert:
         raise ConfigError(
@@ -1139,8 +1139,7 @@ def _load_compact_states(unit: Unit, entries, ckpt: _Checkpoint, streamed) -> No
         for key in streamed.states:
             if ckpt.has(name, key):
                 values.setdefault(key, []).append((e.offset, ckpt.read(name, key)))
-    streamed.mark_loaded(None)  # from zeros, not from the states being replaced
-    streamed.write_states(values, None)
+    streamed.write_states(values, None, from_zeros=True)
     streamed.mark_loaded(_segment_steps(unit, entries, ckpt))
 
 

@@ -15,6 +15,7 @@ steps bit for bit as it would have.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -22,11 +23,11 @@ from torch.optim import Optimizer
 
 from hetstore.optim.registry import flat_spec
 from hetstore.optim.state_format import (
-    BLOCK,
     StateFormat,
-    blocks,
+    covering,
     decode,
     encode,
+    scales_of,
     stored_arrays,
 )
 from hetstore.optim.streamed import chunks_of, step_flat
@@ -109,47 +110,38 @@ class CompactUnitStep:
         self.stepped = True
         unit.refresh_after_step()
 
+    @contextlib.contextmanager
     def _scratch(self, numel: int):
         """One fp32 chunk per state on the master's device, counted in its tier."""
-        import contextlib
-
         unit = self.unit
-
-        @contextlib.contextmanager
-        def scratch():
-            if unit.master.device.type != "cpu":
-                with contextlib.ExitStack() as stack:
-                    yield {
-                        key: stack.enter_context(
-                            unit._device_scratch(numel, torch.float32, f"{key} step scratch")
-                        )
-                        for key in self.states
-                    }
-                return
-            taken = [
-                unit.scratch(numel, torch.float32, f"{key} step scratch") for key in self.states
-            ]
-            try:
-                yield {key: b.tensor[:numel] for key, b in zip(self.states, taken, strict=True)}
-            finally:
-                for buffer in taken:
-                    unit.tiers.host.free(buffer)
-
-        return scratch()
+        with contextlib.ExitStack() as stack:
+            scratch = {}
+            for key in self.states:
+                label = f"{key} step scratch"
+                if unit.master.device.type == "cpu":
+                    buffer = unit.scratch(numel, torch.float32, label)
+                    stack.callback(unit.tiers.host.free, buffer)
+                    scratch[key] = buffer.tensor[:numel]
+                else:
+                    scratch[key] = stack.enter_context(
+                        unit._device_scratch(numel, torch.float32, label)
+                    )
+            yield scratch
 
     def _decode(self, start: int, values: dict[str, torch.Tensor]) -> None:
+        """``values[key]`` = state ``key``'s elements from ``start`` (a block boundary)."""
         for key, out in values.items():
             if self._fresh:
                 out.zero_()
                 continue
             end = start + out.numel()
-            scales = self.scales[key][start // BLOCK : blocks(end)] if self.scales else None
+            scales = scales_of(self.scales.get(key), start, out.numel())
             decode(self.format, key, self.states[key][start:end], scales, out)
 
     def _encode(self, start: int, values: dict[str, torch.Tensor]) -> None:
         for key, value in values.items():
             end = start + value.numel()
-            scales = self.scales[key][start // BLOCK : blocks(end)] if self.scales else None
+            scales = scales_of(self.scales.get(key), start, value.numel())
             encode(self.format, key, value, self.states[key][start:end], scales)
 
     # ------------------------------------------------------------------ state dict
@@ -165,22 +157,23 @@ class CompactUnitStep:
         before the first step)."""
         if not self.stepped:
             return None
-        a = start // BLOCK * BLOCK
-        b = min(self.states[key].numel(), blocks(start + numel) * BLOCK)
+        a, b = covering(start, numel, self.states[key].numel())
         out = torch.empty(b - a, dtype=torch.float32, device=self.states[key].device)
-        scales = self.scales[key][a // BLOCK : blocks(b)] if self.scales else None
-        decode(self.format, key, self.states[key][a:b], scales, out)
+        self._decode(a, {key: out})
         return out[start - a : start - a + numel].cpu()
 
     @torch.no_grad()
-    def write_states(self, values: dict[str, list[tuple[int, torch.Tensor]]], step) -> None:
+    def write_states(
+        self, values: dict[str, list[tuple[int, torch.Tensor]]], step, *, from_zeros=False
+    ) -> None:
         """Overwrite slices of the states (``values[key] = [(start, flat tensor), ...]``,
-        fp32, encoded here); every segment's counter becomes ``step`` when given."""
+        fp32, encoded here), the rest kept (or zeros with ``from_zeros``: a checkpoint's
+        states replace them all); every segment's counter becomes ``step`` when given."""
         self.unit.before_state_change()
         n = self.unit.trainable_numel
         for key in self.states:
             flat = torch.zeros(n, dtype=torch.float32, device=self.states[key].device)
-            if self.stepped:
+            if self.stepped and not from_zeros:
                 self._decode(0, {key: flat})
             for start, value in values.get(key, []):
                 flat[start : start + value.numel()].copy_(value.reshape(-1))

@@ -31,7 +31,8 @@ from hetstore.errors import ConfigError
 from hetstore.optim.compact import CompactUnitStep
 from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.registry import FLAT_NAMES, flat_spec, flat_steppable
-from hetstore.optim.state_format import StateFormat, state_format
+from hetstore.optim.state_format import StateFormat
+from hetstore.optim.state_format import state_format as state_format_named
 from hetstore.optim.step_ahead import StepAhead, eligible
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.sharding import ShardGroup
@@ -83,7 +84,7 @@ class OffloadedOptimizer(Optimizer):
         self._on_step_begin = on_step_begin
         self._flat = flat_steppable(original)
         self._spec = flat_spec(original)  # what states a flat step keeps
-        self.state_format = state_format or _fp32()
+        self.state_format = state_format or state_format_named("fp32")
         self._entry_of: dict[int, tuple[Unit, ParamEntry]] = {}
         for unit in units:
             for entry in unit.entries:
@@ -746,7 +747,3 @@ class OffloadedOptimizer(Optimizer):
                 inner[key] = value.to(dtype=torch.float32, device=tensor.device, copy=True)
             else:
                 inner[key] = value
-
-
-def _fp32() -> StateFormat:
-    return state_format("fp32")

@@ -33,12 +33,14 @@ from hetstore.optim.state_format import (
     BLOCK,
     StateFormat,
     blocks,
+    covering,
     decode,
     encode,
+    scales_of,
     state_format,
     stored_arrays,
 )
-from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
+from hetstore.runtime.rewrite import ChunkedRewrite, WholeArray, chunk_buffers
 from hetstore.runtime.unit import Unit
 from hetstore.tier import Tier
 from hetstore.tiers.flat import DiskArray, wait_all_quiet
@@ -76,6 +78,10 @@ def step_flat(
             view.copy_(value)  # a state torch created itself (SGD's first momentum)
     param.grad = None
     inner.state.clear()
+
+
+def _scales_name(key: str) -> str:
+    return f"{key} scales"
 
 
 @dataclass(frozen=True)
@@ -213,8 +219,8 @@ class StreamedUnitStep:
     # ------------------------------------------------------------------ the format
     def new_rewrite(self, speculative: bool = False) -> ChunkedRewrite:
         """The rewrite of this unit's master and states. In the 8-bit format it carries
-        the block scales: the current ones read whole into host memory (``old_scales``)
-        and the new ones, filled chunk by chunk and written whole at its end."""
+        the block scales (:class:`WholeArray`): the current ones read whole into host
+        memory, and the new ones, filled chunk by chunk and written whole at its end."""
         if not self.scales:
             return ChunkedRewrite(self.unit, self.states, speculative=speculative)
         host = self.unit.tiers.host
@@ -225,23 +231,23 @@ class StreamedUnitStep:
                 host.free(buffer)
             taken.clear()
 
+        def host_copy(array: DiskArray, key: str) -> torch.Tensor:
+            buffer = self.unit.scratch(array.numel, torch.float32, f"{key} scales")
+            taken.append(buffer)
+            return buffer.tensor[: array.numel]
+
         try:
-            old, new = {}, {}
+            whole = {}
             for key, array in self.scales.items():
-                for side in (old, new):
-                    buffer = self.unit.scratch(array.numel, torch.float32, f"{key} scales")
-                    taken.append(buffer)
-                    side[key] = buffer.tensor[: array.numel]
-                array.read(old[key]).wait()
-            whole = {f"{key} scales": (self.scales[key], new[key]) for key in self.scales}
-            rewrite = ChunkedRewrite(
+                before = host_copy(array, key)
+                array.read(before).wait()
+                whole[_scales_name(key)] = WholeArray(array, before, host_copy(array, key))
+            return ChunkedRewrite(
                 self.unit, self.states, speculative=speculative, whole=whole, on_close=free
             )
         except BaseException:
             free()
             raise
-        rewrite.old_scales, rewrite.new_scales = old, new
-        return rewrite
 
     def state_slot_names(self, rewrite: ChunkedRewrite) -> list[tuple[str, torch.dtype]]:
         """The rewrite's buffers, and fp32 ones to step compact states in."""
@@ -254,22 +260,24 @@ class StreamedUnitStep:
         """Compact formats: the chunk's states, from ``slot[key]``, as fp32 in
         ``slot[key + " fp32"]``."""
         for key in self.states:
+            out = slot[f"{key} fp32"][:n_state]
             if self._states_absent:  # not read: fresh (the padding must stay zero)
-                slot[f"{key} fp32"][:n_state].zero_()
+                out.zero_()
                 continue
-            scales = None
-            if self.scales:
-                scales = rewrite.old_scales[key][start // BLOCK : blocks(start + n_state)]
-            decode(self.format, key, slot[key][:n_state], scales, slot[f"{key} fp32"][:n_state])
+            scales = self._scales(rewrite, key, "before")
+            decode(self.format, key, slot[key][:n_state], scales_of(scales, start, n_state), out)
 
     def encode_chunk(self, rewrite: ChunkedRewrite, slot, start: int, n_state: int) -> None:
         """Compact formats: ``slot[key + " fp32"]`` stored back into ``slot[key]`` (and
         the new block scales)."""
         for key in self.states:
-            scales = None
-            if self.scales:
-                scales = rewrite.new_scales[key][start // BLOCK : blocks(start + n_state)]
+            scales = scales_of(self._scales(rewrite, key, "after"), start, n_state)
             encode(self.format, key, slot[f"{key} fp32"][:n_state], slot[key][:n_state], scales)
+
+    @staticmethod
+    def _scales(rewrite: ChunkedRewrite, key: str, side: str) -> torch.Tensor | None:
+        whole = rewrite.whole.get(_scales_name(key))
+        return None if whole is None else getattr(whole, side)
 
     # ------------------------------------------------------------------ step ahead
     # A speculative step (hetstore.optim.step_ahead): the same arithmetic, from
@@ -419,8 +427,7 @@ class StreamedUnitStep:
             out = torch.empty(numel, dtype=torch.float32)
             array.read(out, start).wait()
             return out
-        a = start // BLOCK * BLOCK
-        b = min(array.numel, blocks(start + numel) * BLOCK)
+        a, b = covering(start, numel, array.numel)
         codes = torch.empty(b - a, dtype=array.dtype)
         array.read(codes, a).wait()
         scales = None

@@ -36,7 +36,7 @@ from hetstore.tiers.flat import DiskArray, wait_all, wait_all_quiet
 if TYPE_CHECKING:
     from hetstore.tiers import HostBuffer, HostTier
 
-__all__ = ["Span", "ChunkedRewrite", "chunk_buffers"]
+__all__ = ["Span", "ChunkedRewrite", "WholeArray", "chunk_buffers"]
 
 
 class _SpanLike(Protocol):
@@ -50,6 +50,17 @@ class Span:
     start: int
     end: int
     state_end: int
+
+
+@dataclass(frozen=True)
+class WholeArray:
+    """An array a rewrite writes whole after its last chunk (the 8-bit optimizer states'
+    block scales): its values ``before`` the rewrite, which the caller reads while
+    filling chunks, and the new ones it fills into ``after``; shadowed like the rest."""
+
+    array: DiskArray
+    before: torch.Tensor
+    after: torch.Tensor
 
 
 Slot = dict[str, torch.Tensor]  # one buffer set: array name -> host buffer of a chunk
@@ -98,14 +109,12 @@ class ChunkedRewrite:
         states: dict[str, DiskArray],
         *,
         speculative: bool = False,
-        whole: dict[str, tuple[DiskArray, torch.Tensor]] | None = None,
+        whole: dict[str, WholeArray] | None = None,
         on_close: Callable[[], None] | None = None,
     ):
         self.unit = unit
         self.states = states  # per-element arrays, written chunk by chunk
-        # arrays written whole after the last chunk, from a host tensor the caller fills
-        # meanwhile (the 8-bit optimizer states' block scales), shadowed like the rest
-        self.whole = whole or {}
+        self.whole = whole or {}  # written whole after the last chunk
         self._on_close = on_close  # frees the caller's buffers once committed or discarded
         self.speculative = speculative
         home = unit.home
@@ -116,7 +125,7 @@ class ChunkedRewrite:
         self.targets: dict[str, DiskArray] = {"master": unit.master, **states}
         if self.home_on_disk and not self.home_in_place:
             self.targets["home"] = home
-        self.targets.update({name: array for name, (array, _) in self.whole.items()})
+        self.targets.update({name: whole.array for name, whole in self.whole.items()})
         self._shadows: dict[str, DiskArray] = {}
         self._touched_memory = False
 
@@ -211,8 +220,8 @@ class ChunkedRewrite:
                 writes[i % len(slots)] = handles
             for handles in writes.values():
                 wait_all(handles)
-            for name, (array, values) in self.whole.items():
-                array.write(values, 0, into=shadows[name])
+            for name, whole in self.whole.items():
+                whole.array.write(whole.after, 0, into=shadows[name])
                 shadows[name].wait_writes()
         except BaseException:
             for handles in list(reads.values()) + list(writes.values()):
