@@ -107,6 +107,12 @@ def offload(
             )
     if optimizer is not None and config.optimizer_state_format != "fp32":
         _check_compact_states(optimizer, config.optimizer_state_format, shards)
+    if config.step_in_backward and shards is not None:
+        raise ConfigError(
+            f"step_in_backward=True is not supported sharded over {shards.world_size} ranks "
+            "yet; use step_in_backward=False (overlap_step keeps the step beside backward), "
+            "or process_group=False"
+        )
     groups_of = _group_index(model, optimizer)
     specs = find_units(model, units)
     trace, plan = _plan_for(model, optimizer, config, specs, device, units, example_inputs)
@@ -143,7 +149,15 @@ def offload(
         grad = choice.optimizer if plan.source == "auto" else config.grad_tier
         placement = Placement(param=choice.param, optimizer=choice.optimizer, grad=grad)
         built[index] = Unit(
-            index, spec.name, params, placement, tiers, compute_dtype, shards=shards, align=align
+            index,
+            spec.name,
+            params,
+            placement,
+            tiers,
+            compute_dtype,
+            shards=shards,
+            align=align,
+            defer_disk_grad=config.step_in_backward and optimizer is not None,
         )
 
     try:
@@ -267,6 +281,7 @@ def offload(
             param_order=list(model.parameters()),
             shards=shards,
             overlap_step=config.overlap_step,
+            step_in_backward=config.step_in_backward,
             state_format=state_format(config.optimizer_state_format),
             on_step_begin=lambda: profiler.switch("optimizer"),
             on_step=profiler.step_ends,
@@ -405,7 +420,7 @@ def _attach_stagers(units: list[Unit], tiers: Tiers, prefetch_depth: int) -> Gra
         )
         for unit in disk_home:
             unit.param_stager = stager
-    disk_grad = [u for u in units if isinstance(u.grad, DiskArray)]
+    disk_grad = [u for u in units if u.grad_staged]
     if not disk_grad:
         return None
     grad_stager = GradStager(tiers.host, max(u.trainable_numel * 4 for u in disk_grad))

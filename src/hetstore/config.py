@@ -250,12 +250,31 @@ class OffloadConfig:
         ),
     )
 
+    step_in_backward: bool = field(
+        default=False,
+        metadata=_doc(
+            "Step each unit whose optimizer states are on disk inside backward, as soon as "
+            "its gradients are final, and keep no gradient for it: gradients never go to "
+            "disk (4 bytes per parameter less there, 8 less disk traffic per step). Exact "
+            "(the same arithmetic as optimizer.step()), so it refuses what needs every "
+            "gradient before any step: clipping, fp16 loss scaling, reading p.grad, a "
+            "param group changed between backward and optimizer.step(), and a second "
+            "backward before optimizer.step() (accumulate under hetstore.no_sync(model))."
+        ),
+    )
+
     def __post_init__(self) -> None:
         for key in ("offload_param", "offload_optimizer", "offload_activations"):
             _set(self, key, _tier(key, getattr(self, key)))
         if self.offload_grad is not None:
             _set(self, "offload_grad", _tier("offload_grad", self.offload_grad))
-        for key in ("auto_offload", "enable_pinned_mem", "enable_aio", "overlap_step"):
+        for key in (
+            "auto_offload",
+            "enable_pinned_mem",
+            "enable_aio",
+            "overlap_step",
+            "step_in_backward",
+        ):
             _check_bool(key, getattr(self, key))
         for key in ("max_device_memory", "offload_cpu_size", "offload_disk_size"):
             value = getattr(self, key)
@@ -297,6 +316,18 @@ class OffloadConfig:
                 f"offload_grad='disk' with offload_optimizer='{self.offload_optimizer}': "
                 "gradients go to disk only when the optimizer steps from disk (they are read "
                 "there, chunk by chunk); use offload_grad='cpu', or offload_optimizer='disk'"
+            )
+        if self.step_in_backward and self.offload_optimizer is not Tier.DISK:
+            raise ConfigError(
+                f"step_in_backward=True with offload_optimizer='{self.offload_optimizer}': it "
+                "steps units whose optimizer states are on disk; set offload_optimizer='disk' "
+                "(with offload_param='disk'), or step_in_backward=False"
+            )
+        if self.step_in_backward and self.compute_dtype == "fp16":
+            raise ConfigError(
+                "step_in_backward=True with compute_dtype='fp16': fp16 loss scaling must see "
+                "every gradient for overflow before any unit steps; use compute_dtype='bf16' "
+                "or 'fp32', or step_in_backward=False"
             )
         if self.auto_offload or Tier.DISK in (
             self.offload_param,

@@ -70,6 +70,7 @@ class OffloadedOptimizer(Optimizer):
         param_order: list | None = None,
         shards: ShardGroup | None = None,
         overlap_step: bool = False,
+        step_in_backward: bool = False,
         state_format: StateFormat | None = None,
     ):
         # Optimizer.__init__ gives us live param_groups over the original parameters,
@@ -107,8 +108,11 @@ class OffloadedOptimizer(Optimizer):
         ahead = [s for s in self._unit_steps if eligible(s, s.unit)]
         self.step_ahead: StepAhead | None = None
         self._stepped_ahead: set[int] = set()  # ids of the units this step committed
-        if overlap_step and ahead and shards is None:
-            self.step_ahead = StepAhead(ahead, self._hyper, loss_scaler)
+        self.step_in_backward = step_in_backward and shards is None
+        if (overlap_step or self.step_in_backward) and ahead and shards is None:
+            self.step_ahead = StepAhead(
+                ahead, self._hyper, loss_scaler, consume=self.step_in_backward
+            )
 
     @property
     def speculation_stats(self) -> dict[str, int] | None:
@@ -333,6 +337,13 @@ class OffloadedOptimizer(Optimizer):
         scaled as the step reads them.
         """
         self._check_alive("clip_grad_norm_")
+        if self.step_in_backward:
+            raise ConfigError(
+                "optimizer.clip_grad_norm_(): with step_in_backward=True each unit is stepped "
+                "inside backward, before the global norm is known, and its gradients are "
+                "gone; set step_in_backward=False to clip (overlap_step still steps beside "
+                "backward, exactly)"
+            )
         self._unscale()
         norm_type = float(norm_type)
         if self.shards is not None:
@@ -427,6 +438,8 @@ class OffloadedOptimizer(Optimizer):
                 self.step_ahead.settle(self._disk_grad_factors, self._stepped_ahead)
             else:  # resuming: speculations of a backward run since are not this step's
                 self.step_ahead.discard_all()
+        if self._resume_at == 0:
+            self._refuse_consumed_again()
         for index in range(self._resume_at, len(self._unit_steps)):
             self._resume_at = index
             unit_step = self._unit_steps[index]
@@ -457,6 +470,19 @@ class OffloadedOptimizer(Optimizer):
         if self._on_step is not None:
             self._on_step()
         return None
+
+    def _refuse_consumed_again(self) -> None:
+        """A second optimizer.step() on gradients a step in backward consumed: plain
+        PyTorch would step again with them, which are gone."""
+        again = [
+            u.name for u in self.units if u.grads_consumed and id(u) not in self._stepped_ahead
+        ]
+        if again:
+            raise RuntimeError(
+                f"optimizer.step() again on the gradients of units {again[:3]}, which the "
+                "step inside the last backward consumed (step_in_backward=True); call "
+                "zero_grad() and run a backward before the next step"
+            )
 
     def _warn_missing(self, names: list[str]) -> None:
         new = [n for n in names if n not in self._warned_missing]

@@ -38,6 +38,18 @@ are. Gradients on disk are read from the gradient stager's host buffer when it c
 read back from disk once written. A clip that scales gradients on disk (a
 factor the ordinary step applies as it reads them) rolls the speculation back.
 
+With ``step_in_backward`` (``consume=True``) the step in backward is not a speculation
+but the step itself: it takes the unit's gathered gradients from the gradient stager
+(never written to disk), and its shadows are committed as soon as it is done, still
+during backward (a unit still resident is committed once backward has released it).
+``optimizer.step()`` then only checks that the param groups are the ones those steps
+used. What would need the gradients later is refused instead of rolled back: clipping
+(:meth:`OffloadedOptimizer.clip_grad_norm_`), ``p.grad`` of a consumed unit, a second
+backward before ``optimizer.step()`` (micro-batches that are not the last go under
+``hetstore.no_sync(model)``, whose gradients are written to disk as before). A step that
+could not start (no room for its shadows or chunks) or failed leaves its gradients on
+disk for the ordinary step.
+
 Threads: the worker only submits disk IO (the AIO engine is thread-safe) and runs the
 step's arithmetic on buffers it was given; every allocation, commit and discard happens
 on the caller's thread.
@@ -92,6 +104,7 @@ class _Speculation:
     factor: float | None = None  # fp16: the unscale factor it applied (1 / loss scale)
     future: Future | None = field(default=None)
     lent: bool = False  # it reads the gradient stager's buffer: give it back when done
+    ok: bool | None = None  # step in backward: the worker's outcome, once waited for
 
 
 def eligible(unit_step, unit: Unit) -> bool:
@@ -134,7 +147,11 @@ class StepAhead:
     """Speculative steps of the eligible disk units of one optimizer (see module doc)."""
 
     def __init__(
-        self, unit_steps: list[StreamedUnitStep], hyper: Callable[[int], dict], loss_scaler=None
+        self,
+        unit_steps: list[StreamedUnitStep],
+        hyper: Callable[[int], dict],
+        loss_scaler=None,
+        consume: bool = False,
     ):
         self._steps = {id(s.unit): s for s in unit_steps}
         self._hyper = hyper
@@ -153,29 +170,64 @@ class StepAhead:
         self.backwards = 0  # backward passes since the last step
         self.expected = 1  # backward passes the last step had
         self.stats = SpeculationStats()
+        # step_in_backward: steps taken in backward and committed, until optimizer.step()
+        self.consume = consume
+        self._consumed: dict[int, _Speculation] = {}
         for unit_step in unit_steps:
             unit_step.unit.before_rewrite = self._drop
+        if consume:
+            for stager in self._stagers:
+                if isinstance(stager, GradStager):
+                    stager.reclaim = self._reclaim_oldest
 
     # ------------------------------------------------------------------ runtime events
     def backward_started(self) -> None:
         self.backwards += 1
+        if self.consume:
+            self._check_fresh_backward()
+
+    def backward_ended(self) -> None:
+        """Every unit is released: finish and commit the steps taken in backward."""
+        if self.consume:
+            self._collect(block=True)
+
+    def consume_grads(self, unit: Unit) -> bool:
+        """step_in_backward: backward produced ``unit``'s last gradient; step it now from
+        them. True when the step took the gradients (nothing is to be written to disk)."""
+        if not self.consume or self.suspended:
+            return False
+        self._collect(block=False)
+        spec = self._start(unit)
+        if spec is None:
+            return False
+        self._pending[id(unit)] = spec
+        return True
 
     def grads_final(self, unit: Unit) -> None:
         """Backward produced ``unit``'s last gradient: start its speculative step."""
-        unit_step = self._steps.get(id(unit))
-        if unit_step is None or self.suspended or self.backwards < self.expected:
+        if self.consume or self.suspended or self.backwards < self.expected:
             return
         self._cancel(id(unit))  # one from an earlier micro-batch: superseded
+        spec = self._start(unit)
+        if spec is not None:
+            self._pending[id(unit)] = spec
+
+    def _start(self, unit: Unit) -> _Speculation | None:
+        """A step of ``unit`` into shadows on the worker, or None when there is no room
+        for it (counted in ``not_started``)."""
+        unit_step = self._steps.get(id(unit))
+        if unit_step is None:
+            return None
         if not self._disk.would_fit(unit_step.shadow_bytes + self._disk_reserve):
             # pending speculations hold a shadow each until the step: they may fill the
             # disk only up to one ordinary step's room (a window, on a big model)
             self.stats.not_started += 1
-            return
+            return None
         try:
             rewrite = unit_step.begin_speculation()
         except OutOfTierMemory:
             self.stats.not_started += 1  # the ordinary step will say so if it cannot run
-            return
+            return None
         segments = unit.segments
         spec = _Speculation(
             unit_step,
@@ -194,9 +246,13 @@ class StepAhead:
         if slots is None:  # no host room for the worker's chunks: stepped after backward
             rewrite.discard()
             self.stats.not_started += 1
-            return
-        # gradients on disk: step from the stager's buffer (just flushed), not a read back
-        grads = unit.grad_stager.lend(unit) if unit.grad_stager is not None else None
+            return None
+        # gradients on disk: step from the stager's buffer, not a read back: the one just
+        # flushed, or (step in backward) the one gathered, which is never written
+        grads = None
+        if unit.grad_stager is not None:
+            stager = unit.grad_stager
+            grads = stager.hand_over(unit) if self.consume else stager.lend(unit)
         spec.lent = grads is not None
         try:
             spec.future = self._pool().submit(
@@ -207,8 +263,8 @@ class StepAhead:
                 unit.grad_stager.give_back(unit)
             rewrite.discard()
             raise
-        self._pending[id(unit)] = spec
         self.stats.started += 1
+        return spec
 
     # ------------------------------------------------------------------ optimizer events
     def settle(self, disk_grad_factors: list, committed: set[int]) -> None:
@@ -219,6 +275,13 @@ class StepAhead:
         # what the ordinary step multiplies gradients on disk by; factors of exactly 1.0
         # (a clip that does not bite) change nothing
         factors = [float(f) for f in disk_grad_factors if float(f) != 1.0]
+        if self.consume:
+            try:
+                self._settle_consumed(committed)
+            finally:
+                self.discard_all()
+                self.step_ended()
+            return
         try:
             # gradient writes of backward: their errors now, not at a later backward
             for stager in self._stagers:
@@ -289,6 +352,95 @@ class StepAhead:
             yield
         finally:
             self.suspended -= 1
+
+    # ------------------------------------------------------------------ step in backward
+    def _check_fresh_backward(self) -> None:
+        """A backward is starting: refuse it when it would step units again (or add into
+        gradients the last steps consumed) where plain PyTorch would not."""
+        if self._consumed:
+            raise RuntimeError(
+                f"step_in_backward=True: a second backward before optimizer.step(), but "
+                f"the last backward already stepped {len(self._consumed)} units (their "
+                "gradients were consumed inside it). Call optimizer.step() after each "
+                "backward; to accumulate micro-batches, run the backward of every one but "
+                "the last under `with hetstore.no_sync(model):`"
+            )
+        stale = [u.name for u in (s.unit for s in self._steps.values()) if u.grads_consumed]
+        if stale:
+            raise RuntimeError(
+                f"step_in_backward=True: units {stale[:3]} still count the gradients their "
+                "last step consumed; a backward now would add into them, which they no "
+                "longer hold. Call optimizer.zero_grad() after optimizer.step()"
+            )
+
+    def _finish(self, spec: _Speculation) -> None:
+        """Wait for a step in backward; give its gradient buffer back, or write the
+        gradients to disk after all when it failed (the ordinary step reads them)."""
+        if spec.ok is not None:
+            return
+        try:
+            spec.future.result()
+            spec.ok = True
+        except Exception:  # noqa: BLE001 - the ordinary step runs, and raises if it persists
+            spec.ok = False
+        if spec.lent:
+            unit = spec.unit_step.unit
+            spec.lent = False
+            if spec.ok:
+                unit.grad_stager.give_back(unit)
+            else:
+                unit.grad_stager.flush_lent(unit)
+
+    def _reclaim_oldest(self) -> bool:
+        """The gradient stager needs a buffer: wait for the oldest step in backward that
+        holds one. False when none does."""
+        for spec in self._pending.values():
+            if spec.lent:
+                self._finish(spec)
+                return True
+        return False
+
+    def _collect(self, block: bool) -> None:
+        """Commit the steps in backward that are done (all of them with ``block``); one
+        whose unit is still resident (frozen weights backward may read) waits for
+        backward's end."""
+        for key, spec in list(self._pending.items()):
+            unit = spec.unit_step.unit
+            if not block and (unit.materialized or not spec.future.done()):
+                continue
+            self._finish(spec)
+            del self._pending[key]
+            if not spec.ok:
+                spec.rewrite.discard()
+                self.stats.rolled_back += 1
+                continue
+            spec.unit_step.commit_speculation(spec.rewrite)
+            unit.grads_consumed = True
+            self._consumed[key] = spec
+            self.stats.committed += 1
+
+    def _settle_consumed(self, committed: set[int]) -> None:
+        """optimizer.step() after a backward that stepped units: they are done, if the
+        param groups are still the values they used."""
+        self._collect(block=True)
+        consumed, self._consumed = self._consumed, {}
+        committed.update(consumed)
+        for spec in consumed.values():
+            for group, hyper in spec.hyper.items():
+                now = self._hyper(group)
+                if not _same(now, hyper):
+                    changed = sorted(
+                        k
+                        for k in now.keys() | hyper.keys()
+                        if not _same({k: now.get(k)}, {k: hyper.get(k)})
+                    )
+                    raise RuntimeError(
+                        f"step_in_backward=True: param group {group} changed ({changed}) "
+                        "between backward and optimizer.step(), but its units were already "
+                        "stepped inside backward with the earlier values. Change param "
+                        "groups (an LR scheduler's step) after optimizer.step() and before "
+                        "the next backward, or set step_in_backward=False"
+                    )
 
     # ------------------------------------------------------------------ internals
     def _drop(self, unit: Unit) -> None:

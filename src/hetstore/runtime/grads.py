@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from hetstore.errors import GradientAccessError
-from hetstore.tiers.flat import DiskArray
 
 if TYPE_CHECKING:
     from hetstore.runtime.unit import ParamEntry, Unit
@@ -144,7 +143,15 @@ class GradContract:
                 "of the gradient. Clip with optimizer.clip_grad_norm_(max_norm) (all ranks), "
                 "clear with optimizer.zero_grad()"
             )
-        if isinstance(unit.grad, DiskArray):
+        if unit.grads_consumed:
+            raise GradientAccessError(
+                f"cannot {verb} the .grad of {entry.name!r}: the optimizer step inside "
+                f"backward (step_in_backward=True) consumed it (unit {unit.name!r}), so it "
+                "is gone, and a change to it could no longer reach the step. Clear it with "
+                "optimizer.zero_grad(); clipping or reading gradients needs "
+                "step_in_backward=False"
+            )
+        if unit.grad_staged:
             raise GradientAccessError(
                 f"cannot {verb} the .grad of {entry.name!r}: its gradient lives on disk "
                 f"(unit {unit.name!r}, offload_grad='disk'), where no tensor can stand for it. "

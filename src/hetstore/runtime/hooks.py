@@ -289,9 +289,11 @@ class OffloadRuntime:
         if unit.pending_grads == 0:
             if unit.has_grad_bucket:  # sharded: average across ranks, keep this rank's shard
                 unit.reduce_grads()
-            if self.grad_stager is not None:
+            # step_in_backward: the unit is stepped now, from the gradients gathered
+            consumed = self.step_ahead is not None and self.step_ahead.consume_grads(unit)
+            if self.grad_stager is not None and not consumed:
                 self.grad_stager.flush(unit)  # the write overlaps the next unit's backward
-            if self.step_ahead is not None:
+            if self.step_ahead is not None and not consumed:
                 self.step_ahead.grads_final(unit)  # its step overlaps the rest of backward
             if unit is not self.root:
                 if unit.has_untracked_params:
@@ -336,6 +338,8 @@ class OffloadRuntime:
             self.grad_stager.flush_all()
         for unit in self.units:
             unit.release()
+        if self.step_ahead is not None:
+            self.step_ahead.backward_ended()  # commits the steps taken in backward
         self._mark("other")
 
     # ------------------------------------------------------------------ prefetch

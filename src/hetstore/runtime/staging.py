@@ -14,12 +14,16 @@ tier, so the host memory a disk placement needs does not grow with the model:
   being filled, one being written, one for the root unit, whose gradients (embeddings)
   complete only at the end of backward. A unit needing a buffer when all are busy
   waits for the oldest write, or writes out the oldest partial unit and re-reads it
-  later (accumulation makes that exact), so any model order works.
+  later (accumulation makes that exact), so any model order works. With
+  ``step_in_backward`` a unit's full buffer is handed to the optimizer's step in
+  backward instead of being written (:meth:`GradStager.hand_over`); a unit needing a
+  buffer then may wait for such a step to finish (``reclaim``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -186,6 +190,8 @@ class GradStager:
         # buffers lent to the optimizer's step ahead, which steps their unit from them
         # (no read back from disk): unit -> whole buffer; they come back by give_back()
         self._lent: dict[Unit, torch.Tensor] = {}
+        # step_in_backward: waits for the oldest step in backward to give its buffer back
+        self.reclaim: Callable[[], bool] | None = None
 
     def buffer_for(self, unit: Unit) -> torch.Tensor:
         """The host buffer gathering ``unit``'s gradients (its accumulated ones read in)."""
@@ -196,13 +202,13 @@ class GradStager:
         while slot is None:
             if self._writing:
                 self._finish_oldest_write()
-            else:  # (never all lent: see lend)
-                self.flush(next(iter(self._holders)))
+            elif not (self._lent and self.reclaim is not None and self.reclaim()):
+                self.flush(next(iter(self._holders)))  # (never all lent: see lend)
             slot = self._slots.take()
         view = slot[: unit.trainable_numel * 4].view(torch.float32)
         if unit.any_grad():  # accumulating: earlier micro-batches' sums are on disk
             try:
-                unit.grad.read(view).wait()
+                unit.grad_region().read(view).wait()
             except BaseException:
                 self._slots.give(slot)
                 raise
@@ -237,6 +243,25 @@ class GradStager:
         self._lent[unit] = slot
         return slot[: unit.trainable_numel * 4].view(torch.float32)
 
+    def hand_over(self, unit: Unit) -> torch.Tensor | None:
+        """``unit``'s gathered gradients, taken out of the stager for a step in backward
+        that consumes them: never written to disk. The buffer comes back by
+        :meth:`give_back`, or is written out after all by :meth:`flush_lent`."""
+        held = self._holders.pop(unit, None)
+        if held is None:
+            return None
+        view, slot = held
+        self._lent[unit] = slot
+        return view
+
+    def flush_lent(self, unit: Unit) -> None:
+        """A handed-over buffer's step did not happen: write its gradients to disk after
+        all (the ordinary step reads them there)."""
+        slot = self._lent[unit]
+        unit.grad_region().write(slot[: unit.trainable_numel * 4].view(torch.float32), 0)
+        del self._lent[unit]
+        self._writing.append((unit, slot))
+
     def give_back(self, unit: Unit) -> None:
         slot = self._lent.pop(unit, None)
         if slot is None:
@@ -246,11 +271,11 @@ class GradStager:
 
     def flush(self, unit: Unit) -> None:
         """Start writing ``unit``'s gathered gradients to disk (no-op if none gathered)."""
-        held = self._holders.pop(unit, None)
-        if held is None:
+        if unit not in self._holders:
             return
-        view, slot = held
-        unit.grad.write(view, 0)
+        region = unit.grad_region()  # (a deferred one may not fit: the buffer stays held)
+        view, slot = self._holders.pop(unit)
+        region.write(view, 0)
         self._writing.append((unit, slot))
 
     def flush_all(self) -> None:

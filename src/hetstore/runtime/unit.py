@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from hetstore.runtime.rewrite import ChunkedRewrite
 from hetstore.tier import Tier
 from hetstore.tiers import HostBuffer, Tiers
 from hetstore.tiers.accounting import FlatAllocation
@@ -103,6 +104,7 @@ class Unit:
         *,
         shards: ShardGroup | None = None,
         align: int = ALIGN_ELEMENTS,
+        defer_disk_grad: bool = False,
     ):
         self.index = index
         self.shards = shards
@@ -190,6 +192,13 @@ class Unit:
         # counts gradients added into ``grad`` (a disk array has no version counter of
         # its own to tell a later micro-batch's accumulation from none)
         self.grad_version = 0
+        # step_in_backward: gradients on disk get their disk array only when one must
+        # persist (accumulation under no_sync, a step that could not run in backward);
+        # gradients consumed by the step in backward never do (see grad_region)
+        self.grad_deferred = False
+        self._defer_disk_grad = defer_disk_grad
+        # the step in backward took this unit's gradients: none to read until cleared
+        self.grads_consumed = False
         # called by before_state_change: the optimizer's step ahead drops a speculation
         # of this unit first, so that its worker never reads arrays being replaced
         self.before_rewrite: Callable[[Unit], None] | None = None
@@ -231,9 +240,16 @@ class Unit:
             self.device_flat = torch.empty(
                 self.full_numel, dtype=self.compute_dtype, device=self.device
             )
+        self.grad_deferred = (
+            self._defer_disk_grad
+            and bool(self.trainable_numel)
+            and p.grad is Tier.DISK
+            and self.shards is None
+            and self._steps_from_disk_shadows()
+        )
         self.grad = (
             self.allocate(p.grad, self.trainable_numel, fp32, "grads")
-            if self.trainable_numel
+            if self.trainable_numel and not self.grad_deferred
             else None
         )
         if isinstance(self.grad, torch.Tensor):
@@ -243,6 +259,11 @@ class Unit:
             e.param.data = view
         if not self.materialized:
             self.device_flat.untyped_storage().resize_(0)
+
+    def _steps_from_disk_shadows(self) -> bool:
+        """Master and every copy of the parameters on disk, written through shadows (or
+        the master itself): what a step in backward needs (ChunkedRewrite.can_speculate)."""
+        return ChunkedRewrite.can_speculate(self)
 
     def _initialize_master(self) -> None:
         """The master from the parameters' current values; sharded, rank 0's values (as
@@ -577,6 +598,18 @@ class Unit:
         self._sync_home(self.master_copy())
 
     # ------------------------------------------------------------------ gradients
+    @property
+    def grad_staged(self) -> bool:
+        """Gradients gather in the gradient stager's host buffer (they belong on disk)."""
+        return self.grad_deferred or isinstance(self.grad, DiskArray)
+
+    def grad_region(self) -> DiskArray:
+        """The gradients' disk array; a deferred one is made now (raises
+        :class:`OutOfTierMemory` naming it when the disk has no room)."""
+        if self.grad is None and self.grad_deferred:
+            self.grad = self.allocate(Tier.DISK, self.trainable_numel, torch.float32, "grads")
+        return self.grad
+
     def accumulate_grad(self, entry: ParamEntry, grad: torch.Tensor) -> None:
         """Move ``grad`` into the fp32 gradient buffer (no clone kept on the device).
 
@@ -588,9 +621,7 @@ class Unit:
                 self._grad_bucket = self._new_grad_bucket(grad.dtype)
             self._grad_bucket[entry.offset : entry.offset + entry.numel].copy_(grad.reshape(-1))
             return
-        flat = self.grad
-        if isinstance(flat, DiskArray):
-            flat = self.grad_stager.buffer_for(self)
+        flat = self.grad_stager.buffer_for(self) if self.grad_staged else self.grad
         target = flat[entry.offset : entry.offset + entry.numel]
         source = grad.reshape(-1)
         if source.device != target.device:
@@ -629,9 +660,7 @@ class Unit:
             del bucket
             self.tiers.device_tier.release(self._grad_bucket_bytes, self._label("grad bucket"))
         if self.trainable_numel:
-            flat = self.grad
-            if isinstance(flat, DiskArray):
-                flat = self.grad_stager.buffer_for(self)
+            flat = self.grad_stager.buffer_for(self) if self.grad_staged else self.grad
             target = flat[: self.trainable_numel]
             source = shard[: self.trainable_numel].to(target.device)
             if self.any_grad():
@@ -644,6 +673,7 @@ class Unit:
     def clear_grads(self) -> None:
         for entry in self.entries:
             entry.has_grad = False
+        self.grads_consumed = False
 
     def fill_missing_grads(self, grad: torch.Tensor | None = None, start: int = 0) -> list[str]:
         """Zero the slices of parameters that got no gradient; return their names.
