@@ -54,6 +54,12 @@ def add_plan_parser(sub) -> None:
         help="optimizer_state_format: fp32 (default), bf16 or 8bit (bytes per parameter of "
         "the optimizer states: 8, 4 or 2.03 for Adam)",
     )
+    p.add_argument(
+        "--step-in-backward",
+        action="store_true",
+        help="step_in_backward: units with states on disk are stepped inside backward and "
+        "their gradients never go to disk (4 bytes per parameter less there)",
+    )
     p.add_argument("--json", metavar="FILE", help="also save the plan as JSON")
     p.add_argument(
         "--max-model", action="store_true", help="find the largest GPT of the ladder that fits"
@@ -82,18 +88,60 @@ def _gpt(width: int, depth: int, vocab: int, ctx: int):
         return GPT(vocab=vocab, width=width, depth=depth, heads=max(1, width // 128), ctx=ctx)
 
 
-def _hf_model(path: str):
-    """A causal LM from a Hugging Face config.json, on the meta device (no weights)."""
+def _max_depth(plan_at, fits_at: int, fails_at: int | None):
+    """The deepest model ``plan_at(depth)`` (``(numel, plan)``, raising OutOfTierMemory
+    when it does not fit) that fits, knowing ``fits_at`` fits (0: none known) and
+    ``fails_at`` does not (None: none known; doubled from ``fits_at`` until one fails).
+    Returns ``(depth, numel, plan)`` or None. Model size grows with depth, so fitting is
+    monotone in it: a bisection."""
+    from hetstore.errors import OutOfTierMemory
+
+    best = None
+
+    def attempt(depth: int) -> bool:
+        nonlocal best
+        try:
+            numel, plan = plan_at(depth)
+        except OutOfTierMemory as exc:
+            print(f"{'':>6} {depth:>5} {'':>9}  does not fit ({exc.tier} short)")
+            return False
+        best = (depth, numel, plan)
+        print(f"{'':>6} {depth:>5} {numel / 1e9:>8.2f}B  fits")
+        return True
+
+    if fits_at and not attempt(fits_at):
+        return None
+    lo, hi = fits_at, fails_at
+    while hi is None:
+        candidate = max(1, 2 * lo)
+        if attempt(candidate):
+            lo = candidate
+        else:
+            hi = candidate
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if attempt(mid):
+            lo = mid
+        else:
+            hi = mid
+    if best is not None and best[0] != lo:  # the last attempt was a miss: plan lo again
+        attempt(lo)
+    return best if lo else None
+
+
+def _hf_model(path: str, depth: int | None = None):
+    """A causal LM from a Hugging Face config.json, on the meta device (no weights);
+    ``depth`` replaces its number of layers (``--max-model`` scales it)."""
     import torch
     import transformers
 
     from hetstore.errors import ConfigError
 
-    location = Path(path)
-    if location.is_dir():
-        location = location / "config.json"
+    location = _config_path(path)
     try:
         values = json.loads(location.read_text())
+        if depth is not None:
+            values["num_hidden_layers"] = depth
         hf_config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
         with torch.device("meta"):
             return transformers.AutoModelForCausalLM.from_config(hf_config)
@@ -101,6 +149,42 @@ def _hf_model(path: str):
         raise ConfigError(
             f"--hf-config {path!r}: not a config.json of a causal LM transformers knows ({exc})"
         ) from None
+
+
+def _hf_max_model(args, tokens, config, machine) -> int:
+    """``--max-model --hf-config``: the deepest model of that architecture and width
+    (``num_hidden_layers`` scaled) that fits."""
+    import hetstore
+
+    def plan_at(depth: int):
+        model = _hf_model(args.hf_config, depth)
+        numel = sum(p.numel() for p in model.parameters())
+        return numel, hetstore.plan(model, (tokens,), config, machine=machine, probe=False)
+
+    start = json.loads(_config_path(args.hf_config).read_text()).get("num_hidden_layers", 1)
+    print(f"{'':>6} {'depth':>5} {'params':>9}  result")
+    from hetstore.errors import OutOfTierMemory
+
+    try:
+        plan_at(start)
+        found = _max_depth(plan_at, start, None)
+    except OutOfTierMemory:
+        found = _max_depth(plan_at, 0, start)
+    if found is None:
+        print("not even one layer of this architecture fits these capacities")
+        return 1
+    depth, numel, plan = found
+    print(f"\nlargest: {args.hf_config} with {depth} layers, {numel / 1e9:.2f}B parameters\n")
+    print(plan)
+    if args.json:
+        plan.save(args.json)
+        print(f"\nplan saved to {args.json}")
+    return 0
+
+
+def _config_path(path: str) -> Path:
+    location = Path(path)
+    return location / "config.json" if location.is_dir() else location
 
 
 def accelerate_side_by_side(model, plan) -> str:
@@ -160,6 +244,7 @@ def run_plan(args) -> int:
             offload_path=args.path,
             compute_dtype=args.dtype,
             optimizer_state_format=args.state_format,
+            step_in_backward=args.step_in_backward,
         )
         machine = measure_machine(config.resolved_device(), config.offload_path)
     except (ConfigError, OSError) as exc:
@@ -172,6 +257,8 @@ def run_plan(args) -> int:
         except ConfigError as exc:
             print(f"hetstore plan: {exc}", file=sys.stderr)
             return 2
+        if args.max_model:
+            return _hf_max_model(args, tokens, config, machine)
         numel = sum(p.numel() for p in model.parameters())
         try:
             plan = hetstore.plan(model, (tokens,), config, machine=machine, probe=not args.no_probe)
@@ -213,6 +300,17 @@ def run_plan(args) -> int:
         if largest is None:
             print("not even the smallest GPT of the ladder fits these capacities")
             return 1
+        # between the largest rung that fits and the next: the deepest model of each
+        # of the two widths that fits (the next width's shallower ones may be larger)
+        rung = LADDER.index(largest[:2])
+        for width, fits_at, fails_at in [
+            (largest[0], largest[1], None),
+            *([(LADDER[rung + 1][0], 0, LADDER[rung + 1][1])] if rung + 1 < len(LADDER) else []),
+        ]:
+            print(f"width {width}: the deepest that fits")
+            found = _max_depth(lambda d, w=width: plan_for(w, d, probe=False), fits_at, fails_at)
+            if found is not None and found[1] > largest[2]:
+                largest = (width, *found)
         width, depth, numel, plan = largest
         print(f"\nlargest: width {width}, depth {depth}, {numel / 1e9:.2f}B parameters\n")
         print(plan)

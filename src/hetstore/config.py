@@ -317,7 +317,11 @@ class OffloadConfig:
                 "gradients go to disk only when the optimizer steps from disk (they are read "
                 "there, chunk by chunk); use offload_grad='cpu', or offload_optimizer='disk'"
             )
-        if self.step_in_backward and self.offload_optimizer is not Tier.DISK:
+        if (
+            self.step_in_backward
+            and not self.auto_offload
+            and self.offload_optimizer is not Tier.DISK
+        ):
             raise ConfigError(
                 f"step_in_backward=True with offload_optimizer='{self.offload_optimizer}': it "
                 "steps units whose optimizer states are on disk; set offload_optimizer='disk' "

@@ -106,8 +106,15 @@ def _master_bytes(u: UnitTrace, c: UnitChoice) -> int:
     return u.numel * 4 if _aliases_master(u, c) else u.master_bytes
 
 
-def optimizer_bytes(u: UnitTrace, c: UnitChoice) -> int:
-    return _master_bytes(u, c) + u.grad_bytes + u.state_bytes
+def optimizer_bytes(u: UnitTrace, c: UnitChoice, consumed: bool = False) -> int:
+    """Master, gradients and states in the optimizer's tier; ``consumed``: the unit is
+    stepped inside backward (``step_in_backward``), its gradients never stored there."""
+    return _master_bytes(u, c) + (0 if consumed else u.grad_bytes) + u.state_bytes
+
+
+def consumed(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
+    """``step_in_backward`` steps this unit inside backward (see ``_stepped_ahead``)."""
+    return trace.step_in_backward and _stepped_ahead(u, c)
 
 
 def _max(values) -> int:
@@ -134,7 +141,7 @@ def memory(
             if not aliased:
                 host += u.param_bytes if c.param == Tier.HOST else 0
                 disk += u.param_bytes if c.param == Tier.DISK else 0
-        opt = optimizer_bytes(u, c)
+        opt = optimizer_bytes(u, c, consumed(trace, u, c))
         device += opt if c.optimizer == Tier.DEVICE else 0
         host += opt if c.optimizer == Tier.HOST else 0
         disk += opt if c.optimizer == Tier.DISK else 0
@@ -174,9 +181,13 @@ def memory(
             for u, c in disk_opt
         )
         step += chunks
-        if trace.step_overlap and any(_stepped_ahead(u, c) for u, c in disk_opt):
+        in_backward = trace.step_overlap or trace.step_in_backward
+        if in_backward and any(_stepped_ahead(u, c) for u, c in disk_opt):
             forward_backward += chunks  # the step-ahead worker's, during backward
-        disk += _max(_master_bytes(u, c) + u.state_bytes for u, c in disk_opt)  # the shadow
+        # the shadow of a step; inside backward, the one being stepped and one done
+        # awaiting its commit
+        shadows = 2 if any(consumed(trace, u, c) for u, c in disk_opt) else 1
+        disk += shadows * _max(_master_bytes(u, c) + u.state_bytes for u, c in disk_opt)
     forward_backward += sum(u.saved_bytes for u, c in units if c.activations == Tier.HOST)
     disk_saved = [u.saved_bytes for u, c in units if c.activations == Tier.DISK]
     if disk_saved:
@@ -252,7 +263,7 @@ def times(
     """(compute, stall, exposed, optimizer left after backward, optimizer hidden behind
     it) seconds of ``choices`` (see module doc); ``overlap`` (``overlap_step``) defaults
     to the trace's."""
-    overlap = trace.step_overlap if overlap is None else overlap
+    overlap = (trace.step_overlap or trace.step_in_backward) if overlap is None else overlap
     m = trace.machine
     compute = stall = overlappable = 0.0
     fill = 0.0
@@ -277,7 +288,7 @@ def times(
         if c.optimizer != Tier.DEVICE and u.trainable_numel:
             # gradients leave the device in the gradient hook, synchronously
             stall += u.trainable_numel * u.compute_itemsize / m.from_device
-        if c.optimizer == Tier.DISK:
+        if c.optimizer == Tier.DISK and not consumed(trace, u, c):
             unit_transfer += u.grad_bytes / m.disk_write
         if c.activations != Tier.DEVICE:
             copies = u.saved_bytes / m.from_device + u.saved_bytes / m.to_device
@@ -308,7 +319,8 @@ def times(
             if c.param == Tier.DEVICE:
                 steps[-1] += u.param_bytes / m.to_device  # updated weights back
         else:
-            read = _master_bytes(u, c) + u.state_bytes + u.grad_bytes
+            read = _master_bytes(u, c) + u.state_bytes
+            read += 0 if consumed(trace, u, c) else u.grad_bytes
             write = _master_bytes(u, c) + u.state_bytes
             if c.param == Tier.DISK and not _aliases_master(u, c):
                 write += u.master_bytes // 4 * u.compute_itemsize  # the home's head

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from hetstore._sizes import format_size
-from hetstore.planner.cost import Estimate, UnitChoice, estimate, optimizer_bytes
+from hetstore.planner.cost import Estimate, UnitChoice, consumed, estimate, optimizer_bytes
 from hetstore.planner.trace import Trace
 from hetstore.tier import TIER_LABELS, Tier
 
@@ -97,7 +97,7 @@ class Plan:
                 u.name,
                 c,
                 u.param_bytes,
-                optimizer_bytes(u, c),
+                optimizer_bytes(u, c, consumed(trace, u, c)),
                 u.saved_bytes,
             )
             for u, c in zip(trace.units, choices, strict=True)

@@ -99,6 +99,9 @@ class Trace:
     # the runtime steps disk units during backward (``overlap_step``): the cost model
     # hides what it can of their steps behind backward
     step_overlap: bool = True
+    # ``step_in_backward``: those units are stepped inside backward from gradients in
+    # memory, which never reach the disk (no gradient bytes there, nor their traffic)
+    step_in_backward: bool = False
     # where the units' compute times come from: "flops" (counted FLOPs at the probed
     # matmul rate), "probed" / "partly probed" (planner.probe timed one unit of each
     # kind, or some kinds, for real); ``measured`` (the profiled steps) overrides it
@@ -128,7 +131,14 @@ class Trace:
         )
         machine = MachineRates(**data["machine"]) if data.get("machine") else None
         shapes = tuple(tuple(s) for s in data.get("batch_shapes", ()))
-        keys = ("buffer_bytes", "overhead_s", "measured", "step_overlap", "compute_basis")
+        keys = (
+            "buffer_bytes",
+            "overhead_s",
+            "measured",
+            "step_overlap",
+            "step_in_backward",
+            "compute_basis",
+        )
         rest = {k: data[k] for k in keys if k in data}
         return cls(units=units, machine=machine, batch_shapes=shapes, **rest)
 

@@ -80,6 +80,7 @@ def model_data_trace(
         machine=machine,
         buffer_bytes=buffers,
         step_overlap=config.overlap_step,
+        step_in_backward=config.step_in_backward,
     )
 
 
