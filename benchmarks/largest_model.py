@@ -76,6 +76,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="gradients to disk and the step after backward (overlap_step)",
     )
+    parser.add_argument(
+        "--auto",
+        action="store_true",
+        help="auto_offload: the planner places each unit (what `hetstore plan --max-model` "
+        "assumes) instead of everything on disk; its predicted peaks are printed beside "
+        "the measured ones",
+    )
     parser.add_argument("--max-device-memory", default="5GB")
     parser.add_argument("--offload-cpu-size", default="12GB")
     parser.add_argument("--bandwidth-bytes", type=int, default=2 << 30)
@@ -117,9 +124,13 @@ def main() -> None:
         )
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=True)
+    placement = (
+        {"auto_offload": True}
+        if args.auto
+        else {"offload_param": "disk", "offload_optimizer": "disk"}
+    )
     config = hetstore.OffloadConfig(
-        offload_param="disk",
-        offload_optimizer="disk",
+        **placement,
         optimizer_state_format=args.state_format,
         step_in_backward=not args.no_step_in_backward,
         max_device_memory=args.max_device_memory,
@@ -183,6 +194,24 @@ def main() -> None:
         )
     speculation = optimizer.speculation_stats
     tier_current = disk.stats()["current"]
+    predicted = None
+    runtime = hetstore.state_of(model).runtime
+    if runtime.plan is not None and runtime.plan.estimate is not None:
+        e = runtime.plan.estimate
+        predicted = {"device": e.device, "host": e.host, "disk": e.disk, "step_s": e.step_s}
+        tiers = hetstore.state_of(model).tiers
+        measured = {
+            "device": tiers.device_tier.usage().peak,
+            "host": tiers.host.usage().peak,
+            "disk": disk.stats()["peak"],
+        }
+        print(
+            "planner predicted peaks device/host/disk "
+            + " / ".join(size(predicted[k]) for k in ("device", "host", "disk"))
+            + f", step {predicted['step_s']:.0f} s; measured "
+            + " / ".join(size(measured[k]) for k in ("device", "host", "disk"))
+        )
+        predicted["measured"] = measured
     hetstore.release(model)
 
     # overwrites of a laid-out file, as the tier's recycled region files are
@@ -232,7 +261,8 @@ def main() -> None:
     )
     out = REPO / "benchmarks" / "results"
     out.mkdir(exist_ok=True)
-    name = f"largest_model_w{args.width}_d{args.depth}_{args.state_format}.json"
+    name = f"largest_model_w{args.width}_d{args.depth}_{args.state_format}"
+    name += "_auto.json" if args.auto else ".json"
     if not args.tiny:
         (out / name).write_text(
             json.dumps(
@@ -246,6 +276,7 @@ def main() -> None:
                     "free_before": free_before,
                     "steps": steps,
                     "speculation": speculation,
+                    "predicted": predicted,
                 },
                 indent=1,
             )
