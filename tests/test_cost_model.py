@@ -143,3 +143,24 @@ def test_overlap_step_off_in_the_trace_hides_nothing():
     assert e.optimizer_hidden_s == 0
     assert e.step_s == estimate(disk_trace(forward_s=10.0), [ON_DISK] * 5, 1).step_without_overlap_s
     assert Trace.from_json(trace.to_json()).step_overlap is False
+
+
+def test_step_in_backward_keeps_no_gradients_on_disk():
+    """``step_in_backward``: units with states and parameters on disk hold no gradient
+    there (two shadows instead of one: the unit being stepped, and one awaiting its
+    commit), and their steps neither write nor read gradients."""
+    trace = disk_trace(forward_s=0.0, machine=CPU)
+    consumed = replace(trace, step_in_backward=True)
+    before = estimate(trace, [ON_DISK] * 5, 1)
+    after = estimate(consumed, [ON_DISK] * 5, 1)
+    grads = sum(u.grad_bytes for u in trace.units)
+    shadow = max(u.numel * 4 + u.state_bytes for u in trace.units)  # fp32: home is the master
+    assert before.disk - after.disk == grads - shadow
+    # no gradient writes beside backward, no gradient reads in the (disk-bound) steps
+    assert after.exposed_s < before.exposed_s
+    read_back = sum(u.grad_bytes / CPU.disk_read for u in trace.units)
+    assert before.optimizer_s - after.optimizer_s == pytest.approx(read_back)
+    # units not on disk keep their gradients where they are
+    host = [UnitChoice(optimizer="cpu")] * 5
+    assert estimate(consumed, host, 1).host == estimate(trace, host, 1).host
+    assert Trace.from_json(consumed.to_json()).step_in_backward is True
