@@ -61,3 +61,27 @@ def test_distributed_benchmark_prints_its_table(tmp_path):
     for placement in ("cpu", "disk"):
         for ranks in (1, 2):
             assert f"| {placement} | {ranks} |" in out.stdout
+
+
+def test_largest_model_benchmark_prints_its_table(tmp_path):
+    """The ≥ 6.5B run's harness at a tiny size, everything on disk and with the
+    planner's own placement (which prints its predicted peaks)."""
+    for extra in ([], ["--auto"]):
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "benchmarks" / "largest_model.py"),
+                "--tiny",
+                "--dir",
+                str(tmp_path),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        assert "| step | loss | step s |" in done.stdout
+        assert "B/param" in done.stdout
+        if extra:
+            assert "planner predicted peaks" in done.stdout
