@@ -50,6 +50,7 @@ from disk_io import layout
 from disk_offload import DiskBandwidth
 from hetstore.demo import load_corpus
 from hetstore.demo.gpt import GPT
+from hetstore.tiers.disk import _du  # bytes the offload directory takes on the file system
 
 REPO = Path(__file__).resolve().parent.parent
 # Adam's first steps move every weight by about lr (m / sqrt(v) is +-1): at width 4096
@@ -94,18 +95,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.ctx, args.steps, args.bandwidth_bytes = 16, 2, 64 << 20
         args.max_device_memory, args.offload_cpu_size = "64MB", "256MB"
     return args
-
-
-def du(path: str) -> int:
-    """Bytes the files under ``path`` take on the file system (allocated blocks)."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_blocks * 512
-            except FileNotFoundError:
-                pass
-    return total
 
 
 def peak_rss() -> int:
@@ -183,7 +172,7 @@ def main() -> None:
             "seconds": marks[-1][0] - marks[0][0],
             "peak_rss": peak_rss(),
             "disk_peak": disk.stats()["peak"],
-            "on_file_system": du(where),
+            "on_file_system": _du(where),
         }
         steps.append(record)
         print(

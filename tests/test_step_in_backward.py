@@ -18,30 +18,16 @@ import torch
 import hetstore
 from hetstore import ConfigError, GradientAccessError, OffloadConfig
 from hetstore.optim.step_ahead import StepAhead
-from tests.models.gpt import GPT, batches
+from tests.models.gpt import batches
 from tests.test_host_offload import TIGHT, adamw, assert_same_weights
-from tests.test_step_ahead import WIDTH, assert_bitwise, train
+from tests.test_step_ahead import assert_bitwise, fresh, train
+from tests.test_step_ahead import config as step_ahead_config
 
 
 def config(path, consume: bool, grad: str = "disk", **kwargs) -> OffloadConfig:
-    return OffloadConfig(
-        offload_param="disk",
-        offload_optimizer="disk",
-        offload_grad=grad,
-        offload_path=str(path),
-        optimizer_chunk_size=8192 * 4,
-        overlap_step=False,
-        step_in_backward=consume,
-        enable_pinned_mem=False,
-        device="cpu",
-        **kwargs,
-    )
-
-
-def fresh(make_opt=adamw):
-    torch.manual_seed(0)
-    model = GPT(width=WIDTH, depth=3)
-    return model, make_opt(model.parameters())
+    """test_step_ahead's placement (everything on disk, small chunks), with the step
+    after backward as the reference (overlap_step=False)."""
+    return step_ahead_config(path, False, grad, step_in_backward=consume, **kwargs)
 
 
 def offloaded(tmp_path, consume: bool, grad="disk", make_opt=adamw, **kwargs):
