@@ -182,7 +182,7 @@ def main() -> None:
             flush=True,
         )
     speculation = optimizer.speculation_stats
-    tier_current = disk.stats()["current"]
+    state_bytes = disk.stats()["current"]
     predicted = None
     runtime = hetstore.state_of(model).runtime
     if runtime.plan is not None and runtime.plan.estimate is not None:
@@ -238,7 +238,6 @@ def main() -> None:
     ]
     print()
     print(format_table(header, rows))
-    state_bytes = tier_current
     print()
     print(
         f"params {params:,} ({params / 1e9:.2f}B); states on disk (tier, in use) "

@@ -10,13 +10,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_planner_benchmark_prints_predictions_and_measurements(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "planner.py"), "--tiny", "--dir", str(tmp_path)],
+def run_tiny(script: str, tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    """``benchmarks/<script> --tiny --dir <tmp_path> [extra]``, its output captured."""
+    return subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / script),
+            "--tiny",
+            "--dir",
+            str(tmp_path),
+            *extra,
+        ],
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_planner_benchmark_prints_predictions_and_measurements(tmp_path):
+    done = run_tiny("planner.py", tmp_path)
     assert done.returncode == 0, done.stderr
     assert "predicted (calibrated)" in done.stdout
     for model in ("gpt", "llama"):
@@ -26,18 +38,7 @@ def test_planner_benchmark_prints_predictions_and_measurements(tmp_path):
 
 
 def test_checkpoint_benchmark_prints_its_table(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "checkpoint.py"),
-            "--tiny",
-            "--dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_tiny("checkpoint.py", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     for row in ("hetstore.save", "hetstore.load", "hetstore.export_weights", "dcp.save"):
         assert f"| {row}" in out.stdout, out.stdout
@@ -45,18 +46,7 @@ def test_checkpoint_benchmark_prints_its_table(tmp_path):
 
 
 def test_distributed_benchmark_prints_its_table(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "distributed.py"),
-            "--tiny",
-            "--dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_tiny("distributed.py", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     for placement in ("cpu", "disk"):
         for ranks in (1, 2):
@@ -67,19 +57,7 @@ def test_largest_model_benchmark_prints_its_table(tmp_path):
     """The ≥ 6.5B run's harness at a tiny size, everything on disk and with the
     planner's own placement (which prints its predicted peaks)."""
     for extra in ([], ["--auto"]):
-        done = subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "benchmarks" / "largest_model.py"),
-                "--tiny",
-                "--dir",
-                str(tmp_path),
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        done = run_tiny("largest_model.py", tmp_path, *extra)
         assert done.returncode == 0, done.stderr
         assert "| step | loss | step s |" in done.stdout
         assert "B/param" in done.stdout

@@ -88,45 +88,36 @@ def _gpt(width: int, depth: int, vocab: int, ctx: int):
         return GPT(vocab=vocab, width=width, depth=depth, heads=max(1, width // 128), ctx=ctx)
 
 
-def _max_depth(plan_at, fits_at: int, fails_at: int | None):
-    """The deepest model ``plan_at(depth)`` (``(numel, plan)``, raising OutOfTierMemory
-    when it does not fit) that fits, knowing ``fits_at`` fits (0: none known) and
-    ``fails_at`` does not (None: none known; doubled from ``fits_at`` until one fails).
-    Returns ``(depth, numel, plan)`` or None. Model size grows with depth, so fitting is
-    monotone in it: a bisection."""
+def _try_depth(plan_at, depth: int):
+    """``(depth, numel, plan)`` when ``plan_at(depth)`` (``(numel, plan)``, raising
+    OutOfTierMemory when it does not fit) fits, else None; prints a line either way."""
     from hetstore.errors import OutOfTierMemory
 
-    best = None
-
-    def attempt(depth: int) -> bool:
-        nonlocal best
-        try:
-            numel, plan = plan_at(depth)
-        except OutOfTierMemory as exc:
-            print(f"{'':>6} {depth:>5} {'':>9}  does not fit ({exc.tier} short)")
-            return False
-        best = (depth, numel, plan)
-        print(f"{'':>6} {depth:>5} {numel / 1e9:>8.2f}B  fits")
-        return True
-
-    if fits_at and not attempt(fits_at):
+    try:
+        numel, plan = plan_at(depth)
+    except OutOfTierMemory as exc:
+        print(f"{'':>6} {depth:>5} {'':>9}  does not fit ({exc.tier} short)")
         return None
-    lo, hi = fits_at, fails_at
-    while hi is None:
-        candidate = max(1, 2 * lo)
-        if attempt(candidate):
-            lo = candidate
+    print(f"{'':>6} {depth:>5} {numel / 1e9:>8.2f}B  fits")
+    return depth, numel, plan
+
+
+def _max_depth(plan_at, fits, fails_at: int | None):
+    """The deepest model ``plan_at`` fits (see :func:`_try_depth`), knowing ``fits``
+    (``(depth, numel, plan)``, or None: none known) fits and ``fails_at`` does not (None:
+    none known; the depth doubles from ``fits`` until one fails). Returns ``(depth,
+    numel, plan)`` or None. Model size grows with depth, so fitting is monotone in it:
+    a bisection."""
+    best = fits
+    lo, hi = (fits[0] if fits else 0), fails_at
+    while hi is None or hi - lo > 1:
+        depth = max(1, 2 * lo) if hi is None else (lo + hi) // 2
+        found = _try_depth(plan_at, depth)
+        if found is None:
+            hi = depth
         else:
-            hi = candidate
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if attempt(mid):
-            lo = mid
-        else:
-            hi = mid
-    if best is not None and best[0] != lo:  # the last attempt was a miss: plan lo again
-        attempt(lo)
-    return best if lo else None
+            best, lo = found, depth
+    return best
 
 
 def _hf_model(path: str, depth: int | None = None):
@@ -163,13 +154,8 @@ def _hf_max_model(args, tokens, config, machine) -> int:
 
     start = json.loads(_config_path(args.hf_config).read_text()).get("num_hidden_layers", 1)
     print(f"{'':>6} {'depth':>5} {'params':>9}  result")
-    from hetstore.errors import OutOfTierMemory
-
-    try:
-        plan_at(start)
-        found = _max_depth(plan_at, start, None)
-    except OutOfTierMemory:
-        found = _max_depth(plan_at, 0, start)
+    first = _try_depth(plan_at, start)
+    found = _max_depth(plan_at, first, None) if first else _max_depth(plan_at, None, start)
     if found is None:
         print("not even one layer of this architecture fits these capacities")
         return 1
@@ -303,12 +289,12 @@ def run_plan(args) -> int:
         # between the largest rung that fits and the next: the deepest model of each
         # of the two widths that fits (the next width's shallower ones may be larger)
         rung = LADDER.index(largest[:2])
-        for width, fits_at, fails_at in [
-            (largest[0], largest[1], None),
-            *([(LADDER[rung + 1][0], 0, LADDER[rung + 1][1])] if rung + 1 < len(LADDER) else []),
-        ]:
+        searches = [(largest[0], largest[1:], None)]
+        if rung + 1 < len(LADDER):
+            searches.append((LADDER[rung + 1][0], None, LADDER[rung + 1][1]))
+        for width, fits, fails_at in searches:
             print(f"width {width}: the deepest that fits")
-            found = _max_depth(lambda d, w=width: plan_for(w, d, probe=False), fits_at, fails_at)
+            found = _max_depth(lambda d, w=width: plan_for(w, d, probe=False), fits, fails_at)
             if found is not None and found[1] > largest[2]:
                 largest = (width, *found)
         width, depth, numel, plan = largest

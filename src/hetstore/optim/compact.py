@@ -19,24 +19,21 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-from torch.optim import Optimizer
 
-from hetstore.optim.registry import flat_spec
 from hetstore.optim.state_format import (
     StateFormat,
     covering,
     decode,
     encode,
     scales_of,
-    stored_arrays,
 )
-from hetstore.optim.streamed import chunks_of, step_flat
+from hetstore.optim.streamed import UnitStates, chunks_of, step_flat
 from hetstore.runtime.unit import Unit
 
 __all__ = ["CompactUnitStep"]
 
 
-class CompactUnitStep:
+class CompactUnitStep(UnitStates):
     """Owns the compact states of a unit whose master is in memory, and steps them."""
 
     def __init__(
@@ -48,33 +45,12 @@ class CompactUnitStep:
         chunk_numel: int,
         fmt: StateFormat,
     ):
-        self.unit = unit
-        self.format = fmt
-        self.hyper = hyper
-        self.has_step = flat_spec(optimizer_class).has_step
-        tier = unit.placement.optimizer
-        numel = unit.trainable_numel
-        self.states: dict[str, torch.Tensor] = {}
-        self.scales: dict[str, torch.Tensor] = {}
-        for key in state_keys:
-            for suffix, (dtype, size) in stored_arrays(fmt, numel).items():
-                array = unit.allocate(tier, size, dtype, f"{key} {suffix}".strip())
-                array.view(torch.uint8).zero_()  # fresh states are zeros in every format
-                (self.scales if suffix else self.states)[key] = array
         device = unit.master.device
-        self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in unit.segments]
-        self.stepped = False
-        chunk_numel = max(unit.align, chunk_numel // unit.align * unit.align)
-        self._chunks = [c for c in chunks_of(unit, chunk_numel) if c.state_end > c.start]
-        placeholder = torch.zeros(1, device=device)
-        self._inner: list[Optimizer] = [
-            optimizer_class([{**hyper(s.group), "params": [placeholder]}]) for s in unit.segments
-        ]
-
-    @property
-    def _fresh(self) -> bool:
-        """SGD's momentum before its first step: torch makes it from the gradient."""
-        return not self.stepped and not self.has_step
+        tier = unit.placement.optimizer
+        super().__init__(unit, optimizer_class, hyper, state_keys, chunk_numel, fmt, tier, device)
+        for array in [*self.states.values(), *self.scales.values()]:
+            array.view(torch.uint8).zero_()  # fresh states are zeros in every format
+        self._chunks = [c for c in chunks_of(unit, self.chunk_numel) if c.state_end > c.start]
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -102,12 +78,10 @@ class CompactUnitStep:
                         unit.grad[c.start : c.step_end],
                         {key: value[:n] for key, value in values.items()},
                         self.steps[c.segment] if self.has_step else None,
-                        self._fresh,
+                        self._states_absent,
                     )
                 self._encode(c.start, values)
-        for counter in self.steps:
-            counter += 1
-        self.stepped = True
+        self._count_step()
         unit.refresh_after_step()
 
     @contextlib.contextmanager
@@ -131,7 +105,7 @@ class CompactUnitStep:
     def _decode(self, start: int, values: dict[str, torch.Tensor]) -> None:
         """``values[key]`` = state ``key``'s elements from ``start`` (a block boundary)."""
         for key, out in values.items():
-            if self._fresh:
+            if self._states_absent:
                 out.zero_()
                 continue
             end = start + out.numel()
@@ -145,13 +119,6 @@ class CompactUnitStep:
             encode(self.format, key, value, self.states[key][start:end], scales)
 
     # ------------------------------------------------------------------ state dict
-    def mark_loaded(self, segment_steps: list[float] | None) -> None:
-        """After a checkpoint rewrote the states: each segment's step counter, or None
-        for states that are fresh."""
-        for i, counter in enumerate(self.steps):
-            counter.fill_(0.0 if segment_steps is None else float(segment_steps[i]))
-        self.stepped = segment_steps is not None
-
     def read_state(self, key: str, start: int, numel: int) -> torch.Tensor | None:
         """Elements ``[start, start+numel)`` of state ``key``, decoded to fp32 (None
         before the first step)."""

@@ -34,15 +34,12 @@ from hetstore.optim.registry import FLAT_NAMES, flat_spec, flat_steppable
 from hetstore.optim.state_format import StateFormat
 from hetstore.optim.state_format import state_format as state_format_named
 from hetstore.optim.step_ahead import StepAhead, eligible
-from hetstore.optim.streamed import StreamedUnitStep
+from hetstore.optim.streamed import StreamedUnitStep, UnitStates
 from hetstore.runtime.sharding import ShardGroup
 from hetstore.runtime.unit import ParamEntry, Unit
 from hetstore.tiers.flat import DiskArray, DiskSlice
 
 __all__ = ["OffloadedOptimizer"]
-
-# unit steps that own their states chunk by chunk (on disk, or compact in memory)
-_CHUNKED = (StreamedUnitStep, CompactUnitStep)
 
 
 class _UnitStep:
@@ -148,7 +145,7 @@ class OffloadedOptimizer(Optimizer):
             hyper.update(foreach=False, fused=True)
         return hyper
 
-    def _build_unit_step(self, unit: Unit) -> _UnitStep | StreamedUnitStep:
+    def _build_unit_step(self, unit: Unit) -> _UnitStep | UnitStates:
         if isinstance(unit.master, DiskArray):
             if not self._flat:
                 raise TypeError(
@@ -452,7 +449,7 @@ class OffloadedOptimizer(Optimizer):
             if not unit.any_grad():
                 continue  # like torch: parameters without a gradient are not stepped
             self._warn_missing([e.name for e in unit.trainable_entries if not e.has_grad])
-            if isinstance(unit_step, _CHUNKED):
+            if isinstance(unit_step, UnitStates):
                 unit_step.step(self._disk_grad_factors if isinstance(unit.grad, DiskArray) else [])
                 continue
             unit.fill_missing_grads()
@@ -518,7 +515,7 @@ class OffloadedOptimizer(Optimizer):
     def _locate(self, param) -> tuple[_UnitStep, int, torch.Tensor, ParamEntry]:
         unit, entry = self._entry_of[id(param)]
         for unit_step in self._unit_steps:
-            if unit_step.unit is unit and isinstance(unit_step, _CHUNKED):
+            if unit_step.unit is unit and isinstance(unit_step, UnitStates):
                 return unit_step, entry.offset, None, entry
             if unit_step.unit is unit:
                 if self._flat:
@@ -550,7 +547,7 @@ class OffloadedOptimizer(Optimizer):
             ids = []
             for param in group["params"]:
                 unit_step, start, tensor, entry = self._locate(param)
-                if isinstance(unit_step, _CHUNKED):
+                if isinstance(unit_step, UnitStates):
                     streamed = self._export_streamed(unit_step, entry)
                     if streamed:
                         state[index] = streamed
@@ -572,7 +569,7 @@ class OffloadedOptimizer(Optimizer):
         return out
 
     @staticmethod
-    def _export_streamed(unit_step: StreamedUnitStep | CompactUnitStep, entry: ParamEntry) -> dict:
+    def _export_streamed(unit_step: UnitStates, entry: ParamEntry) -> dict:
         if not unit_step.stepped:
             return {}
         out = {}
@@ -626,14 +623,14 @@ class OffloadedOptimizer(Optimizer):
                 if key != "params":
                     group[key] = value
         saved_state = state_dict["state"]
-        streamed: dict[StreamedUnitStep | CompactUnitStep, tuple[dict, list]] = {}
+        streamed: dict[UnitStates, tuple[dict, list]] = {}
         for saved, group in zip(groups, self.param_groups, strict=True):
             for index, param in zip(saved["params"], group["params"], strict=True):
                 if index not in saved_state and str(index) not in saved_state:
                     continue
                 values = saved_state.get(index, saved_state.get(str(index)))
                 unit_step, start, _, entry = self._locate(param)
-                if isinstance(unit_step, _CHUNKED):
+                if isinstance(unit_step, UnitStates):
                     slices, steps = streamed.setdefault(unit_step, ({}, []))
                     for key, value in values.items():
                         if key == "step":
@@ -656,12 +653,12 @@ class OffloadedOptimizer(Optimizer):
                 "again to finish it before saving a checkpoint"
             )
 
-    def streamed_step_of(self, unit: Unit) -> StreamedUnitStep | CompactUnitStep | None:
+    def streamed_step_of(self, unit: Unit) -> UnitStates | None:
         """The step that owns ``unit``'s states chunk by chunk (on disk, or in a compact
         format in memory), else None."""
         for unit_step in self._unit_steps:
             if unit_step.unit is unit:
-                return unit_step if isinstance(unit_step, _CHUNKED) else None
+                return unit_step if isinstance(unit_step, UnitStates) else None
         return None
 
     def export_param_state(self, param) -> dict:
@@ -669,7 +666,7 @@ class OffloadedOptimizer(Optimizer):
         buffers (memory) or :class:`DiskSlice` (disk), the rest as torch keeps it. Empty
         before the parameter's first step, as in torch."""
         unit_step, start, tensor, entry = self._locate(param)
-        if isinstance(unit_step, _CHUNKED):
+        if isinstance(unit_step, UnitStates):
             if not unit_step.stepped:
                 return {}
             segment = next(
@@ -741,7 +738,7 @@ class OffloadedOptimizer(Optimizer):
         """Make the in-memory states of ``unit`` fresh (as before any step) before a
         checkpoint's are imported; states on disk are rewritten whole by the loader."""
         for unit_step in self._unit_steps:
-            if unit_step.unit is not unit or isinstance(unit_step, _CHUNKED):
+            if unit_step.unit is not unit or isinstance(unit_step, UnitStates):
                 continue
             for tensor in unit_step.tensors:
                 state = unit_step.optimizer.state.get(tensor)

@@ -104,7 +104,7 @@ class _Speculation:
     factor: float | None = None  # fp16: the unscale factor it applied (1 / loss scale)
     future: Future | None = field(default=None)
     lent: bool = False  # it reads the gradient stager's buffer: give it back when done
-    ok: bool | None = None  # step in backward: the worker's outcome, once waited for
+    ok: bool | None = None  # the worker's outcome, once waited for
 
 
 def eligible(unit_step, unit: Unit) -> bool:
@@ -124,19 +124,31 @@ def _grad_state(unit: Unit) -> tuple[int, int | None]:
     return unit.grad_version, grad._version if isinstance(grad, torch.Tensor) else None
 
 
-def _same(a: dict, b: dict) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for key, x in a.items():
-        y = b[key]
+def _changed(a: dict, b: dict) -> list[str]:
+    """The keys whose values differ between two param-group snapshots (or that only
+    one has)."""
+    changed = []
+    for key in a.keys() | b.keys():
+        if key not in a or key not in b:
+            changed.append(key)
+            continue
+        x, y = a[key], b[key]
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
-                return False
-            if x.shape != y.shape or not torch.equal(x, y):
-                return False
-        elif x != y:
-            return False
-    return True
+            same = (
+                isinstance(x, torch.Tensor)
+                and isinstance(y, torch.Tensor)
+                and x.shape == y.shape
+                and torch.equal(x, y)
+            )
+        else:
+            same = x == y
+        if not same:
+            changed.append(key)
+    return sorted(changed)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return not _changed(a, b)
 
 
 def _snapshot(hyper: dict) -> dict:
@@ -373,30 +385,12 @@ class StepAhead:
                 "longer hold. Call optimizer.zero_grad() after optimizer.step()"
             )
 
-    def _finish(self, spec: _Speculation) -> None:
-        """Wait for a step in backward; give its gradient buffer back, or write the
-        gradients to disk after all when it failed (the ordinary step reads them)."""
-        if spec.ok is not None:
-            return
-        try:
-            spec.future.result()
-            spec.ok = True
-        except Exception:  # noqa: BLE001 - the ordinary step runs, and raises if it persists
-            spec.ok = False
-        if spec.lent:
-            unit = spec.unit_step.unit
-            spec.lent = False
-            if spec.ok:
-                unit.grad_stager.give_back(unit)
-            else:
-                unit.grad_stager.flush_lent(unit)
-
     def _reclaim_oldest(self) -> bool:
         """The gradient stager needs a buffer: wait for the oldest step in backward that
         holds one. False when none does."""
         for spec in self._pending.values():
             if spec.lent:
-                self._finish(spec)
+                self._finished(spec, keep_failed_grads=True)
                 return True
         return False
 
@@ -408,7 +402,7 @@ class StepAhead:
             unit = spec.unit_step.unit
             if not block and (unit.materialized or not spec.future.done()):
                 continue
-            self._finish(spec)
+            self._finished(spec, keep_failed_grads=True)
             del self._pending[key]
             if not spec.ok:
                 spec.rewrite.discard()
@@ -425,15 +419,12 @@ class StepAhead:
         self._collect(block=True)
         consumed, self._consumed = self._consumed, {}
         committed.update(consumed)
+        groups = {group for spec in consumed.values() for group in spec.hyper}
+        now = {group: self._hyper(group) for group in groups}
         for spec in consumed.values():
             for group, hyper in spec.hyper.items():
-                now = self._hyper(group)
-                if not _same(now, hyper):
-                    changed = sorted(
-                        k
-                        for k in now.keys() | hyper.keys()
-                        if not _same({k: now.get(k)}, {k: hyper.get(k)})
-                    )
+                changed = _changed(now[group], hyper)
+                if changed:
                     raise RuntimeError(
                         f"step_in_backward=True: param group {group} changed ({changed}) "
                         "between backward and optimizer.step(), but its units were already "
@@ -456,21 +447,27 @@ class StepAhead:
         self.stats.cancelled += 1
 
     @staticmethod
-    def _finished(spec: _Speculation) -> bool:
-        """Wait for the worker (and give back the buffer it read); False when the
-        speculative step failed (the ordinary step then runs, and raises if the cause
-        persists)."""
-        try:
-            spec.future.result()
-            ok = True
-        except Exception:  # noqa: BLE001 - the worker's error: the speculation is dropped
-            ok = False
+    def _finished(spec: _Speculation, keep_failed_grads: bool = False) -> bool:
+        """Wait for the worker (once: the outcome is kept in ``spec.ok``) and give back
+        the gradient buffer it read; False when the step failed (the ordinary step then
+        runs, and raises if the cause persists). ``keep_failed_grads``: a step in
+        backward that failed writes its gradients to disk instead, for that step."""
+        if spec.ok is None:
+            try:
+                spec.future.result()
+                spec.ok = True
+            except Exception:  # noqa: BLE001 - the worker's error: the step is dropped
+                spec.ok = False
         # (an interrupt of this thread while it waits propagates, and the buffer stays
         # lent: the worker may still be reading it)
         if spec.lent:
             spec.lent = False
-            spec.unit_step.unit.grad_stager.give_back(spec.unit_step.unit)
-        return ok
+            unit = spec.unit_step.unit
+            if spec.ok or not keep_failed_grads:
+                unit.grad_stager.give_back(unit)
+            else:
+                unit.grad_stager.flush_lent(unit)
+        return spec.ok
 
     def _holds(self, spec: _Speculation) -> bool:
         unit = spec.unit_step.unit

@@ -46,7 +46,7 @@ from hetstore.tier import Tier
 from hetstore.tiers.flat import DiskArray, wait_all_quiet
 from hetstore.tiers.host import own_version_counter
 
-__all__ = ["StreamedUnitStep", "step_flat", "chunks_of"]
+__all__ = ["StreamedUnitStep", "UnitStates", "step_flat", "chunks_of"]
 
 
 def step_flat(
@@ -112,7 +112,68 @@ def chunks_of(unit: Unit, chunk_numel: int) -> list[_Chunk]:
     return chunks
 
 
-class StreamedUnitStep:
+class UnitStates:
+    """What a chunked unit step owns, in memory or on disk: the unit's optimizer states
+    in the format's arrays (and 8-bit block scales) on ``tier``, one step counter per
+    segment, and one placeholder optimizer per segment through which torch's fused
+    kernel gets the group's values (:func:`step_flat`)."""
+
+    def __init__(
+        self,
+        unit: Unit,
+        optimizer_class: type,
+        hyper: Callable[[int], dict],
+        state_keys: tuple[str, ...],
+        chunk_numel: int,
+        fmt: StateFormat,
+        tier: Tier,
+        device: torch.device | str = "cpu",
+    ):
+        self.unit = unit
+        self.optimizer_class = optimizer_class
+        self.hyper = hyper
+        self.format = fmt
+        self.has_step = flat_spec(optimizer_class).has_step
+        # chunks start at multiples of the layout's alignment (and of the 8-bit block)
+        self.chunk_numel = max(unit.align, chunk_numel // unit.align * unit.align)
+        self.states: dict = {}  # per element, in the format's dtype
+        self.scales: dict = {}  # 8-bit: each block's scale
+        for key in state_keys:
+            for suffix, (dtype, size) in stored_arrays(fmt, unit.trainable_numel).items():
+                array = unit.allocate(tier, size, dtype, f"{key} {suffix}".strip())
+                (self.scales if suffix else self.states)[key] = array
+        self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in unit.segments]
+        self.stepped = False  # states hold values (else: fresh, as torch starts them)
+        placeholder = torch.zeros(1, device=device)
+        self._inner: list[Optimizer] = [
+            optimizer_class([{**hyper(s.group), "params": [placeholder]}]) for s in unit.segments
+        ]
+
+    @property
+    def _states_absent(self) -> bool:
+        """True when torch creates the states itself on the first step (SGD momentum);
+        Adam's fresh states are zeros."""
+        return not self.stepped and not self.has_step
+
+    def _count_step(self) -> None:
+        for counter in self.steps:
+            counter += 1
+        self.stepped = True
+
+    def mark_loaded(self, segment_steps: list[float] | None) -> None:
+        """After a checkpoint rewrote the states: each segment's step counter, or
+        ``None`` for states that are fresh (never stepped)."""
+        if segment_steps is None:
+            for counter in self.steps:
+                counter.zero_()
+            self.stepped = False
+            return
+        for counter, value in zip(self.steps, segment_steps, strict=True):
+            counter.fill_(float(value))
+        self.stepped = True
+
+
+class StreamedUnitStep(UnitStates):
     """Owns a disk unit's optimizer states and steps them (see module doc)."""
 
     def __init__(
@@ -124,40 +185,15 @@ class StreamedUnitStep:
         chunk_numel: int,
         fmt: StateFormat | None = None,
     ):
-        self.unit = unit
-        self.optimizer_class = optimizer_class
-        self.hyper = hyper
-        # chunks start at multiples of the layout's alignment (and of the 8-bit block)
-        self.chunk_numel = max(unit.align, chunk_numel // unit.align * unit.align)
-        self.has_step = flat_spec(optimizer_class).has_step
-        self.format = fmt or state_format("fp32")
-        numel = unit.trainable_numel
-        self.states: dict[str, DiskArray] = {}  # per element, in the format's dtype
-        self.scales: dict[str, DiskArray] = {}  # 8-bit: each block's scale
-        for key in state_keys:
-            for suffix, (dtype, size) in stored_arrays(self.format, numel).items():
-                label = f"{key} {suffix}".strip()
-                array = unit.allocate(Tier.DISK, size, dtype, label)
-                (self.scales if suffix else self.states)[key] = array
-        self.steps = [torch.zeros((), dtype=torch.float32) for _ in unit.segments]
-        self.stepped = False  # states hold values (else: fresh, as torch starts them)
+        fmt = fmt or state_format("fp32")
+        super().__init__(unit, optimizer_class, hyper, state_keys, chunk_numel, fmt, Tier.DISK)
         self._chunks = chunks_of(unit, self.chunk_numel)
-        placeholder = torch.zeros(1)
-        self._inner: list[Optimizer] = [
-            optimizer_class([{**hyper(s.group), "params": [placeholder]}]) for s in unit.segments
-        ]
 
     # ------------------------------------------------------------------ buffers
     def _slot_sets(self, count: int, names: list[tuple[str, torch.dtype]], numel: int):
         """``count`` sets of host buffers of ``numel`` elements (a chunk, or less for a
         unit smaller than one chunk: a small model does not pay for big chunks)."""
         return chunk_buffers(self.unit.tiers.host, count, names, numel, f"swap {self.unit.name}")
-
-    @property
-    def _states_absent(self) -> bool:
-        """True when torch creates the states itself on the first step (SGD momentum);
-        Adam's fresh states are zeros, which never-written arrays read as."""
-        return not self.stepped and not self.has_step
 
     # ------------------------------------------------------------------ gradients
     def scan_grads(self, multipliers: list, visit: Callable[[torch.Tensor, int], None]) -> None:
@@ -329,11 +365,6 @@ class StreamedUnitStep:
         rewrite.commit()
         self._count_step()
 
-    def _count_step(self) -> None:
-        for counter in self.steps:
-            counter += 1
-        self.stepped = True
-
     def _pipeline(
         self,
         grad_multipliers: list,
@@ -401,18 +432,6 @@ class StreamedUnitStep:
         )
 
     # ------------------------------------------------------------------ state dict
-    def mark_loaded(self, segment_steps: list[float] | None) -> None:
-        """After a checkpoint rewrote the state arrays: each segment's step counter, or
-        ``None`` for states that are fresh (never stepped)."""
-        if segment_steps is None:
-            for counter in self.steps:
-                counter.zero_()
-            self.stepped = False
-            return
-        for counter, value in zip(self.steps, segment_steps, strict=True):
-            counter.fill_(float(value))
-        self.stepped = True
-
     def read_state(self, key: str, start: int, numel: int) -> torch.Tensor | None:
         """Elements ``[start, start+numel)`` of state ``key`` (None before the first step)."""
         if not self.stepped:

@@ -245,7 +245,8 @@ class Unit:
             and bool(self.trainable_numel)
             and p.grad is Tier.DISK
             and self.shards is None
-            and self._steps_from_disk_shadows()
+            # master and every parameter copy written through shadows: a step in backward
+            and ChunkedRewrite.can_speculate(self)
         )
         self.grad = (
             self.allocate(p.grad, self.trainable_numel, fp32, "grads")
@@ -259,11 +260,6 @@ class Unit:
             e.param.data = view
         if not self.materialized:
             self.device_flat.untyped_storage().resize_(0)
-
-    def _steps_from_disk_shadows(self) -> bool:
-        """Master and every copy of the parameters on disk, written through shadows (or
-        the master itself): what a step in backward needs (ChunkedRewrite.can_speculate)."""
-        return ChunkedRewrite.can_speculate(self)
 
     def _initialize_master(self) -> None:
         """The master from the parameters' current values; sharded, rank 0's values (as
