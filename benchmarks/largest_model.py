@@ -86,6 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--max-device-memory", default="5GB")
     parser.add_argument("--offload-cpu-size", default="12GB")
+    parser.add_argument("--offload-disk-size", default=None, help="default: the free space")
     parser.add_argument("--bandwidth-bytes", type=int, default=2 << 30)
     parser.add_argument("--dir", default=str(REPO / "offload"), help="offload_path's parent")
     parser.add_argument("--tiny", action="store_true", help="a few-MB model: checks the harness")
@@ -124,6 +125,7 @@ def main() -> None:
         step_in_backward=not args.no_step_in_backward,
         max_device_memory=args.max_device_memory,
         offload_cpu_size=args.offload_cpu_size,
+        **({"offload_disk_size": args.offload_disk_size} if args.offload_disk_size else {}),
         offload_path=where,
         enable_pinned_mem=False,
         device="cpu",

@@ -65,7 +65,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetstore.errors import OutOfTierMemory
-from hetstore.footprints import STREAMED_STEP_SLOT_SETS
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
 from hetstore.runtime.staging import GradStager, stagers_of
@@ -230,7 +229,14 @@ class StepAhead:
         unit_step = self._steps.get(id(unit))
         if unit_step is None:
             return None
-        if not self._disk.would_fit(unit_step.shadow_bytes + self._disk_reserve):
+        room = unit_step.shadow_bytes + self._disk_reserve
+        if not self._disk.would_fit(room) and self.consume and self._pending:
+            # in backward: the steps before hold their shadows until committed; their
+            # commits free the regions they replace, so wait for them rather than spill
+            # this unit's gradients to disk (the planner counts two shadows: this one
+            # and the reserve)
+            self._collect(block=False, wait=True)
+        if not self._disk.would_fit(room):
             # pending speculations hold a shadow each until the step: they may fill the
             # disk only up to one ordinary step's room (a window, on a big model)
             self.stats.not_started += 1
@@ -394,13 +400,13 @@ class StepAhead:
                 return True
         return False
 
-    def _collect(self, block: bool) -> None:
-        """Commit the steps in backward that are done (all of them with ``block``); one
-        whose unit is still resident (frozen weights backward may read) waits for
-        backward's end."""
+    def _collect(self, block: bool, *, wait: bool = False) -> None:
+        """Commit the steps in backward that are done (with ``wait``, after waiting for
+        the running ones; all of them with ``block``); one whose unit is still resident
+        (frozen weights backward may read) waits for backward's end."""
         for key, spec in list(self._pending.items()):
             unit = spec.unit_step.unit
-            if not block and (unit.materialized or not spec.future.done()):
+            if not block and (unit.materialized or not (wait or spec.future.done())):
                 continue
             self._finished(spec, keep_failed_grads=True)
             del self._pending[key]
@@ -493,16 +499,17 @@ class StepAhead:
         for unit_step in self._steps.values():
             names.update(unit_step.slot_names())
         numel = max(s.longest_chunk for s in self._steps.values())
-        need = STREAMED_STEP_SLOT_SETS * sum(
-            round_up(numel * dtype.itemsize, PAGE_SIZE) for dtype in names.values()
-        )
+        # one set per chunk in flight: a unit of one chunk steps from one set (the
+        # planner counts the same, footprints.streamed_step_bytes)
+        sets = max(s.slot_sets for s in self._steps.values())
+        need = sets * sum(round_up(numel * dtype.itemsize, PAGE_SIZE) for dtype in names.values())
         if not self._host.account.would_fit(need + self._staging_to_come()):
             # the rest of backward must still find its staging buffers: never take
             # host memory it will need (its stagers make theirs on first use)
             return None
         try:
             self._slots, self._slot_buffers = chunk_buffers(
-                self._host, STREAMED_STEP_SLOT_SETS, list(names.items()), numel, "step ahead"
+                self._host, sets, list(names.items()), numel, "step ahead"
             )
         except OutOfTierMemory:  # the pool could not grow (fragmentation): not now
             return None

@@ -237,7 +237,7 @@ class StreamedUnitStep(UnitStates):
             unit.grad_stager.finish()  # backward's gradient writes, and their errors
         rewrite = self.new_rewrite()
         names = self.slot_names() if grad_on_disk else self.state_slot_names(rewrite)
-        count = min(STREAMED_STEP_SLOT_SETS, len(self._chunks))
+        count = self.slot_sets
         hyper = {s.group: self.hyper(s.group) for s in unit.segments}
         try:
             sets, buffers = self._slot_sets(count, names, self.longest_chunk)
@@ -333,6 +333,11 @@ class StreamedUnitStep(UnitStates):
     @property
     def longest_chunk(self) -> int:
         return max(c.end - c.start for c in self._chunks)
+
+    @property
+    def slot_sets(self) -> int:
+        """Buffer sets a step of this unit pipelines through (no more than its chunks)."""
+        return min(STREAMED_STEP_SLOT_SETS, len(self._chunks))
 
     def begin_speculation(self) -> ChunkedRewrite:
         """Main thread: the shadows of a speculative step (raises when the disk is full)."""

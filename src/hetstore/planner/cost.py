@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from hetstore.footprints import grad_staging_bytes, param_staging_bytes, streamed_step_bytes
 from hetstore.planner.trace import Trace, UnitTrace
 from hetstore.tier import Tier
+from hetstore.tiers._hostmem import PAGE_SIZE, round_up
 
 __all__ = ["UnitChoice", "Estimate", "estimate", "optimizer_bytes", "TIERS"]
 
@@ -112,6 +113,25 @@ def optimizer_bytes(u: UnitTrace, c: UnitChoice, consumed: bool = False) -> int:
     return _master_bytes(u, c) + (0 if consumed else u.grad_bytes) + u.state_bytes
 
 
+def _paged(nbytes: int, arrays: int = 1) -> int:
+    """``nbytes`` held in ``arrays`` equal arrays, each rounded up to whole 4 KiB pages,
+    as host buffers and disk regions are (page-aligned for direct IO)."""
+    if nbytes <= 0:
+        return 0
+    return arrays * round_up(-(-nbytes // arrays), PAGE_SIZE)
+
+
+def _stored_optimizer_bytes(u: UnitTrace, c: UnitChoice, consumed: bool) -> int:
+    """:func:`optimizer_bytes` as host buffers or disk regions hold them: master,
+    gradients and each state array (8-bit states: values and block scales) paged."""
+    arrays = u.state_count * (2 if u.state_itemsize < 2 * u.state_count else 1)
+    return (
+        _paged(_master_bytes(u, c))
+        + (0 if consumed else _paged(u.grad_bytes))
+        + _paged(u.state_bytes, arrays)
+    )
+
+
 def consumed(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
     """``step_in_backward`` steps this unit inside backward (see ``_stepped_ahead``)."""
     return trace.step_in_backward and _stepped_ahead(u, c)
@@ -139,12 +159,15 @@ def memory(
             else:
                 fetched_blocks.append(u.param_bytes)
             if not aliased:
-                host += u.param_bytes if c.param == Tier.HOST else 0
-                disk += u.param_bytes if c.param == Tier.DISK else 0
-        opt = optimizer_bytes(u, c, consumed(trace, u, c))
-        device += opt if c.optimizer == Tier.DEVICE else 0
-        host += opt if c.optimizer == Tier.HOST else 0
-        disk += opt if c.optimizer == Tier.DISK else 0
+                host += _paged(u.param_bytes) if c.param == Tier.HOST else 0
+                disk += _paged(u.param_bytes) if c.param == Tier.DISK else 0
+        is_consumed = consumed(trace, u, c)
+        if c.optimizer == Tier.DEVICE:
+            device += optimizer_bytes(u, c, is_consumed)
+        else:
+            stored = _stored_optimizer_bytes(u, c, is_consumed)
+            host += stored if c.optimizer == Tier.HOST else 0
+            disk += stored if c.optimizer == Tier.DISK else 0
         disk += u.saved_bytes if c.activations == Tier.DISK else 0
     units = list(zip(trace.units, choices, strict=True))
     if fetched_blocks:
@@ -159,14 +182,14 @@ def memory(
     # Activations on host and the activations' write staging exist during forward and
     # backward only; the streamed step's chunk buffers during the optimizer step only.
     persistent = forward_backward = step = 0
-    disk_params = [
-        u.param_bytes for u, c in units if c.param == Tier.DISK and not _aliases_master(u, c)
-    ]
+    # every home on disk is read through the parameter stager, the master too when
+    # it is the home (runtime.staging)
+    disk_params = [u.param_bytes for u, c in units if c.param == Tier.DISK]
     if disk_params:
-        persistent += param_staging_bytes(depth, max(disk_params))
+        persistent += param_staging_bytes(depth, _paged(max(disk_params)))
     disk_opt = [(u, c) for u, c in units if c.optimizer == Tier.DISK]
     if disk_opt:
-        persistent += grad_staging_bytes(_max(u.grad_bytes for u, _ in disk_opt))
+        persistent += grad_staging_bytes(_paged(_max(u.grad_bytes for u, _ in disk_opt)))
         chunks = _max(
             streamed_step_bytes(
                 _master_bytes(u, c) // 4,
@@ -187,7 +210,9 @@ def memory(
         # the shadow of a step; inside backward, the one being stepped and one done
         # awaiting its commit
         shadows = 2 if any(consumed(trace, u, c) for u, c in disk_opt) else 1
-        disk += shadows * _max(_master_bytes(u, c) + u.state_bytes for u, c in disk_opt)
+        disk += shadows * _max(
+            _stored_optimizer_bytes(u, c, consumed=True) for u, c in disk_opt
+        )  # (a shadow holds the master and states, never gradients)
     forward_backward += sum(u.saved_bytes for u, c in units if c.activations == Tier.HOST)
     disk_saved = [u.saved_bytes for u, c in units if c.activations == Tier.DISK]
     if disk_saved:
