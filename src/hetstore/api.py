@@ -369,7 +369,7 @@ def _plan_for(model, optimizer, config, specs, device, units, example_inputs):
         )
         plan = Plan.uniform(trace, choice, config.prefetch_depth, Capacities(None, None, None))
         return trace, plan
-    machine = measure_machine(device, config.offload_path)
+    machine = measure_machine(device, config.offload_path, config.optimizer_state_format)
     if example_inputs is not None:
         trace = trace_model(
             model,

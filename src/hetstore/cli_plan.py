@@ -232,7 +232,9 @@ def run_plan(args) -> int:
             optimizer_state_format=args.state_format,
             step_in_backward=args.step_in_backward,
         )
-        machine = measure_machine(config.resolved_device(), config.offload_path)
+        machine = measure_machine(
+            config.resolved_device(), config.offload_path, config.optimizer_state_format
+        )
     except (ConfigError, OSError) as exc:
         print(f"hetstore plan: {exc}", file=sys.stderr)
         return 2

@@ -55,7 +55,7 @@ def plan(
     if probe is None:
         probe = machine is None  # this machine's rates: its compute can be timed too
     if machine is None:
-        machine = measure_machine(device, config.offload_path)
+        machine = measure_machine(device, config.offload_path, config.optimizer_state_format)
     trace = trace_model(
         model,
         example_inputs,

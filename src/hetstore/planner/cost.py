@@ -28,8 +28,9 @@ Time (seconds per step)
   prefetch, disk reads and writes), plus one unit's transfer to fill the pipeline,
   divided by the prefetch depth; activations' disk traffic stalls compute on a CPU
   device or without prefetch
-  + the optimizer step per unit: device rate, host rate, or for disk the host rate or
-  the disk's read+write time, whichever is longer (the chunks are pipelined).
+  + the optimizer step per unit: device rate, host rate (plus a compact state format's
+  decode and encode), or for disk that host time or the disk's read+write time,
+  whichever is longer (the chunks are pipelined).
   Units whose states and parameters are on disk are stepped during backward
   (``overlap_step``, :mod:`hetstore.optim.step_ahead`): one worker takes them in the
   order backward finishes them, each as soon as it is final; what the worker has not
@@ -254,6 +255,14 @@ def _backward_s(u: UnitTrace, trace: Trace) -> float:
     return _compute_s(u, trace) * 2 / 3  # from FLOPs: backward is twice forward
 
 
+def _host_step_s(u: UnitTrace, m) -> float:
+    """Seconds of the host's arithmetic for ``u``'s step: the fused kernel, and a compact
+    state format's decode and encode of each state around it."""
+    n = u.trainable_numel
+    compact = m.state_codec and u.state_itemsize < 4 * u.state_count
+    return n / m.host_step + (n * u.state_count / m.state_codec if compact else 0.0)
+
+
 def _stepped_ahead(u: UnitTrace, c: UnitChoice) -> bool:
     """What optim.step_ahead steps during backward: states and parameters on disk."""
     return c.optimizer == Tier.DISK and (c.param == Tier.DISK or _aliases_master(u, c))
@@ -277,8 +286,9 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
             worker = max(clock, worker) + steps[k]
     hidden = sum(s for s, a in zip(steps, ahead, strict=True) if a) - max(0.0, worker - clock)
     if trace.machine.device == "cpu":  # the worker's arithmetic shares backward's cores
-        rate = trace.machine.host_step
-        hidden -= sum(u.trainable_numel / rate for u, a in zip(units, ahead, strict=True) if a)
+        hidden -= sum(
+            _host_step_s(u, trace.machine) for u, a in zip(units, ahead, strict=True) if a
+        )
     return max(0.0, hidden)
 
 
@@ -304,7 +314,7 @@ def times(
                 unit_transfer += copy
             else:
                 stall += copy
-            if c.param == Tier.DISK and not _aliases_master(u, c):
+            if c.param == Tier.DISK:  # (a master that is the home is read as well)
                 read = fetches * u.param_bytes / m.disk_read
                 if depth > 0 and not u.is_root:
                     unit_transfer += read
@@ -340,7 +350,7 @@ def times(
         if c.optimizer == Tier.DEVICE:
             steps[-1] += n / m.device_step
         elif c.optimizer == Tier.HOST:
-            steps[-1] += n / m.host_step
+            steps[-1] += _host_step_s(u, m)
             if c.param == Tier.DEVICE:
                 steps[-1] += u.param_bytes / m.to_device  # updated weights back
         else:
@@ -350,7 +360,7 @@ def times(
             if c.param == Tier.DISK and not _aliases_master(u, c):
                 write += u.master_bytes // 4 * u.compute_itemsize  # the home's head
             io = read / m.disk_read + write / m.disk_write
-            steps[-1] += max(n / m.host_step, io)
+            steps[-1] += max(_host_step_s(u, m), io)
             if c.param == Tier.DEVICE:
                 steps[-1] += u.param_bytes / m.to_device
     exposed = max(0.0, overlappable - compute) + (fill / depth if depth else 0.0)

@@ -22,8 +22,11 @@ class MachineRates:
     ``to_device`` / ``from_device``: host<->device copy bandwidth (on a CPU "device" the
     memcpy rate). ``copies_overlap``: whether those copies run beside compute (CUDA side
     streams) or stall it (CPU memcpy). ``host_step`` / ``device_step``: optimizer
-    elements per second (fused AdamW over flat fp32 buffers). ``flops``: the device's
-    achieved FLOP/s, used to turn counted FLOPs into time when no time was measured.
+    elements per second (fused AdamW over flat fp32 buffers). ``state_codec``: state
+    elements per second a compact ``optimizer_state_format`` decodes and encodes, on top
+    of the step (0 when the states are stepped as they are stored: fp32). ``flops``: the
+    device's achieved FLOP/s, used to turn counted FLOPs into time when no time was
+    measured.
     """
 
     to_device: float
@@ -35,6 +38,7 @@ class MachineRates:
     flops: float
     copies_overlap: bool = False
     device: str = "cpu"
+    state_codec: float = 0.0
 
 
 @dataclass(frozen=True)
