@@ -164,3 +164,54 @@ def test_step_in_backward_keeps_no_gradients_on_disk():
     host = [UnitChoice(optimizer="cpu")] * 5
     assert estimate(consumed, host, 1).host == estimate(trace, host, 1).host
     assert Trace.from_json(consumed.to_json()).step_in_backward is True
+
+
+def test_a_compact_state_format_adds_its_codec_to_the_host_step():
+    """8-bit states (2.03 bytes for Adam's two moments): each state element is decoded
+    before the fused kernel and encoded after it, at the machine's measured codec rate;
+    fp32 states (8 bytes) are stepped as stored and cost nothing more."""
+    machine = replace(CPU, state_codec=0.1e9)
+    fp32 = Trace(units=(unit("b", MiB), unit("root", MiB, root=True)), machine=machine)
+    compact = replace(fp32, units=tuple(replace(u, state_itemsize=2.03) for u in fp32.units))
+    host = [UnitChoice(optimizer="cpu")] * 2
+    n = sum(u.trainable_numel for u in fp32.units)
+    plain = estimate(fp32, host, 1).optimizer_s  # the step, and the weights sent back
+    assert plain >= n / CPU.host_step
+    assert estimate(compact, host, 1).optimizer_s == pytest.approx(plain + 2 * n / 0.1e9)
+    # no codec rate measured (a trace from before it was): the step alone
+    assert estimate(replace(compact, machine=CPU), host, 1).optimizer_s == pytest.approx(plain)
+
+
+def test_a_master_that_is_the_home_is_read_from_disk_by_forward_and_backward():
+    """fp32 parameters with their optimizer on disk: the master is the home, and the
+    parameter stager reads it from disk for forward and again for backward, so a slower
+    disk read shows in the transfers (the step's own reads aside)."""
+    units = tuple(replace(u, compute_itemsize=4) for u in disk_trace(0.0).units)
+    slow = Trace(units=units, machine=replace(GPU, disk_read=GPU.disk_read / 10))
+    fast = Trace(units=units, machine=GPU)
+    assert estimate(slow, [ON_DISK] * 5, 1).exposed_s > estimate(fast, [ON_DISK] * 5, 1).exposed_s
+    # and its host staging is counted: depth + 1 buffers of the largest home
+    host = estimate(fast, [ON_DISK] * 5, 1).host
+    assert host - estimate(fast, [ON_DISK] * 5, 0).host == max(u.param_bytes for u in units)
+
+
+def test_host_buffers_and_disk_regions_are_counted_in_whole_pages():
+    """A unit whose arrays are not multiples of 4 KiB: each array (master, gradients,
+    each state) takes whole pages on disk, as the disk tier allocates regions."""
+    odd = 1000  # elements: 4000 bytes in fp32, one page each
+    trace = Trace(units=(unit("b", odd, itemsize=4), unit("root", 0, root=True)), machine=CPU)
+    e = estimate(trace, [UnitChoice("disk", "disk"), UnitChoice()], 1)
+    page = 4096
+    arrays = 1 + 1 + 2  # master (the home), gradients, two states
+    shadow = 1 + 2  # master and states
+    assert e.disk == (arrays + shadow) * page
+
+
+def test_the_codec_rate_is_measured_for_compact_formats_only():
+    """fp32 states have no codec (0: nothing added); the 8-bit codec (table decode,
+    block scales, square roots) is slower than bf16's casts by far (7x measured)."""
+    from hetstore.planner.machine import _codec_rate
+
+    assert _codec_rate("fp32") == 0.0
+    bf16, eight = _codec_rate("bf16", 1 << 20), _codec_rate("8bit", 1 << 20)
+    assert bf16 > eight > 0
