@@ -208,10 +208,9 @@ def test_host_buffers_and_disk_regions_are_counted_in_whole_pages():
 
 
 def test_the_codec_rate_is_measured_for_compact_formats_only():
-    """fp32 states have no codec (0: nothing added); the 8-bit codec (table decode,
-    block scales, square roots) is slower than bf16's casts by far (7x measured)."""
+    """fp32 states have no codec (0: nothing added); the compact ones get a rate (its
+    size is a timing, left to the planner benchmark)."""
     from hetstore.planner.machine import _codec_rate
 
     assert _codec_rate("fp32") == 0.0
-    bf16, eight = _codec_rate("bf16", 1 << 20), _codec_rate("8bit", 1 << 20)
-    assert bf16 > eight > 0
+    assert all(0 < _codec_rate(name, 1 << 16) < float("inf") for name in ("bf16", "8bit"))

@@ -236,7 +236,9 @@ def test_the_plan_counts_the_host_memory_the_steps_in_backward_take(tmp_path):
     losses = train(model, opt, data)
     runtime = hetstore.state_of(model).runtime
     blocks = [
-        p.choice for u, p in zip(units_of(model), runtime.plan.units) if u is not runtime.root
+        p.choice
+        for u, p in zip(units_of(model), runtime.plan.units, strict=True)
+        if u is not runtime.root
     ]
     assert all(c.param == c.optimizer == hetstore.Tier.DISK for c in blocks)
     assert opt.speculation_stats["not_started"] == 0
