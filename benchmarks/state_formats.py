@@ -127,9 +127,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hetstore-formats-") as tmp:
         runs = [Run(name, args, Path(tmp)) for name in ("plain", *formats)]
         n_params = sum(p.numel() for p in runs[0].model.parameters())
-        for x, y in batches:
+        began = time.perf_counter()
+        for i, (x, y) in enumerate(batches, 1):
             for run in runs:
                 run.step(x, y)
+            if i % 25 == 0:  # progress: a long run shows how far it is
+                losses = ", ".join(f"{r.name} {r.losses[-1]:.4f}" for r in runs)
+                print(f"step {i}/{args.steps} ({time.perf_counter() - began:.0f} s): {losses}")
         tail = max(1, args.steps // 10)
         final = {r.name: statistics.fmean(r.losses[-tail:]) for r in runs}
         # step time as a ratio to hetstore's fp32 run, or plain's when it was skipped

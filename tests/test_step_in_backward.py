@@ -208,44 +208,32 @@ def test_config_errors():
 
 
 def test_the_plan_counts_the_host_memory_the_steps_in_backward_take(tmp_path):
-    """auto_offload with budgets that leave every block on disk (no example inputs: the
-    first batch completes the plan). Each block is one chunk (the default chunk is
-    larger), so its step in backward runs from one buffer set, as the planner counts,
-    not from the three a pipeline of chunks needs; and the parameter stager, which reads
-    the masters that are the homes, is in the plan too. Before both were counted alike,
-    the worker found no host room (every step fell back to the disk) and the plan was
-    short of the staging. Tolerance: the cost model does not round each host buffer to
-    its 4 KiB page (about 1.5% here), so measured and predicted agree within 5%."""
-    capacity = 900 * 1024
-    model, opt = fresh()
-    plain, plain_opt = fresh()
-    model, opt = hetstore.offload(
-        model,
-        opt,
-        OffloadConfig(
-            auto_offload=True,
-            max_device_memory="1MB",
-            offload_cpu_size=capacity,
-            step_in_backward=True,
-            offload_path=str(tmp_path),
-            enable_pinned_mem=False,
-            device="cpu",
-        ),
+    """Everything on disk, fp32 (the masters are the homes), and each block one chunk
+    (the default chunk is larger): the step in backward runs from one buffer set, as the
+    planner counts, not from the three a pipeline of chunks needs; and the parameter
+    stager, which reads the masters from disk, is in the plan too. Before both were
+    counted alike, the worker's host buffers were 3x the plan's and the stager was
+    missing from it. Tolerance: the host tier's pool rounds allocations the cost model
+    does not see (1.5% here), so measured and predicted agree within 5%."""
+    config = OffloadConfig(
+        offload_param="disk",
+        offload_optimizer="disk",
+        step_in_backward=True,
+        offload_path=str(tmp_path),
+        enable_pinned_mem=False,
+        device="cpu",
     )
     data = batches(3, vocab=64)
+    model, opt = fresh()
+    predicted = hetstore.plan(model, data[0], config, optimizer=opt, probe=False).estimate.host
+    plain, plain_opt = fresh()
+    model, opt = hetstore.offload(model, opt, config)
     losses = train(model, opt, data)
-    runtime = hetstore.state_of(model).runtime
-    blocks = [
-        p.choice
-        for u, p in zip(units_of(model), runtime.plan.units, strict=True)
-        if u is not runtime.root
-    ]
-    assert all(c.param == c.optimizer == hetstore.Tier.DISK for c in blocks)
+    trainable = sum(1 for u in units_of(model) if u.trainable_numel)
     assert opt.speculation_stats["not_started"] == 0
-    assert opt.speculation_stats["committed"] == 3 * len(blocks)
+    assert opt.speculation_stats["committed"] == 3 * trainable
     measured = hetstore.state_of(model).tiers.host.usage().peak
-    assert measured <= capacity
-    assert abs(measured / runtime.plan.estimate.host - 1) <= 0.05
+    assert abs(measured / predicted - 1) <= 0.05, (measured, predicted)
     torch.testing.assert_close(
         torch.tensor(train(plain, plain_opt, data)), torch.tensor(losses), **TIGHT
     )

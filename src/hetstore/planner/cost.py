@@ -15,7 +15,8 @@ Memory (peak bytes per tier, during a step)
   host: parameters homed on host (unless they alias a host master), host-optimizer
   master/states/gradients, and the staging the disk paths use (parameters ``depth + 1``
   units, gradients 3 units); plus the larger of two phases: forward/backward
-  (activations sent to host, and 2 units of activations on their way to disk) and the
+  (activations sent to host, and the host staging of activations on disk: 2 units on
+  their way there in forward, ``depth + 1`` read back in backward) and the
   optimizer step (the streamed step's chunk buffers: up to 3 sets of one chunk per array).
   disk: everything homed on disk, activations sent to disk, and one unit's shadow of its
   optimizer state (the all-or-nothing step writes the new state beside the old one).
@@ -217,7 +218,9 @@ def memory(
     forward_backward += sum(u.saved_bytes for u, c in units if c.activations == Tier.HOST)
     disk_saved = [u.saved_bytes for u, c in units if c.activations == Tier.DISK]
     if disk_saved:
-        forward_backward += 2 * max(disk_saved)
+        # forward: two units' copies on their way to disk; backward: the unit being
+        # restored and the prefetch_depth units read ahead (runtime.activations)
+        forward_backward += max(2, depth + 1) * max(disk_saved)
     host += persistent + max(forward_backward, step)
     return device, host, disk
 
