@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/largest_model.py            # 6.57B, 3 steps: ~15 min, ~45 GB disk
     .venv/bin/python benchmarks/largest_model.py --tiny     # seconds: checks the harness
+    .venv/bin/python benchmarks/largest_model.py --hf-config benchmarks/configs/llama7b.json \
+        --layers 59 --auto                                   # a Llama, its layers scaled
 
 The model is ``hetstore.demo.gpt.GPT`` (tied embeddings, LayerNorm, GELU MLP) of width
 4096 and depth 32 with a 32000-token vocabulary: 12 * 4096^2 * 32 + 32000 * 4096 +
@@ -89,6 +91,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--offload-disk-size", default=None, help="default: the free space")
     parser.add_argument("--bandwidth-bytes", type=int, default=2 << 30)
     parser.add_argument("--dir", default=str(REPO / "offload"), help="offload_path's parent")
+    parser.add_argument(
+        "--hf-config",
+        help="train a Hugging Face causal LM from this config.json instead of the GPT "
+        "(built on the meta device, initialized by its own _init_weights)",
+    )
+    parser.add_argument("--layers", type=int, help="with --hf-config: num_hidden_layers")
     parser.add_argument("--tiny", action="store_true", help="a few-MB model: checks the harness")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -108,10 +116,28 @@ def main() -> None:
     where = tempfile.mkdtemp(prefix="largest-", dir=args.dir)
     free_before = shutil.disk_usage(where).free
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = GPT(
-            vocab=args.vocab, width=args.width, depth=args.depth, heads=args.heads, ctx=args.ctx
+    if args.hf_config:
+        from hetstore.cli_plan import _hf_model  # (built on the meta device)
+
+        model = _hf_model(args.hf_config, args.layers)
+        init_fn = model._init_weights
+        described = (
+            f"{type(model).__name__} from {args.hf_config}, {model.config.num_hidden_layers} layers"
         )
+
+        def loss_of(x, y):  # Hugging Face shifts the labels itself
+            return model(input_ids=x, labels=x).loss
+    else:
+        with torch.device("meta"):
+            model = GPT(
+                vocab=args.vocab, width=args.width, depth=args.depth, heads=args.heads, ctx=args.ctx
+            )
+        init_fn = GPT._init_weights
+        described = f"GPT width {args.width}, depth {args.depth}, vocab {args.vocab}"
+
+        def loss_of(x, y):
+            return model(x, y)
+
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=True)
     placement = (
@@ -132,11 +158,9 @@ def main() -> None:
         compute_dtype="fp32",
     )
     print(machine_line())
-    print(
-        f"model: GPT width {args.width}, depth {args.depth}, vocab {args.vocab}: {params:,} params"
-    )
+    print(f"model: {described}: {params:,} params")
     t0 = time.perf_counter()
-    model, optimizer = hetstore.offload(model, optimizer, config, init_fn=GPT._init_weights)
+    model, optimizer = hetstore.offload(model, optimizer, config, init_fn=init_fn)
     init_s = time.perf_counter() - t0
     disk = hetstore.state_of(model).tiers.disk
     print(
@@ -151,7 +175,7 @@ def main() -> None:
     rows, steps = [], []
     for step in range(args.steps):
         marks = [(time.perf_counter(), disk.stats())]
-        loss = model(x, y)
+        loss = loss_of(x, y)
         marks.append((time.perf_counter(), disk.stats()))
         loss.backward()
         marks.append((time.perf_counter(), disk.stats()))
@@ -251,7 +275,12 @@ def main() -> None:
     )
     out = REPO / "benchmarks" / "results"
     out.mkdir(exist_ok=True)
-    name = f"largest_model_w{args.width}_d{args.depth}_{args.state_format}"
+    shape = (
+        f"{Path(args.hf_config).stem}_l{model.config.num_hidden_layers}"
+        if args.hf_config
+        else f"w{args.width}_d{args.depth}"
+    )
+    name = f"largest_model_{shape}_{args.state_format}"
     name += "_auto.json" if args.auto else ".json"
     if not args.tiny:
         (out / name).write_text(
