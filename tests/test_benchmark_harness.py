@@ -63,3 +63,25 @@ def test_largest_model_benchmark_prints_its_table(tmp_path):
         assert "B/param" in done.stdout
         if extra:
             assert "planner predicted peaks" in done.stdout
+
+
+def test_largest_model_benchmark_trains_a_hugging_face_config(tmp_path):
+    """``--hf-config``: the 7B Llama config shrunk to a few MB (width, heads, vocab) and
+    2 layers; every layer is stepped inside backward."""
+    import json
+
+    values = json.loads((REPO / "benchmarks" / "configs" / "llama7b.json").read_text())
+    values.update(
+        hidden_size=128,
+        intermediate_size=344,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=512,
+    )
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(values))
+    done = run_tiny("largest_model.py", tmp_path, "--hf-config", str(config), "--layers", "2")
+    assert done.returncode == 0, done.stderr
+    assert "LlamaForCausalLM" in done.stdout and "2 layers" in done.stdout
+    assert "'not_started': 0" in done.stdout
