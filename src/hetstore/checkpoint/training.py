@@ -1175,9 +1175,9 @@ def _rewrite_disk_unit(unit: Unit, entries, ckpt: _Checkpoint, streamed, buffers
 
     try:
         slots = []
+        names = streamed.state_slot_names(rewrite) if streamed else rewrite.slot_arrays()
         for _ in range(min(2, len(spans))):  # none: every parameter is frozen, home-only
             slot = {}
-            names = streamed.state_slot_names(rewrite) if streamed else rewrite.slot_arrays()
             for name, dtype in names:
                 pair = buffers.take(min(chunk, unit.numel), dtype, f"load {name}")
                 taken.append(pair)

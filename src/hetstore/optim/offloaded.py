@@ -146,19 +146,17 @@ class OffloadedOptimizer(Optimizer):
         return hyper
 
     def _build_unit_step(self, unit: Unit) -> _UnitStep | UnitStates:
-        if isinstance(unit.master, DiskArray):
-            if not self._flat:
-                raise TypeError(
-                    f"offload_optimizer='disk' streams the states of {FLAT_NAMES}; "
-                    f"{self.optimizer_class.__name__} is not supported there"
-                )
-            keys = self._spec.state_keys(self.param_groups)
-            return StreamedUnitStep(
-                unit, self.optimizer_class, self._hyper, keys, self._chunk_numel, self.state_format
+        on_disk = isinstance(unit.master, DiskArray)
+        if on_disk and not self._flat:
+            raise TypeError(
+                f"offload_optimizer='disk' streams the states of {FLAT_NAMES}; "
+                f"{self.optimizer_class.__name__} is not supported there"
             )
-        if not self.state_format.exact:  # checked at offload(): a flat optimizer
+        # compact states in memory: checked at offload() to be a flat optimizer's
+        if on_disk or not self.state_format.exact:
+            chunked = StreamedUnitStep if on_disk else CompactUnitStep
             keys = self._spec.state_keys(self.param_groups)
-            return CompactUnitStep(
+            return chunked(
                 unit, self.optimizer_class, self._hyper, keys, self._chunk_numel, self.state_format
             )
         inner_groups, tensors, owners = [], [], []

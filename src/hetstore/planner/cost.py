@@ -126,11 +126,10 @@ def _paged(nbytes: int, arrays: int = 1) -> int:
 def _stored_optimizer_bytes(u: UnitTrace, c: UnitChoice, consumed: bool) -> int:
     """:func:`optimizer_bytes` as host buffers or disk regions hold them: master,
     gradients and each state array (8-bit states: values and block scales) paged."""
-    arrays = u.state_count * (2 if u.state_itemsize < 2 * u.state_count else 1)
     return (
         _paged(_master_bytes(u, c))
         + (0 if consumed else _paged(u.grad_bytes))
-        + _paged(u.state_bytes, arrays)
+        + _paged(u.state_bytes, u.state_arrays)
     )
 
 
@@ -197,7 +196,7 @@ def memory(
                 _master_bytes(u, c) // 4,
                 u.state_count,
                 chunk_bytes // 4,
-                state_itemsize=u.state_itemsize / max(u.state_count, 1),
+                state_itemsize=u.per_state_itemsize,
                 grad_on_disk=True,  # the planner puts gradients in the optimizer's tier
                 home_itemsize=u.compute_itemsize
                 if c.param == Tier.DISK and not _aliases_master(u, c)
@@ -262,8 +261,8 @@ def _host_step_s(u: UnitTrace, m) -> float:
     """Seconds of the host's arithmetic for ``u``'s step: the fused kernel, and a compact
     state format's decode and encode of each state around it."""
     n = u.trainable_numel
-    compact = m.state_codec and u.state_itemsize < 4 * u.state_count
-    return n / m.host_step + (n * u.state_count / m.state_codec if compact else 0.0)
+    codec = n * u.state_count / m.state_codec if m.state_codec and u.compact_states else 0.0
+    return n / m.host_step + codec
 
 
 def _stepped_ahead(u: UnitTrace, c: UnitChoice) -> bool:

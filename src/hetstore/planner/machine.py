@@ -128,9 +128,9 @@ def _codec_rate(format_name: str, numel: int = 4 << 20) -> float:
     }
 
     def round_trip():
-        for key, arrays in stored.items():
-            encode(fmt, key, scratch, arrays[""], arrays.get("scales"))
-            decode(fmt, key, arrays[""], arrays.get("scales"), scratch)
+        for key, state in stored.items():
+            encode(fmt, key, scratch, state[""], state.get("scales"))
+            decode(fmt, key, state[""], state.get("scales"), scratch)
 
     return _median_rate(numel * len(stored), round_trip, before=_cold_caches(cpu))
 

@@ -89,6 +89,21 @@ class UnitTrace:
     def state_bytes(self) -> int:
         return math.ceil(self.trainable_numel * self.state_itemsize)
 
+    @property
+    def per_state_itemsize(self) -> float:
+        """Bytes per element of one state: 4 in fp32, 2 in bf16, 1 + 1/64 in 8-bit."""
+        return self.state_itemsize / max(self.state_count, 1)
+
+    @property
+    def compact_states(self) -> bool:
+        """States stored narrower than fp32: a step decodes and encodes them."""
+        return self.per_state_itemsize < 4
+
+    @property
+    def state_arrays(self) -> int:
+        """Arrays the states are stored in: one per state, and 8-bit's block scales."""
+        return self.state_count * (2 if self.per_state_itemsize < 2 else 1)
+
 
 @dataclass(frozen=True)
 class Trace:

@@ -606,6 +606,11 @@ class Unit:
             self.grad = self.allocate(Tier.DISK, self.trainable_numel, torch.float32, "grads")
         return self.grad
 
+    def _gathering_grad(self) -> torch.Tensor:
+        """Where backward sums this unit's gradients: the gradient stager's host buffer
+        when they belong on disk, else the gradient buffer itself."""
+        return self.grad_stager.buffer_for(self) if self.grad_staged else self.grad
+
     def accumulate_grad(self, entry: ParamEntry, grad: torch.Tensor) -> None:
         """Move ``grad`` into the fp32 gradient buffer (no clone kept on the device).
 
@@ -617,8 +622,7 @@ class Unit:
                 self._grad_bucket = self._new_grad_bucket(grad.dtype)
             self._grad_bucket[entry.offset : entry.offset + entry.numel].copy_(grad.reshape(-1))
             return
-        flat = self.grad_stager.buffer_for(self) if self.grad_staged else self.grad
-        target = flat[entry.offset : entry.offset + entry.numel]
+        target = self._gathering_grad()[entry.offset : entry.offset + entry.numel]
         source = grad.reshape(-1)
         if source.device != target.device:
             source = source.to(target.device, non_blocking=False)
@@ -656,8 +660,7 @@ class Unit:
             del bucket
             self.tiers.device_tier.release(self._grad_bucket_bytes, self._label("grad bucket"))
         if self.trainable_numel:
-            flat = self.grad_stager.buffer_for(self) if self.grad_staged else self.grad
-            target = flat[: self.trainable_numel]
+            target = self._gathering_grad()[: self.trainable_numel]
             source = shard[: self.trainable_numel].to(target.device)
             if self.any_grad():
                 target.add_(source)
