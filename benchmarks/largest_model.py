@@ -97,6 +97,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(built on the meta device, initialized by its own _init_weights)",
     )
     parser.add_argument("--layers", type=int, help="with --hf-config: num_hidden_layers")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other OffloadConfig key (repeatable), e.g. optimizer_chunk_size=512KB to "
+        "scale a reproduction down with the model",
+    )
     parser.add_argument("--tiny", action="store_true", help="a few-MB model: checks the harness")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -156,6 +164,7 @@ def main() -> None:
         enable_pinned_mem=False,
         device="cpu",
         compute_dtype="fp32",
+        **dict(kv.split("=", 1) for kv in args.set),
     )
     print(machine_line())
     print(f"model: {described}: {params:,} params")

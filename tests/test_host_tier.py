@@ -70,6 +70,26 @@ def test_blocks_grow_lazily_and_large_requests_get_their_own_block():
     pool.free(big)
 
 
+def test_block_tails_do_not_strand_the_capacity():
+    # requests over half a block get blocks of their exact size: in 1 MiB blocks two
+    # 600 KiB requests would strand 2 x 424 KiB of tail, and the third request (within
+    # the capacity by the accounting) would find no room for a block of its own
+    pool = make_pool(capacity=2 * MiB, block=MiB)
+    first, second = pool.allocate(600 * 1024, "a"), pool.allocate(600 * 1024, "b")
+    third = pool.allocate(800 * 1024, "c")
+    assert pool.reserved == 2000 * 1024 <= pool.capacity
+    assert len({first.tensor.data_ptr(), second.tensor.data_ptr(), third.tensor.data_ptr()}) == 3
+
+
+def test_a_spare_free_block_is_unmapped_to_make_room():
+    pool = make_pool(capacity=2 * MiB, block=MiB)
+    pool.free(pool.allocate(256 * 1024, "small"))  # its 1 MiB block stays mapped, spare
+    assert pool.reserved == MiB
+    big = pool.allocate(1536 * 1024, "big")  # needs the spare's room
+    assert pool.reserved == 1536 * 1024 and pool.stats()["blocks"] == 1
+    pool.free(big)
+
+
 def test_capacity_error_names_the_tier_and_key():
     pool = make_pool(capacity=8 * MiB, block=4 * MiB)
     pool.allocate(6 * MiB, "states unit 0")
