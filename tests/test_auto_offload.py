@@ -243,3 +243,45 @@ def test_cli_plans_a_hugging_face_config_beside_accelerates_estimate(tmp_path):
         base + ["--hf-config", str(tmp_path / "missing.json")], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "--hf-config" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_host_peak_with_activations_on_disk_is_predicted_within_ten_percent(tmp_path):
+    """The benchmarks/planner.py GPT at 20% of its states on the device and 100% on
+    host: the plan sends activations to disk and keeps others on host. The cost model
+    had summed every host unit's activations with a full window of disk staging, two
+    moments that never coincide (measured 0.62 of the prediction); the host peak is now
+    predicted within 10%, and never under."""
+    from hetstore.demo.gpt import GPT as DemoGPT
+    from hetstore.planner.tracer import model_data_trace
+
+    def build():
+        torch.manual_seed(0)
+        return DemoGPT(width=256, depth=8, vocab=512, ctx=128)
+
+    states = model_data_trace(build(), OffloadConfig(device="cpu"), None).state_bytes
+    model = build()
+    cfg = OffloadConfig(
+        auto_offload=True,
+        device="cpu",
+        offload_path=str(tmp_path),
+        enable_pinned_mem=False,
+        max_device_memory=int(states * 0.2),
+        offload_cpu_size=int(states * 1.0),
+    )
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 512, (8, 128), generator=gen) for _ in range(2))
+    model, opt = hetstore.offload(model, adamw(model.parameters()), cfg, example_inputs=x)
+    for _ in range(2):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    plan = hetstore.state_of(model).plan
+    assert any(u.choice.activations == "disk" for u in plan.units)
+    assert any(u.choice.activations == "cpu" for u in plan.units)
+    stats = hetstore.memory_stats(model)
+    print(plan)
+    for tier in ("host", "disk"):
+        measured, predicted = stats[tier]["peak"], plan.estimate.peak(tier)
+        print(f"{tier}: measured {measured}, predicted {predicted}")
+        assert 0.9 * predicted <= measured <= predicted, tier
+    hetstore.release(model)

@@ -214,3 +214,22 @@ def test_the_codec_rate_is_measured_for_compact_formats_only():
 
     assert _codec_rate("fp32") == 0.0
     assert all(0 < _codec_rate(name, 1 << 16) < float("inf") for name in ("bf16", "8bit"))
+
+
+def test_activations_on_host_and_the_disk_staging_peak_at_different_moments():
+    # blocks 0-1 send activations to disk, 2-3 keep them on host: the host holds the
+    # disk staging while blocks 0-1 run (forward and backward) and blocks 2-3's
+    # activations from their forward to their backward, never both at once
+    trace = gpt_like(machine=CPU, saved=16 * MiB)
+    tiers = ["disk", "disk", "cpu", "cpu"]
+    choices = [UnitChoice(activations=t) for t in tiers] + [UnitChoice()]
+    assert estimate(trace, choices, 1).host == 32 * MiB  # was 64 (the sum)
+    # interleaved: block 2 runs with block 1 resident on host and block 2's staging
+    tiers = ["disk", "cpu", "disk", "cpu"]
+    choices = [UnitChoice(activations=t) for t in tiers] + [UnitChoice()]
+    assert estimate(trace, choices, 1).host == 48 * MiB  # 16 + 16 (window 1-2) + 16
+    # the activations on disk and the step's shadow are not on disk at the same time
+    choices = [UnitChoice(optimizer="disk", activations="disk") for _ in tiers] + [UnitChoice()]
+    e = estimate(replace(trace, step_overlap=False), choices, 1)
+    states = sum(u.master_bytes + u.grad_bytes + u.state_bytes for u in trace.units[:4])
+    assert e.disk == states + 4 * 16 * MiB  # the shadow (one unit's) is smaller
