@@ -93,7 +93,44 @@ def _largest_true(predicate, low: int, high: int) -> int:
 def make_plan(trace: Trace, capacities: Capacities, config, *, disk_optimizer: bool = True) -> Plan:
     """The fastest predicted placement within ``capacities`` (see module doc).
     ``disk_optimizer=False``: the optimizer cannot be streamed from disk (not Adam,
-    AdamW or SGD), so its states never spill there."""
+    AdamW or SGD), so its states never spill there.
+
+    Where it can, the placement leaves host room for activations to spill later
+    (:func:`_spill_headroom`): a first training batch with more tensors than the trace
+    saw (``example_inputs`` without the labels), or a larger batch, is re-planned by
+    moving activations only, as optimizer states built on host stay there. Without that
+    room such a batch is refused (measured: a Llama planned at 100% of its states on
+    host was 1.75 MiB short at its first batch once the host peak was predicted
+    within 10%)."""
+    headroom = _spill_headroom(trace, config)
+    if headroom and capacities.host is not None and capacities.host > headroom:
+        try:
+            roomy = _make_plan(
+                trace, replace(capacities, host=capacities.host - headroom), config, disk_optimizer
+            )
+        except OutOfTierMemory:  # (and OutOfDeviceMemory): then without the room
+            pass
+        else:
+            choices = [u.choice for u in roomy.units]
+            return Plan.build(
+                trace,
+                choices,
+                roomy.prefetch_depth,
+                capacities,
+                "auto",
+                config.optimizer_chunk_size,
+            )
+    return _make_plan(trace, capacities, config, disk_optimizer)
+
+
+def _spill_headroom(trace: Trace, config) -> int:
+    """Host bytes that let any unit's activations go to disk later: the disk staging
+    window (two units in forward, the restored and prefetched ones in backward)."""
+    largest = max((u.saved_bytes for u in trace.units), default=0)
+    return max(2, config.prefetch_depth + 1) * largest
+
+
+def _make_plan(trace: Trace, capacities: Capacities, config, disk_optimizer: bool) -> Plan:
     chunk = config.optimizer_chunk_size
     n = len(trace.units)
     everything = [UnitChoice()] * n
