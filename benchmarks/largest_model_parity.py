@@ -43,20 +43,20 @@ def main() -> None:
     parser.add_argument("--dir", default=str(REPO / "offload"))
     args = parser.parse_args()
 
-    config = json.loads(Path(args.hf_config).read_text())
+    values = json.loads(Path(args.hf_config).read_text())
     if args.hidden:
-        ratio = args.hidden / config["hidden_size"]
-        heads = max(1, args.hidden // config.get("head_dim", 128))
-        config.update(
+        ratio = args.hidden / values["hidden_size"]
+        heads = max(1, args.hidden // values.get("head_dim", 128))
+        values.update(
             hidden_size=args.hidden,
-            intermediate_size=int(config["intermediate_size"] * ratio),
+            intermediate_size=int(values["intermediate_size"] * ratio),
             num_attention_heads=heads,
             num_key_value_heads=heads,
         )
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = tempfile.mkdtemp(prefix="parity-", dir=args.dir)
     config_path = Path(work) / "config.json"
-    config_path.write_text(json.dumps(config))
+    config_path.write_text(json.dumps(values))
 
     def build():
         model = _hf_model(str(config_path), args.layers).to_empty(device="cpu")
@@ -69,25 +69,23 @@ def main() -> None:
     start = int(torch.randint(0, data.numel() - args.ctx - 1, (1,)))
     x = data[start : start + args.ctx].unsqueeze(0)
     print(machine_line())
+    largest_run_path = hetstore.OffloadConfig(
+        offload_param="disk",
+        offload_optimizer="disk",
+        optimizer_state_format=args.state_format,
+        step_in_backward=True,
+        offload_path=str(Path(work) / "offload"),
+        device="cpu",
+        enable_pinned_mem=False,
+        compute_dtype="fp32",
+    )
+    runs = {"plain PyTorch": None, f"hetstore ({args.state_format}, all on disk)": largest_run_path}
     results = {}
-    for name in ("plain PyTorch", f"hetstore ({args.state_format}, all on disk)"):
+    for name, config in runs.items():
         model = build()
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
-        if name.startswith("hetstore"):
-            model, optimizer = hetstore.offload(
-                model,
-                optimizer,
-                hetstore.OffloadConfig(
-                    offload_param="disk",
-                    offload_optimizer="disk",
-                    optimizer_state_format=args.state_format,
-                    step_in_backward=True,
-                    offload_path=tempfile.mkdtemp(dir=work),
-                    device="cpu",
-                    enable_pinned_mem=False,
-                    compute_dtype="fp32",
-                ),
-            )
+        if config is not None:
+            model, optimizer = hetstore.offload(model, optimizer, config)
         losses = []
         for _ in range(args.steps):
             loss = model(input_ids=x, labels=x).loss
@@ -95,14 +93,15 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
-        if name.startswith("hetstore"):
+        if config is not None:
             hetstore.release(model)
         del model, optimizer
         results[name] = losses
         print(f"{name:36s} " + " -> ".join(f"{v:.4f}" for v in losses), flush=True)
     shutil.rmtree(work, ignore_errors=True)
-    plain, ours = results.values()
-    print(f"largest difference: {max(abs(a - b) for a, b in zip(plain, ours, strict=True)):.2e}")
+    plain, offloaded = results.values()
+    gap = max(abs(a - b) for a, b in zip(plain, offloaded, strict=True))
+    print(f"largest difference: {gap:.2e}")
 
 
 if __name__ == "__main__":

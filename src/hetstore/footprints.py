@@ -15,6 +15,7 @@ __all__ = [
     "param_staging_bytes",
     "grad_staging_bytes",
     "streamed_step_bytes",
+    "activation_staging_units",
 ]
 
 # gradient staging of disk-gradient units: the unit whose write is in flight, the one
@@ -31,6 +32,14 @@ def param_staging_slots(prefetch_depth: int) -> int:
 
 def param_staging_bytes(prefetch_depth: int, largest_home_bytes: int) -> int:
     return param_staging_slots(prefetch_depth) * largest_home_bytes
+
+
+def activation_staging_units(prefetch_depth: int) -> int:
+    """Units of disk-bound activations in host staging at once: in forward the unit
+    running and the one before it (runtime.activations settles a group's writes when
+    the next-but-one group begins), in backward the unit restored and the
+    ``prefetch_depth`` read ahead."""
+    return max(2, prefetch_depth + 1)
 
 
 def grad_staging_bytes(largest_grad_bytes: int) -> int:

@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from hetstore._sizes import format_size
 from hetstore.errors import OutOfDeviceMemory, OutOfTierMemory
+from hetstore.footprints import activation_staging_units
 from hetstore.planner.cost import UnitChoice, memory, times
 from hetstore.planner.plan import Capacities, Plan
 from hetstore.planner.trace import Trace
@@ -111,23 +112,15 @@ def make_plan(trace: Trace, capacities: Capacities, config, *, disk_optimizer: b
         except OutOfTierMemory:  # (and OutOfDeviceMemory): then without the room
             pass
         else:
-            choices = [u.choice for u in roomy.units]
-            return Plan.build(
-                trace,
-                choices,
-                roomy.prefetch_depth,
-                capacities,
-                "auto",
-                config.optimizer_chunk_size,
-            )
+            return replace(roomy, capacities=capacities)  # (the estimate is the same)
     return _make_plan(trace, capacities, config, disk_optimizer)
 
 
 def _spill_headroom(trace: Trace, config) -> int:
     """Host bytes that let any unit's activations go to disk later: the disk staging
-    window (two units in forward, the restored and prefetched ones in backward)."""
+    window of the largest unit's."""
     largest = max((u.saved_bytes for u in trace.units), default=0)
-    return max(2, config.prefetch_depth + 1) * largest
+    return activation_staging_units(config.prefetch_depth) * largest
 
 
 def _make_plan(trace: Trace, capacities: Capacities, config, disk_optimizer: bool) -> Plan:

@@ -8,8 +8,8 @@ its own, of its exact size: in a shared block it would leave a tail that later l
 requests cannot use, and under a capacity the sum of those tails is what a plan counted
 on (measured on a 10B Llama under a 12 GiB budget: its 772 MiB and 1000 MiB buffers,
 one to a 1 GiB block, stranded tails until 'grad staging 2' found no room with 1.17 GiB
-of the budget unused). When the room for
-a new block is short, fully free blocks kept as spares are unmapped first.
+of the budget unused). When the room for a new block is short, fully free blocks kept
+as spares are unmapped first.
 
 Pinning: with ``enable_pinned_mem`` and a CUDA device, each block is registered with
 ``cudaHostRegister`` as a whole, so reserved == what the user asked for (PyTorch's
