@@ -19,7 +19,8 @@ from hetstore.optim.registry import FLAT_NAMES, flat_steppable
 from hetstore.optim.state_format import state_format
 from hetstore.planner import Capacities, Plan, Trace, UnitChoice, make_plan
 from hetstore.planner.calibrate import calibrated_trace, steady_profile
-from hetstore.planner.machine import machine_capacities, measure_machine
+from hetstore.planner.floor import check_manual_floor, floor_of_config
+from hetstore.planner.machine import free_space_at, machine_capacities, measure_machine
 from hetstore.planner.probe import Probe
 from hetstore.planner.shapes import BatchGuard
 from hetstore.planner.tracer import model_data_trace, trace_model, with_batch
@@ -116,6 +117,8 @@ def offload(
     groups_of = _group_index(model, optimizer)
     specs = find_units(model, units)
     trace, plan = _plan_for(model, optimizer, config, specs, device, units, example_inputs)
+    if plan.source == "manual" and shards is None:
+        _check_manual_placement(trace, optimizer, config)
     built: list[Unit | None] = [None] * len(specs)
 
     def advice(tier: str, nbytes: int) -> list[str]:
@@ -385,6 +388,25 @@ def _plan_for(model, optimizer, config, specs, device, units, example_inputs):
     streamable = optimizer is None or flat_steppable(optimizer)
     capacities = machine_capacities(config, device)
     return trace, make_plan(trace, capacities, config, disk_optimizer=streamable)
+
+
+def _check_manual_placement(trace: Trace, optimizer, config: OffloadConfig) -> None:
+    """Refuse, before anything is built, a manual placement whose buffers cannot all be
+    held within the configured capacities (planner.floor): without this the lazily made
+    ones (the disk paths' staging, the step's chunks and shadow) ran out mid-run."""
+    from hetstore.tiers import _physical_memory
+
+    floor = floor_of_config(trace, config, optimizer)
+    host = config.offload_cpu_size
+    disk = config.offload_disk_size
+    capacities = {
+        Tier.DEVICE: config.max_device_memory,
+        Tier.HOST: host if host is not None else _physical_memory(),
+        Tier.DISK: disk
+        if disk is not None or not floor.total(Tier.DISK)
+        else free_space_at(config.offload_path),
+    }
+    check_manual_floor(floor, capacities, config)
 
 
 def _move_home(unit: Unit, tier: Tier, units: list[Unit], tiers: Tiers, plan: Plan) -> None:

@@ -184,12 +184,17 @@ def machine_capacities(config, device: torch.device | str) -> Capacities:
         device_total, host_total = torch.cuda.get_device_properties(device).total_memory, ram
     else:
         device_total, host_total = ram // 4, ram // 2
-    path = os.path.abspath(config.offload_path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
     return Capacities.from_config(
         config,
         device_total=device_total,
         host_total=host_total,
-        disk_free=shutil.disk_usage(path).free,
+        disk_free=free_space_at(config.offload_path),
     )
+
+
+def free_space_at(path: str) -> int:
+    """Free bytes on the filesystem that holds (or will hold) ``path``."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free

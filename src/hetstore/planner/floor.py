@@ -1,0 +1,207 @@
+"""The least memory a manual placement will hold in each tier, known before any batch.
+
+A manual placement (``auto_offload=False``, the ``offload_*`` keys) is not searched by
+the planner, so nothing used to compare it with the capacities before training: buffers
+the runtime makes lazily (the disk paths' host staging, the optimizer step's chunk
+buffers and its shadow on disk) then ran out mid-run, in backward or at the first or a
+later ``optimizer.step()``. :func:`check_manual_floor` refuses such a configuration at
+``offload()``, before anything is built.
+
+The figures here are *floors*, not predictions: each part is a buffer the runtime
+certainly holds at the same moment as the others (activations are left out, no batch
+is known yet), sized as the runtime sizes it (``footprints``) but without the layout's
+alignment padding. A configuration refused here would fail; one that passes may still
+run short by its activations, which the tiers' own errors then name. That is why this
+is a hard refusal while the cost model's prediction (within 10%, but on either side)
+is not used as one.
+
+Parts per tier, at the moment of the optimizer step of the largest disk unit (or, on
+the device, while the largest offloaded block runs):
+
+- device: parameters kept on the device (``offload_param='none'``); the master,
+  gradients and states of device-optimizer units; else the root unit's working copy
+  (held for the whole step) and the largest block's.
+- host: parameters homed on host (unless they are the host master); master, states
+  and gradients kept on host; the parameter stager's slots (``prefetch_depth + 1``
+  of the largest disk home, at most one per disk unit); the gradient stager's (3 of the
+  largest disk gradient, at most one per unit); one unit's streamed step (chunk
+  buffers, ``optimizer_chunk_size``).
+- disk: everything homed there, and one step's shadow of the largest disk unit's master
+  and states (the step is all-or-nothing: it writes beside the old values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetstore._sizes import format_size
+from hetstore.errors import OutOfDeviceMemory, OutOfTierMemory
+from hetstore.footprints import GRAD_STAGING_SLOTS, param_staging_slots, streamed_step_bytes
+from hetstore.optim.registry import flat_spec, flat_steppable
+from hetstore.planner.cost import _aliases_master, _master_bytes, _paged, consumed
+from hetstore.planner.trace import Trace
+from hetstore.tier import Tier
+
+__all__ = ["Floor", "manual_floor", "floor_of_config", "check_manual_floor"]
+
+
+@dataclass(frozen=True)
+class Floor:
+    """Per tier, the parts (what, bytes) held at once; ``total(tier)`` their sum."""
+
+    parts: dict[Tier, list[tuple[str, int]]]
+
+    def total(self, tier: Tier) -> int:
+        return sum(n for _, n in self.parts.get(tier, []))
+
+
+def manual_floor(
+    trace: Trace,
+    *,
+    param: Tier,
+    optimizer: Tier,
+    grad: Tier,
+    depth: int,
+    chunk_bytes: int,
+    stepped: bool,
+    states: bool,
+) -> Floor:
+    """The floor of the same placement for every unit (see module doc). ``stepped``: an
+    optimizer will step the units (their gradients exist); ``states``: its states are
+    made at ``offload()`` in the optimizer's tier (the flat families)."""
+    from hetstore.planner.cost import UnitChoice
+
+    choice = UnitChoice(param, optimizer)
+    parts: dict[Tier, dict[str, int]] = {t: {} for t in Tier}
+
+    def add(tier: Tier, what: str, nbytes: int) -> None:
+        if nbytes > 0:
+            parts[tier][what] = parts[tier].get(what, 0) + nbytes
+
+    units = trace.units
+    disk_homes, disk_grads, steps, shadows, blocks = [], [], [], [], []
+    root_params = 0
+    for u in units:
+        aliased = _aliases_master(u, choice)
+        trainable = stepped and u.trainable_numel > 0
+        is_consumed = trainable and consumed(trace, u, choice)
+        # the master (always made), and the gradients and states kept beside it
+        add(optimizer, "master weights", _paged(_master_bytes(u, choice)))
+        if trainable and states:
+            add(optimizer, "optimizer states", _paged(u.state_bytes, u.state_arrays))
+        if trainable and not is_consumed:
+            add(grad, "gradients", _paged(u.grad_bytes))
+        if trainable and grad is Tier.DISK:
+            disk_grads.append(u.grad_bytes)
+        # the parameters between uses, and their working copy on the device
+        if not aliased:
+            add(param, "parameters", _paged(u.param_bytes))
+        if param is Tier.DISK:
+            disk_homes.append(u.param_bytes)
+        if param is not Tier.DEVICE:
+            if u.is_root:
+                root_params = u.param_bytes
+            else:
+                blocks.append(u.param_bytes)
+        if trainable and optimizer is Tier.DISK:
+            home_itemsize = u.compute_itemsize if param is Tier.DISK and not aliased else 0
+            steps.append(
+                streamed_step_bytes(
+                    _master_bytes(u, choice) // 4,
+                    u.state_count if states else 0,
+                    chunk_bytes // 4,
+                    state_itemsize=u.per_state_itemsize,
+                    grad_on_disk=grad is Tier.DISK and not is_consumed,
+                    home_itemsize=home_itemsize,
+                )
+            )
+            held = _paged(u.state_bytes, u.state_arrays) if states else 0
+            shadows.append(_paged(_master_bytes(u, choice)) + held)
+    add(Tier.DEVICE, "the root unit's working copy", root_params)
+    add(Tier.DEVICE, "the largest block's working copy", max(blocks, default=0))
+    if disk_homes:
+        slots = min(param_staging_slots(depth), len(disk_homes))
+        add(Tier.HOST, f"parameter staging ({slots} slots)", slots * _paged(max(disk_homes)))
+    if disk_grads:
+        slots = min(GRAD_STAGING_SLOTS, len(disk_grads))
+        add(Tier.HOST, f"gradient staging ({slots} slots)", slots * _paged(max(disk_grads)))
+    add(Tier.HOST, "the optimizer step's chunk buffers", max(steps, default=0))
+    add(Tier.DISK, "the optimizer step's shadow", max(shadows, default=0))
+    return Floor({t: list(p.items()) for t, p in parts.items() if p})
+
+
+def _remedy(tier: Tier, what: str, config) -> str | None:
+    """The setting that moves part ``what`` off ``tier`` or shrinks it, if one does."""
+    further = {Tier.DEVICE: "cpu", Tier.HOST: "disk"}.get(tier)
+    if what == "parameters" and further:
+        return f"offload_param='{further}' moves"
+    if what in ("master weights", "optimizer states") and further:
+        return f"offload_optimizer='{further}' moves"
+    if what == "gradients" and further:  # they follow the optimizer unless set apart
+        if config.offload_grad is None or config.offload_optimizer is tier:
+            return f"offload_optimizer='{further}' moves"
+        return f"offload_grad='{further}' moves"
+    if what.startswith("parameter staging") and config.prefetch_depth:
+        return f"a lower prefetch_depth (now {config.prefetch_depth}) shrinks"
+    if what.startswith("the optimizer step's chunk"):
+        return (
+            f"a lower optimizer_chunk_size (now {format_size(config.optimizer_chunk_size)}) shrinks"
+        )
+    if what.endswith("shadow"):
+        return "offload_optimizer='cpu' moves"
+    return None
+
+
+def floor_of_config(trace: Trace, config, optimizer) -> Floor:
+    """:func:`manual_floor` of the placement ``config``'s ``offload_*`` keys give."""
+    spec = flat_spec(optimizer) if optimizer is not None and flat_steppable(optimizer) else None
+    return manual_floor(
+        trace,
+        param=config.offload_param,
+        optimizer=config.offload_optimizer,
+        grad=config.grad_tier,
+        depth=config.prefetch_depth,
+        chunk_bytes=config.optimizer_chunk_size,
+        stepped=optimizer is not None,
+        states=spec is not None and spec.preallocate_states,
+    )
+
+
+_KEYS = {
+    Tier.DEVICE: "max_device_memory",
+    Tier.HOST: "offload_cpu_size",
+    Tier.DISK: "offload_disk_size",
+}
+
+
+def check_manual_floor(floor: Floor, capacities: dict[Tier, int | None], config) -> None:
+    """Raise ``OutOfDeviceMemory`` / ``OutOfTierMemory`` naming the capacity key when a
+    tier's floor is over its capacity (``None``: not limited, not checked)."""
+    for tier in Tier:
+        need, capacity = floor.total(tier), capacities.get(tier)
+        if capacity is None or need <= capacity:
+            continue
+        key = _KEYS[tier]
+        held = ", ".join(f"{what} {format_size(n)}" for what, n in floor.parts[tier])
+        advice = [f"raise {key} to at least {format_size(need)}"]
+        remedies: dict[str, int] = {}
+        for what, nbytes in floor.parts[tier]:
+            remedy = _remedy(tier, what, config)
+            if remedy:
+                remedies[remedy] = remedies.get(remedy, 0) + nbytes
+        advice += [f"{remedy} {format_size(n)} of it" for remedy, n in remedies.items()]
+        advice.append("or set auto_offload=True to let the planner place each unit")
+        given = (
+            "free at offload_path"
+            if tier is Tier.DISK and config.offload_disk_size is None
+            else key
+        )
+        error = OutOfDeviceMemory if tier is Tier.DEVICE else OutOfTierMemory
+        raise error(
+            f"hetstore: out of {tier.label} memory, refused before training: this placement "
+            f"holds at least {format_size(need)} there at once, activations aside ({held}), "
+            f"and {given} is {format_size(capacity)}. To fix: " + "; ".join(advice),
+            tier=tier.label,
+            requested=need,
+            capacity=capacity,
+        )

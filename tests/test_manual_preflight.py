@@ -1,0 +1,175 @@
+"""A manual placement that cannot fit its capacities is refused at ``offload()``.
+
+Before, the buffers the runtime makes lazily (the disk paths' host staging, the
+optimizer step's chunk buffers, its shadow on disk, the device working copies) ran out
+mid-run: in backward, or at the first or a later ``optimizer.step()``. The check
+(``planner.floor``) compares per-tier floors with the capacities. A floor must never be
+above what training holds, or a configuration that trains would be refused: the
+first test measures that across placements, and asserts the floors are tight where
+nothing but staging is on the host.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import hetstore
+from hetstore import OffloadConfig, OutOfDeviceMemory
+from hetstore.errors import OutOfTierMemory
+from hetstore.planner.floor import floor_of_config
+from hetstore.planner.tracer import model_data_trace
+from hetstore.tier import Tier
+from tests.models.gpt import GPT, batches
+
+VOCAB = 4096  # a root unit (tied embedding and head) five times a block
+
+
+def model_and_optimizer(kind="adamw"):
+    torch.manual_seed(0)
+    model = GPT(vocab=VOCAB, width=64, depth=2, heads=4, ctx=16)
+    if kind == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    return model, optimizer
+
+
+def config(path, param="disk", optim="disk", **kwargs):
+    return OffloadConfig(
+        offload_param=param,
+        offload_optimizer=optim,
+        offload_path=str(path),
+        enable_pinned_mem=False,
+        device="cpu",
+        **kwargs,
+    )
+
+
+def floor_of(model, optimizer, cfg):
+    trace = model_data_trace(model, cfg, None, optimizer=optimizer)
+    return floor_of_config(trace, cfg, optimizer)
+
+
+def train(model, optimizer, steps=3):
+    losses = []
+    for x, y in batches(steps, vocab=VOCAB):
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+CASES = [
+    # (param, optimizer, extra config): every tier holding something, staging sizes varied
+    ("disk", "disk", {}),
+    ("disk", "disk", {"prefetch_depth": 0}),
+    ("disk", "disk", {"prefetch_depth": 2, "optimizer_chunk_size": 64 << 10}),
+    ("disk", "disk", {"offload_grad": "cpu"}),
+    ("disk", "disk", {"compute_dtype": "bf16"}),
+    ("disk", "disk", {"step_in_backward": True}),
+    ("cpu", "disk", {}),
+    ("none", "disk", {}),
+    ("cpu", "cpu", {}),
+    ("none", "cpu", {}),
+    ("cpu", "none", {}),
+]
+
+
+@pytest.mark.parametrize("param, optim, extra", CASES)
+def test_the_floor_is_never_above_what_training_holds(tmp_path, param, optim, extra):
+    model, optimizer = model_and_optimizer()
+    cfg = config(tmp_path, param, optim, offload_activations="none", **extra)
+    floor = floor_of(model, optimizer, cfg)
+    model, optimizer = hetstore.offload(model, optimizer, cfg)
+    train(model, optimizer)
+    stats = hetstore.memory_stats(model)
+    for tier in Tier:
+        peak = stats[tier.label]["peak"]
+        assert floor.total(tier) <= peak, (tier, floor.parts.get(tier), peak)
+    if (param, optim) == ("disk", "disk") and not {"offload_grad", "step_in_backward"} & set(extra):
+        # only staging is on the host: the floor is what is held, to the layout's padding
+        assert floor.total(Tier.HOST) >= 0.98 * stats["host"]["peak"]
+    hetstore.release(model)
+
+
+def test_host_staging_over_offload_cpu_size_is_refused_before_anything_is_built(tmp_path):
+    """Everything on disk with a root unit of 1 MiB: parameter staging, gradient staging
+    and the step's chunks need 9.06 MiB of host at the step. 9 MiB used to train one
+    step and fail in the second ``optimizer.step()`` ('swap root grad')."""
+    model, optimizer = model_and_optimizer()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(OutOfTierMemory) as info:
+        hetstore.offload(model, optimizer, config(tmp_path, offload_cpu_size=9 << 20))
+    message = str(info.value)
+    assert info.value.tier == "host" and info.value.capacity == 9 << 20
+    assert "offload_cpu_size" in message and "9.06 MiB" in message
+    for part in ("parameter staging", "gradient staging", "chunk buffers"):
+        assert part in message
+    assert "prefetch_depth" in message and "optimizer_chunk_size" in message
+    # nothing was built: no offload directory, the model untouched and usable as before
+    assert os.listdir(tmp_path) == []
+    assert hetstore.state_of(model) is None
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name])
+    # at the floor (rounded up to what the layout's padding adds) it trains
+    model, optimizer = model_and_optimizer()
+    model, optimizer = hetstore.offload(
+        model, optimizer, config(tmp_path, offload_cpu_size=info.value.requested + (64 << 10))
+    )
+    assert len(train(model, optimizer)) == 3
+    hetstore.release(model)
+
+
+def test_the_device_working_set_over_max_device_memory_is_refused(tmp_path):
+    """Parameters on host: the root unit (1 MiB) and the largest block are on the device
+    together. Half a MiB used to pass offload() and stop in the first forward."""
+    model, optimizer = model_and_optimizer()
+    with pytest.raises(OutOfDeviceMemory) as info:
+        hetstore.offload(
+            model, optimizer, config(tmp_path, "cpu", "cpu", max_device_memory=512 << 10)
+        )
+    message = str(info.value)
+    assert "max_device_memory" in message and "the root unit's working copy" in message
+    assert info.value.requested > 1 << 20
+
+
+def test_device_states_name_the_setting_that_moves_them(tmp_path):
+    model, optimizer = model_and_optimizer()
+    with pytest.raises(OutOfDeviceMemory) as info:
+        hetstore.offload(
+            model, optimizer, config(tmp_path, "none", "none", max_device_memory=4 << 20)
+        )
+    message = str(info.value)
+    assert "optimizer states" in message and "offload_optimizer='cpu' moves" in message
+
+
+def test_a_disk_without_room_for_the_steps_shadow_is_refused(tmp_path):
+    """Master and AdamW states on disk take 3 x 1 MiB for the root; its step writes a
+    shadow beside them. A capacity between the two used to fail at the step."""
+    model, optimizer = model_and_optimizer()
+    cfg = config(tmp_path, "cpu", "disk")
+    floor = floor_of(model, optimizer, cfg)
+    shadow = dict(floor.parts[Tier.DISK])["the optimizer step's shadow"]
+    stored = floor.total(Tier.DISK) - shadow
+    with pytest.raises(OutOfTierMemory) as info:
+        hetstore.offload(model, optimizer, cfg.replace(offload_disk_size=stored + shadow // 2))
+    assert info.value.tier == "disk"
+    assert "offload_disk_size" in str(info.value) and "shadow" in str(info.value)
+
+
+def test_sgd_with_momentum_states_made_later_are_not_counted_against_it(tmp_path):
+    """SGD's momentum is made at the first step, not at offload(): the floor leaves it out
+    (a floor must not be above what is held), and a placement that trains still does."""
+    model, optimizer = model_and_optimizer("sgd")
+    cfg = config(tmp_path)
+    floor = floor_of(model, optimizer, cfg)
+    assert "optimizer states" not in dict(floor.parts[Tier.DISK])
+    model, optimizer = hetstore.offload(model, optimizer, cfg)
+    train(model, optimizer, steps=2)
+    assert floor.total(Tier.HOST) <= hetstore.memory_stats(model)["host"]["peak"]
+    hetstore.release(model)
