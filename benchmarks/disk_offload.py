@@ -151,10 +151,17 @@ def worker(variant: str, args: argparse.Namespace) -> None:
             marks.append((time.perf_counter(), *disk_counters(model, variant)))
             loss.backward()
             marks.append((time.perf_counter(), *disk_counters(model, variant)))
+            norm = None
+            if args.clip:  # what a user writes: torch's clip, or hetstore's for disk grads
+                if VARIANTS[variant] is None:
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                else:
+                    norm = optimizer.clip_grad_norm_(args.clip)
             optimizer.step()
             optimizer.zero_grad()
             marks.append((time.perf_counter(), *disk_counters(model, variant)))
             out = {"loss": loss.item(), "time": marks[-1][0] - marks[0][0]}
+            out["norm"] = None if norm is None else float(norm)
             out["read"] = marks[-1][1] - marks[0][1]
             out["written"] = marks[-1][2] - marks[0][2]
             for phase, (a, b) in zip(PHASES, itertools.pairwise(marks), strict=True):
@@ -323,6 +330,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-fio", action="store_true", help="skip fio (engine bandwidth only)")
     parser.add_argument(
+        "--clip",
+        type=float,
+        default=0.0,
+        help="clip the gradient norm at this value before each step (0: no clipping); "
+        "plain uses torch.nn.utils.clip_grad_norm_, hetstore optimizer.clip_grad_norm_",
+    )
+    parser.add_argument(
         "--variants",
         default=",".join(VARIANTS),
         help=f"comma-separated subset of: {', '.join(VARIANTS)} (plain is always run)",
@@ -340,7 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_argv(args: argparse.Namespace) -> list[str]:
     """The flags that fix the model, data and step counts: passed to every worker."""
-    flags = ("width", "depth", "heads", "vocab", "ctx", "batch", "steps", "warmup")
+    flags = ("width", "depth", "heads", "vocab", "ctx", "batch", "steps", "warmup", "clip")
     return [x for f in flags for x in (f"--{f}", str(getattr(args, f)))]
 
 
@@ -437,6 +451,14 @@ def main() -> None:
     for variant, variant_stats in stats.items():
         if variant_stats.get("speculation"):
             print(f"steps taken ahead, {variant}: {variant_stats['speculation']}")
+    if args.clip:
+        norms = [s["norm"] for s in results["plain"]]
+        bites = sum(n > args.clip for n in norms)
+        print(
+            f"gradient norm (plain), clipped at {args.clip}: "
+            + ", ".join(f"{n:.3f}" for n in norms)
+            + f"; the clip bit in {bites} of {len(norms)} steps"
+        )
     print()
     text, worst = loss_report(results, relative=True)
     print(text)

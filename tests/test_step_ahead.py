@@ -143,9 +143,63 @@ def test_clipping_that_does_not_bite_commits(tmp_path, grad):
 
 @GRADS
 def test_clipping_that_bites_rolls_back_and_steps_again(tmp_path, grad):
-    _, opt, _, _ = both(tmp_path, clip=1e-3, grad=grad)
+    """The first step's speculations roll back; the clip bit, so the next steps' would
+    too: they are held back (the ordinary step runs, with no wasted traffic)."""
+    model, opt, _, _ = both(tmp_path, clip=1e-3, grad=grad)
     stats = opt.speculation_stats
-    assert stats["committed"] == 0 and stats["rolled_back"] == stats["started"] > 0
+    units = len(hetstore.state_of(model).runtime.units)
+    assert stats["committed"] == 0 and stats["rolled_back"] == stats["started"] == units
+    assert stats["held_back"] == 2 * units
+
+
+@GRADS
+def test_speculation_resumes_after_a_step_whose_clip_did_not_bite(tmp_path, grad):
+    """Clip at 1e-3 (bites), 1e-3, then 1e9 (does not): step 2 is held back; step 3 is held
+    back too (the step before it bit) and speculates again for step 4, which commits."""
+    limits = {}
+
+    def setup(model, opt):
+        limits[id(opt)] = [1e-3, 1e-3, 1e9, 1e9]
+
+    def clip(model, opt):
+        opt.clip_grad_norm_(limits[id(opt)].pop(0))
+
+    model, opt, _, _ = both(tmp_path, steps=4, grad=grad, setup=setup, between=clip)
+    stats = opt.speculation_stats
+    units = len(hetstore.state_of(model).runtime.units)
+    assert stats["held_back"] == 2 * units
+    assert stats["rolled_back"] == units  # step 1
+    assert stats["committed"] == units  # step 4
+
+
+def test_the_clip_reads_no_gradient_back_from_disk(tmp_path):
+    """Gradients on disk: from the second step on, clip_grad_norm_ uses the per-parameter
+    norms recorded from the gradient stager's buffer at the end of backward, and reads
+    nothing; its total is then torch's clip_grad_norm_ over the same gradients, bit for
+    bit. (The first clip scans the gradients in chunks: a parameter cut by a chunk border
+    gets the norm of its pieces' norms, within fp32 round-off of torch's: measured 1 ulp.)"""
+    data = batches(3, vocab=64)
+    model, opt = offloaded(tmp_path, True, grad="disk")
+    ref, ref_opt = fresh()
+    disk = hetstore.state_of(model).tiers.disk
+    read_by_clip = []
+    for step, (x, y) in enumerate(data):
+        for m in (model, ref):
+            m(x, y).backward()
+        before = disk.stats()["bytes_read"]
+        total = opt.clip_grad_norm_(1e-3)
+        read_by_clip.append(disk.stats()["bytes_read"] - before)
+        expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+        if step:
+            assert torch.equal(total, expected)
+        else:
+            torch.testing.assert_close(total, expected, rtol=1e-6, atol=0)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    grad_bytes = sum(u.trainable_numel * 4 for u in hetstore.state_of(model).runtime.units)
+    assert read_by_clip[0] >= grad_bytes  # the first clip scans them (nothing recorded)
+    assert read_by_clip[1:] == [0, 0]
 
 
 def test_torchs_clip_through_p_grad_rolls_back_exactly(tmp_path):

@@ -99,6 +99,7 @@ class OffloadedOptimizer(Optimizer):
         self._warned_missing: set[str] = set()
         # factors (unscale, clip) still to apply to on-disk gradients, in order
         self._disk_grad_factors: list = []
+        self._clipped = False  # clip_grad_norm_ scaled this step's gradients
         self._resume_at = 0  # index into _unit_steps where an interrupted step goes on
         self._released = False  # hetstore.release(model) freed the units' buffers
         # disk units stepped speculatively during backward (optim.step_ahead); not sharded
@@ -293,6 +294,10 @@ class OffloadedOptimizer(Optimizer):
         norms: dict[int, torch.Tensor] = {}
         for unit_step in self._disk_units():
             unit = unit_step.unit
+            recorded = self._recorded_norms(unit, norm_type)
+            if recorded is not None:  # taken at the end of backward: no read from disk
+                norms.update(recorded)
+                continue
             parts: dict[int, list[torch.Tensor]] = {}
 
             def visit(chunk: torch.Tensor, start: int, unit=unit, parts=parts) -> None:
@@ -319,6 +324,17 @@ class OffloadedOptimizer(Optimizer):
             for key, pieces in parts.items():
                 norms[key] = torch.linalg.vector_norm(torch.stack(pieces), norm_type)
         return norms
+
+    def _recorded_norms(self, unit: Unit, norm_type: float) -> dict[int, torch.Tensor] | None:
+        """The per-parameter norms the step ahead recorded from ``unit``'s gradients at the
+        end of backward, when they are still what the clip would read (no factor to
+        apply yet: an fp16 unscale or an earlier clip scales them); else None."""
+        if self.step_ahead is None or norm_type != 2.0:
+            return None
+        self.step_ahead.record_norms = True  # from the next backward on, if not yet
+        if self._disk_grad_factors:
+            return None
+        return self.step_ahead.norms_of(unit)
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -360,7 +376,8 @@ class OffloadedOptimizer(Optimizer):
         self._check_finite(total, norm_type, error_if_nonfinite)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if float(coef) != 1.0:  # x * 1.0 is x: not clipping leaves the buffers untouched,
-            for items in per_device.values():  # so a step already taken ahead still holds
+            self._clipped = True  # so a step already taken ahead still holds
+            for items in per_device.values():
                 device = items[0][1].device
                 torch._foreach_mul_([v for _, v in items], coef.to(device))
         self._disk_grad_factors.append(coef.cpu())
@@ -430,7 +447,9 @@ class OffloadedOptimizer(Optimizer):
             if self._resume_at == 0:
                 # recorded as each commits and kept until the step is done: a step resumed
                 # after a failure (even one in settle, or at the first unit) skips them
-                self.step_ahead.settle(self._disk_grad_factors, self._stepped_ahead)
+                self.step_ahead.settle(
+                    self._disk_grad_factors, self._stepped_ahead, clipped=self._clipped
+                )
             else:  # resuming: speculations of a backward run since are not this step's
                 self.step_ahead.discard_all()
         if self._resume_at == 0:
@@ -462,6 +481,7 @@ class OffloadedOptimizer(Optimizer):
         self._stepped_ahead = set()
         self._unscaled = False
         self._disk_grad_factors = []
+        self._clipped = False
         if self._on_step is not None:
             self._on_step()
         return None
@@ -504,6 +524,7 @@ class OffloadedOptimizer(Optimizer):
         self._stepped_ahead = set()
         self._unscaled = False
         self._disk_grad_factors = []
+        self._clipped = False
         if self.step_ahead is not None:
             self.step_ahead.discard_all()
         for unit in self.units:

@@ -87,6 +87,8 @@ class SpeculationStats:
     rolled_back: int = 0  # discarded at optimizer.step(), stepped again the ordinary way
     cancelled: int = 0  # superseded by a later backward, or dropped by zero_grad()/a load
     not_started: int = 0  # no disk room for the shadows, or host room for the chunks
+    # not tried: the last step's clip bit, so this one's would most likely roll back too
+    held_back: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -181,6 +183,14 @@ class StepAhead:
         self.backwards = 0  # backward passes since the last step
         self.expected = 1  # backward passes the last step had
         self.stats = SpeculationStats()
+        # the last step scaled the gradients (a clip that bit): a speculation assumes
+        # they are not scaled, so it would roll back; hold back until a step that does not
+        self.hold_back = False
+        # clip_grad_norm_ (L2) was called: record each disk unit's per-parameter norms
+        # from the gradient stager's buffer when its gradients are final, so the clip
+        # does not read the gradients back from disk (see norms_of)
+        self.record_norms = False
+        self._norms: dict[int, tuple[tuple, tuple, dict[int, torch.Tensor]]] = {}
         # step_in_backward: steps taken in backward and committed, until optimizer.step()
         self.consume = consume
         self._consumed: dict[int, _Speculation] = {}
@@ -219,6 +229,11 @@ class StepAhead:
         if self.consume or self.suspended or self.backwards < self.expected:
             return
         self._cancel(id(unit))  # one from an earlier micro-batch: superseded
+        if self.record_norms:
+            self._record_norms(unit)
+        if self.hold_back:
+            self.stats.held_back += 1
+            return
         spec = self._start(unit)
         if spec is not None:
             self._pending[id(unit)] = spec
@@ -284,12 +299,48 @@ class StepAhead:
         self.stats.started += 1
         return spec
 
+    # ------------------------------------------------------------------ gradient norms
+    def _record_norms(self, unit: Unit) -> None:
+        """Per-parameter L2 norms of ``unit``'s final gradients, from the stager's buffer
+        its write to disk is reading (the same values, each parameter whole: the same
+        ``_foreach_norm`` torch's clip runs on ``p.grad``)."""
+        self._norms.pop(id(unit), None)
+        stager = unit.grad_stager
+        view = stager.peek(unit) if stager is not None else None
+        if view is None:
+            return
+        entries = [e for e in unit.trainable_entries if e.has_grad]
+        if not entries:
+            return
+        norms = torch._foreach_norm([view[e.offset : e.offset + e.numel] for e in entries], 2.0)
+        has_grad = tuple(e.has_grad for e in unit.trainable_entries)
+        self._norms[id(unit)] = (
+            _grad_state(unit),
+            has_grad,
+            {id(e.param): n for e, n in zip(entries, norms, strict=True)},
+        )
+
+    def norms_of(self, unit: Unit) -> dict[int, torch.Tensor] | None:
+        """id(param) -> the L2 norm of its gradient as recorded at the end of backward;
+        None unless recorded and nothing added to or changed the gradients since."""
+        recorded = self._norms.get(id(unit))
+        if recorded is None:
+            return None
+        state, has_grad, norms = recorded
+        if state != _grad_state(unit) or has_grad != tuple(
+            e.has_grad for e in unit.trainable_entries
+        ):
+            return None
+        return norms
+
     # ------------------------------------------------------------------ optimizer events
-    def settle(self, disk_grad_factors: list, committed: set[int]) -> None:
+    def settle(self, disk_grad_factors: list, committed: set[int], clipped: bool = False) -> None:
         """At ``optimizer.step()``: commit what still holds, discard the rest; add the ids
         of the units committed to ``committed`` as each commits. ``disk_grad_factors``:
         what the ordinary step would multiply gradients on disk by (clipping); a
-        speculation took none."""
+        speculation took none. ``clipped``: a clip scaled the gradients this step (the
+        next step's speculations are held back, see ``hold_back``)."""
+        self.hold_back = clipped
         # what the ordinary step multiplies gradients on disk by; factors of exactly 1.0
         # (a clip that does not bite) change nothing
         factors = [float(f) for f in disk_grad_factors if float(f) != 1.0]
@@ -325,6 +376,7 @@ class StepAhead:
         """A step was taken or skipped (fp16 overflow): count micro-batches anew."""
         self.expected = max(self.backwards, 1)
         self.backwards = 0
+        self._norms.clear()
 
     def unscaling(self, units: list[Unit]):
         """fp16: the optimizer is about to unscale these units' gradients in memory, in

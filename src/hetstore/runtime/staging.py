@@ -243,6 +243,15 @@ class GradStager:
         self._lent[unit] = slot
         return slot[: unit.trainable_numel * 4].view(torch.float32)
 
+    def peek(self, unit: Unit) -> torch.Tensor | None:
+        """``unit``'s gradients in the buffer just flushed, to read now, before the
+        stager may reuse it (it does only when another unit needs a buffer); None when
+        it is not at hand."""
+        slot = next((s for u, s in reversed(self._writing) if u is unit), None)
+        if slot is None:
+            return None
+        return slot[: unit.trainable_numel * 4].view(torch.float32)
+
     def hand_over(self, unit: Unit) -> torch.Tensor | None:
         """``unit``'s gathered gradients, taken out of the stager for a step in backward
         that consumes them: never written to disk. The buffer comes back by
