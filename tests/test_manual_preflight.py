@@ -17,12 +17,14 @@ import pytest
 import torch
 
 import hetstore
-from hetstore import OffloadConfig, OutOfDeviceMemory
+from hetstore import OutOfDeviceMemory
 from hetstore.errors import OutOfTierMemory
 from hetstore.planner.floor import floor_of_config
 from hetstore.planner.tracer import model_data_trace
 from hetstore.tier import Tier
 from tests.models.gpt import GPT, batches
+from tests.test_disk_offload import disk_config
+from tests.test_load_weights import train as train_on
 
 VOCAB = 4096  # a root unit (tied embedding and head) five times a block
 
@@ -37,31 +39,13 @@ def model_and_optimizer(kind="adamw"):
     return model, optimizer
 
 
-def config(path, param="disk", optim="disk", **kwargs):
-    return OffloadConfig(
-        offload_param=param,
-        offload_optimizer=optim,
-        offload_path=str(path),
-        enable_pinned_mem=False,
-        device="cpu",
-        **kwargs,
-    )
-
-
 def floor_of(model, optimizer, cfg):
     trace = model_data_trace(model, cfg, None, optimizer=optimizer)
     return floor_of_config(trace, cfg, optimizer)
 
 
 def train(model, optimizer, steps=3):
-    losses = []
-    for x, y in batches(steps, vocab=VOCAB):
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_on(model, optimizer, batches(steps, vocab=VOCAB))
 
 
 CASES = [
@@ -83,7 +67,7 @@ CASES = [
 @pytest.mark.parametrize("param, optim, extra", CASES)
 def test_the_floor_is_never_above_what_training_holds(tmp_path, param, optim, extra):
     model, optimizer = model_and_optimizer()
-    cfg = config(tmp_path, param, optim, offload_activations="none", **extra)
+    cfg = disk_config(tmp_path, param, optim, offload_activations="none", **extra)
     floor = floor_of(model, optimizer, cfg)
     model, optimizer = hetstore.offload(model, optimizer, cfg)
     train(model, optimizer)
@@ -104,7 +88,7 @@ def test_host_staging_over_offload_cpu_size_is_refused_before_anything_is_built(
     model, optimizer = model_and_optimizer()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(OutOfTierMemory) as info:
-        hetstore.offload(model, optimizer, config(tmp_path, offload_cpu_size=9 << 20))
+        hetstore.offload(model, optimizer, disk_config(tmp_path, offload_cpu_size=9 << 20))
     message = str(info.value)
     assert info.value.tier == "host" and info.value.capacity == 9 << 20
     assert "offload_cpu_size" in message and "9.06 MiB" in message
@@ -119,40 +103,37 @@ def test_host_staging_over_offload_cpu_size_is_refused_before_anything_is_built(
     # at the floor (rounded up to what the layout's padding adds) it trains
     model, optimizer = model_and_optimizer()
     model, optimizer = hetstore.offload(
-        model, optimizer, config(tmp_path, offload_cpu_size=info.value.requested + (64 << 10))
+        model, optimizer, disk_config(tmp_path, offload_cpu_size=info.value.requested + (64 << 10))
     )
     assert len(train(model, optimizer)) == 3
     hetstore.release(model)
 
 
-def test_the_device_working_set_over_max_device_memory_is_refused(tmp_path):
-    """Parameters on host: the root unit (1 MiB) and the largest block are on the device
-    together. Half a MiB used to pass offload() and stop in the first forward."""
+@pytest.mark.parametrize(
+    "param, optim, budget, names",
+    [
+        # parameters on host: the root unit (1 MiB) and the largest block are on the
+        # device together; half a MiB used to pass offload() and stop in the first forward
+        ("cpu", "cpu", 512 << 10, ["the root unit's working copy"]),
+        # everything on the device: the error names what moves the states off it
+        ("none", "none", 4 << 20, ["optimizer states", "offload_optimizer='cpu' moves"]),
+    ],
+)
+def test_a_device_floor_over_max_device_memory_is_refused(tmp_path, param, optim, budget, names):
     model, optimizer = model_and_optimizer()
+    cfg = disk_config(tmp_path, param, optim, max_device_memory=budget)
     with pytest.raises(OutOfDeviceMemory) as info:
-        hetstore.offload(
-            model, optimizer, config(tmp_path, "cpu", "cpu", max_device_memory=512 << 10)
-        )
+        hetstore.offload(model, optimizer, cfg)
     message = str(info.value)
-    assert "max_device_memory" in message and "the root unit's working copy" in message
-    assert info.value.requested > 1 << 20
-
-
-def test_device_states_name_the_setting_that_moves_them(tmp_path):
-    model, optimizer = model_and_optimizer()
-    with pytest.raises(OutOfDeviceMemory) as info:
-        hetstore.offload(
-            model, optimizer, config(tmp_path, "none", "none", max_device_memory=4 << 20)
-        )
-    message = str(info.value)
-    assert "optimizer states" in message and "offload_optimizer='cpu' moves" in message
+    assert "max_device_memory" in message and all(name in message for name in names)
+    assert info.value.requested > budget
 
 
 def test_a_disk_without_room_for_the_steps_shadow_is_refused(tmp_path):
     """Master and AdamW states on disk take 3 x 1 MiB for the root; its step writes a
     shadow beside them. A capacity between the two used to fail at the step."""
     model, optimizer = model_and_optimizer()
-    cfg = config(tmp_path, "cpu", "disk")
+    cfg = disk_config(tmp_path, "cpu", "disk")
     floor = floor_of(model, optimizer, cfg)
     shadow = dict(floor.parts[Tier.DISK])["the optimizer step's shadow"]
     stored = floor.total(Tier.DISK) - shadow
@@ -166,7 +147,7 @@ def test_sgd_with_momentum_states_made_later_are_not_counted_against_it(tmp_path
     """SGD's momentum is made at the first step, not at offload(): the floor leaves it out
     (a floor must not be above what is held), and a placement that trains still does."""
     model, optimizer = model_and_optimizer("sgd")
-    cfg = config(tmp_path)
+    cfg = disk_config(tmp_path)
     floor = floor_of(model, optimizer, cfg)
     assert "optimizer states" not in dict(floor.parts[Tier.DISK])
     model, optimizer = hetstore.offload(model, optimizer, cfg)
