@@ -36,11 +36,12 @@ from dataclasses import dataclass
 
 from hetstore._sizes import format_size
 from hetstore.errors import OutOfDeviceMemory, OutOfTierMemory
-from hetstore.footprints import GRAD_STAGING_SLOTS, param_staging_slots, streamed_step_bytes
+from hetstore.footprints import GRAD_STAGING_SLOTS, STREAMED_STEP_SLOT_SETS
 from hetstore.optim.registry import flat_spec, flat_steppable
 from hetstore.planner.cost import _aliases_master, _master_bytes, _paged, consumed
 from hetstore.planner.trace import Trace
 from hetstore.tier import Tier
+from hetstore.tiers.flat import BYTE_ALIGN_ELEMENTS
 
 __all__ = ["Floor", "manual_floor", "floor_of_config", "check_manual_floor"]
 
@@ -78,56 +79,78 @@ def manual_floor(
         if nbytes > 0:
             parts[tier][what] = parts[tier].get(what, 0) + nbytes
 
-    units = trace.units
-    disk_homes, disk_grads, steps, shadows, blocks = [], [], [], [], []
+    def stored(tier: Tier, nbytes: int) -> int:
+        """Host buffers and disk regions are whole pages; the device counts bytes."""
+        return nbytes if tier is Tier.DEVICE else _paged(nbytes)
+
+    disk_grads, steps, shadows, blocks = [], [], [], []
     root_params = 0
-    for u in units:
+    root_on_disk = False
+    largest_home = 0
+    # the step's chunk: optimizer_chunk_size rounded down to a layout alignment (the
+    # runtime rounds to its own, 2048 or 4096 elements; the larger one is the lower bound)
+    chunk = chunk_bytes // 4
+    chunk = chunk // BYTE_ALIGN_ELEMENTS * BYTE_ALIGN_ELEMENTS or chunk
+    for u in trace.units:
         aliased = _aliases_master(u, choice)
         trainable = stepped and u.trainable_numel > 0
         is_consumed = trainable and consumed(trace, u, choice)
-        # the master (always made), and the gradients and states kept beside it
-        add(optimizer, "master weights", _paged(_master_bytes(u, choice)))
-        if trainable and states:
-            add(optimizer, "optimizer states", _paged(u.state_bytes, u.state_arrays))
+        # the master: always made when it is the home, else for what an optimizer steps
+        # (without one, parameters already in the compute dtype have none)
+        if aliased or stepped:
+            add(optimizer, "master weights", stored(optimizer, _master_bytes(u, choice)))
+        if trainable and states:  # (unpaged: a compact format's arrays are uneven)
+            add(optimizer, "optimizer states", u.state_bytes)
         if trainable and not is_consumed:
-            add(grad, "gradients", _paged(u.grad_bytes))
+            add(grad, "gradients", stored(grad, u.grad_bytes))
         if trainable and grad is Tier.DISK:
             disk_grads.append(u.grad_bytes)
         # the parameters between uses, and their working copy on the device
         if not aliased:
-            add(param, "parameters", _paged(u.param_bytes))
+            add(param, "parameters", stored(param, u.param_bytes))
         if param is Tier.DISK:
-            disk_homes.append(u.param_bytes)
+            largest_home = max(largest_home, u.param_bytes)
+            root_on_disk = root_on_disk or u.is_root
         if param is not Tier.DEVICE:
             if u.is_root:
                 root_params = u.param_bytes
             else:
                 blocks.append(u.param_bytes)
         if trainable and optimizer is Tier.DISK:
-            home_itemsize = u.compute_itemsize if param is Tier.DISK and not aliased else 0
-            steps.append(
-                streamed_step_bytes(
-                    _master_bytes(u, choice) // 4,
-                    u.state_count if states else 0,
-                    chunk_bytes // 4,
-                    state_itemsize=u.per_state_itemsize,
-                    grad_on_disk=grad is Tier.DISK and not is_consumed,
-                    home_itemsize=home_itemsize,
-                )
-            )
-            held = _paged(u.state_bytes, u.state_arrays) if states else 0
-            shadows.append(_paged(_master_bytes(u, choice)) + held)
+            steps.append(_chunk_sets(u, chunk, param, aliased, states, grad, is_consumed))
+            shadows.append(_paged(_master_bytes(u, choice)) + (u.state_bytes if states else 0))
     add(Tier.DEVICE, "the root unit's working copy", root_params)
     add(Tier.DEVICE, "the largest block's working copy", max(blocks, default=0))
-    if disk_homes:
-        slots = min(param_staging_slots(depth), len(disk_homes))
-        add(Tier.HOST, f"parameter staging ({slots} slots)", slots * _paged(max(disk_homes)))
+    if largest_home:
+        # certain: the root's read while the first ``depth`` blocks are prefetched (a
+        # model without a root unit on disk may turn one slot over)
+        slots = min(depth, len(blocks)) + 1 if root_on_disk else 1
+        add(Tier.HOST, f"parameter staging ({slots} slots)", slots * _paged(largest_home))
     if disk_grads:
-        slots = min(GRAD_STAGING_SLOTS, len(disk_grads))
+        # each unit's buffer is written out while the next fills; a step in backward
+        # may give one back early
+        slots = 1 if trace.step_in_backward else min(GRAD_STAGING_SLOTS, len(disk_grads))
         add(Tier.HOST, f"gradient staging ({slots} slots)", slots * _paged(max(disk_grads)))
     add(Tier.HOST, "the optimizer step's chunk buffers", max(steps, default=0))
     add(Tier.DISK, "the optimizer step's shadow", max(shadows, default=0))
     return Floor({t: list(p.items()) for t, p in parts.items() if p})
+
+
+def _chunk_sets(u, chunk: int, param, aliased, states, grad, is_consumed) -> int:
+    """The buffer sets of the unit's streamed step (optim.streamed), each of its longest
+    chunk at least: a chunk never crosses a param group, and its largest trainable parameter
+    lies within one group. Per element: the fp32 master, each state (fp32, or stored
+    compact plus its fp32 scratch), the gradient when read from disk, and the home's cast
+    when it is a disk array of its own that holds no frozen compute-dtype part."""
+    numel = min(chunk, u.max_trainable_numel)
+    # sets pipelined: up to 3, no more than its chunks (at least trainable / chunk of them)
+    sets = min(STREAMED_STEP_SLOT_SETS, -(-u.trainable_numel // max(chunk, 1)))
+    per_state = 4 if u.per_state_itemsize >= 4 else 4 + int(u.per_state_itemsize)
+    per_element = 4 + (u.state_count * per_state if states else 0)
+    per_element += 4 if grad is Tier.DISK and not is_consumed else 0
+    if param is Tier.DISK and not aliased and not u.frozen_compute_numel:
+        per_element += u.compute_itemsize
+    return sets * numel * per_element
 
 
 def _remedy(tier: Tier, what: str, config) -> str | None:

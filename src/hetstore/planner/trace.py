@@ -67,6 +67,7 @@ class UnitTrace:
     largest_saved_bytes: int = 0  # its largest saved storage
     temp_bytes: int = 0
     max_param_numel: int = 0  # its largest parameter (one gradient in flight)
+    max_trainable_numel: int = 0  # its largest parameter the optimizer steps
     forward_s: float = 0.0
     backward_s: float = 0.0
     flops: float = 0.0

@@ -71,6 +71,9 @@ def model_data_trace(
                 state_itemsize=states,
                 state_count=count,
                 max_param_numel=max((p.numel() for p in params), default=0),
+                max_trainable_numel=max(
+                    (p.numel() for p in params if _trainable(p, optimizer)), default=0
+                ),
                 is_root=spec.is_root,
             )
         )
