@@ -34,7 +34,7 @@ from hetstore.optim.registry import FLAT_NAMES, flat_spec, flat_steppable
 from hetstore.optim.state_format import StateFormat
 from hetstore.optim.state_format import state_format as state_format_named
 from hetstore.optim.step_ahead import StepAhead, eligible
-from hetstore.optim.streamed import StreamedUnitStep, UnitStates
+from hetstore.optim.streamed import ChunkNorms, StreamedUnitStep, UnitStates
 from hetstore.runtime.sharding import ShardGroup
 from hetstore.runtime.unit import ParamEntry, Unit
 from hetstore.tiers.flat import DiskArray, DiskSlice
@@ -293,46 +293,20 @@ class OffloadedOptimizer(Optimizer):
         parameter split across two chunks combines the chunks' norms."""
         norms: dict[int, torch.Tensor] = {}
         for unit_step in self._disk_units():
-            unit = unit_step.unit
-            recorded = self._recorded_norms(unit, norm_type)
+            recorded = self._norms_from_backward(unit_step.unit, norm_type)
             if recorded is not None:  # taken at the end of backward: no read from disk
                 norms.update(recorded)
                 continue
-            parts: dict[int, list[torch.Tensor]] = {}
-
-            def visit(chunk: torch.Tensor, start: int, unit=unit, parts=parts) -> None:
-                end = start + chunk.numel()
-                whole, whole_ids = [], []
-                for entry in unit.trainable_entries:
-                    a, b = entry.offset, entry.offset + entry.numel
-                    if not entry.has_grad or b <= start or a >= end:
-                        continue
-                    view = chunk[max(a, start) - start : min(b, end) - start]
-                    if start <= a and b <= end:
-                        whole.append(view)
-                        whole_ids.append(id(entry.param))
-                    else:
-                        part = torch.linalg.vector_norm(view, norm_type)
-                        parts.setdefault(id(entry.param), []).append(part)
-                if whole:
-                    for key, norm in zip(
-                        whole_ids, torch._foreach_norm(whole, norm_type), strict=True
-                    ):
-                        norms[key] = norm
-
-            unit_step.scan_grads(self._disk_grad_factors, visit)
-            for key, pieces in parts.items():
-                norms[key] = torch.linalg.vector_norm(torch.stack(pieces), norm_type)
+            chunked = ChunkNorms(unit_step.unit, norm_type)
+            unit_step.scan_grads(self._disk_grad_factors, chunked.visit)
+            norms.update(chunked.result())
         return norms
 
-    def _recorded_norms(self, unit: Unit, norm_type: float) -> dict[int, torch.Tensor] | None:
+    def _norms_from_backward(self, unit: Unit, norm_type: float) -> dict[int, torch.Tensor] | None:
         """The per-parameter norms the step ahead recorded from ``unit``'s gradients at the
         end of backward, when they are still what the clip would read (no factor to
-        apply yet: an fp16 unscale or an earlier clip scales them); else None."""
-        if self.step_ahead is None or norm_type != 2.0:
-            return None
-        self.step_ahead.record_norms = True  # from the next backward on, if not yet
-        if self._disk_grad_factors:
+        apply yet: an earlier clip scales them); else None."""
+        if self.step_ahead is None or norm_type != 2.0 or self._disk_grad_factors:
             return None
         return self.step_ahead.norms_of(unit)
 
@@ -359,6 +333,10 @@ class OffloadedOptimizer(Optimizer):
         norm_type = float(norm_type)
         if self.shards is not None:
             return self._clip_sharded(max_norm, norm_type, error_if_nonfinite)
+        if self.step_ahead is not None and norm_type == 2.0 and self.loss_scaler is None:
+            # from the next backward on: each disk unit's norms taken as its gradients are
+            # written (with fp16 the clip reads unscaled gradients, which backward has not)
+            self.step_ahead.record_norms = True
         memory = self._memory_grad_views()
         per_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for key, view in memory.items():

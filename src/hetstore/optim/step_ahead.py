@@ -21,6 +21,12 @@ A speculation assumes that what the step would read is what it read:
 - the master and the states were not rewritten since (a checkpoint or state-dict load).
 
 A speculation that was wrong costs the disk traffic of one step, never correctness.
+After a step whose ``clip_grad_norm_`` scaled the gradients, the next step's would most
+likely be wrong too: they are held back (``held_back``) until a step whose clip did not
+bite. Once ``clip_grad_norm_`` (L2, no fp16 scaling) has been called, each unit's
+per-parameter norms are also taken here, from the buffer its gradients are written
+from, in the chunks a read back would use (:class:`~hetstore.optim.streamed.ChunkNorms`),
+so that the clip need not read them back.
 
 Which backward is the last before a step: by default the one whose count since the last
 step reaches the count the last step had (1 at first), so a plain loop speculates on
@@ -65,7 +71,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetstore.errors import OutOfTierMemory
-from hetstore.optim.streamed import StreamedUnitStep
+from hetstore.optim.streamed import ChunkNorms, StreamedUnitStep
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
 from hetstore.runtime.staging import GradStager, stagers_of
 from hetstore.tiers._hostmem import PAGE_SIZE, round_up
@@ -229,6 +235,8 @@ class StepAhead:
         if self.consume or self.suspended or self.backwards < self.expected:
             return
         self._cancel(id(unit))  # one from an earlier micro-batch: superseded
+        if id(unit) not in self._steps:
+            return  # not stepped ahead (e.g. gradients in memory of a unit not on disk)
         if self.record_norms:
             self._record_norms(unit)
         if self.hold_back:
@@ -302,23 +310,17 @@ class StepAhead:
     # ------------------------------------------------------------------ gradient norms
     def _record_norms(self, unit: Unit) -> None:
         """Per-parameter L2 norms of ``unit``'s final gradients, from the stager's buffer
-        its write to disk is reading (the same values, each parameter whole: the same
-        ``_foreach_norm`` torch's clip runs on ``p.grad``)."""
+        its write to disk is reading, in the chunks the clip's scan of the disk would
+        read (the same values, the same arithmetic: the same bits)."""
         self._norms.pop(id(unit), None)
         stager = unit.grad_stager
         view = stager.peek(unit) if stager is not None else None
         if view is None:
             return
-        entries = [e for e in unit.trainable_entries if e.has_grad]
-        if not entries:
-            return
-        norms = torch._foreach_norm([view[e.offset : e.offset + e.numel] for e in entries], 2.0)
+        chunked = ChunkNorms(unit, 2.0)
+        self._steps[id(unit)].visit_in(view, chunked.visit)
         has_grad = tuple(e.has_grad for e in unit.trainable_entries)
-        self._norms[id(unit)] = (
-            _grad_state(unit),
-            has_grad,
-            {id(e.param): n for e, n in zip(entries, norms, strict=True)},
-        )
+        self._norms[id(unit)] = (_grad_state(unit), has_grad, chunked.result())
 
     def norms_of(self, unit: Unit) -> dict[int, torch.Tensor] | None:
         """id(param) -> the L2 norm of its gradient as recorded at the end of backward;

@@ -112,6 +112,44 @@ def chunks_of(unit: Unit, chunk_numel: int) -> list[_Chunk]:
     return chunks
 
 
+class ChunkNorms:
+    """Per-parameter gradient norms of one unit, from its gradients visited in chunks
+    (``StreamedUnitStep.scan_grads`` from disk, or ``visit_in`` over a buffer in memory:
+    the same chunks either way, so the same bits). A parameter cut by a chunk border
+    gets the norm of its pieces' norms (within fp32 round-off of torch's norm)."""
+
+    def __init__(self, unit: Unit, norm_type: float):
+        self.unit = unit
+        self.norm_type = norm_type
+        self._norms: dict[int, torch.Tensor] = {}
+        self._parts: dict[int, list[torch.Tensor]] = {}
+
+    def visit(self, chunk: torch.Tensor, start: int) -> None:
+        end = start + chunk.numel()
+        whole, whole_ids = [], []
+        for entry in self.unit.trainable_entries:
+            a, b = entry.offset, entry.offset + entry.numel
+            if not entry.has_grad or b <= start or a >= end:
+                continue
+            view = chunk[max(a, start) - start : min(b, end) - start]
+            if start <= a and b <= end:
+                whole.append(view)
+                whole_ids.append(id(entry.param))
+            else:
+                part = torch.linalg.vector_norm(view, self.norm_type)
+                self._parts.setdefault(id(entry.param), []).append(part)
+        if whole:
+            computed = torch._foreach_norm(whole, self.norm_type)
+            self._norms.update(zip(whole_ids, computed, strict=True))
+
+    def result(self) -> dict[int, torch.Tensor]:
+        """id(param) -> its gradient's norm."""
+        norms = dict(self._norms)
+        for key, pieces in self._parts.items():
+            norms[key] = torch.linalg.vector_norm(torch.stack(pieces), self.norm_type)
+        return norms
+
+
 class UnitStates:
     """What a chunked unit step owns, in memory or on disk: the unit's optimizer states
     in the format's arrays (and 8-bit block scales) on ``tier``, one step counter per
@@ -196,6 +234,13 @@ class StreamedUnitStep(UnitStates):
         return chunk_buffers(self.unit.tiers.host, count, names, numel, f"swap {self.unit.name}")
 
     # ------------------------------------------------------------------ gradients
+    def visit_in(self, grads: torch.Tensor, visit: Callable[[torch.Tensor, int], None]) -> None:
+        """Call ``visit(chunk, start)`` over ``grads`` (the unit's whole gradient buffer,
+        in memory) in the chunks :meth:`scan_grads` reads."""
+        total = self.unit.trainable_numel
+        for a in range(0, total, self.chunk_numel):
+            visit(grads[a : min(a + self.chunk_numel, total)], a)
+
     def scan_grads(self, multipliers: list, visit: Callable[[torch.Tensor, int], None]) -> None:
         """Read the unit's gradients chunk by chunk (two buffers, reading ahead), apply
         ``multipliers`` in order, and call ``visit(chunk, start)``."""
