@@ -456,13 +456,17 @@ class OffloadedOptimizer(Optimizer):
             unit_step.optimizer.step()
             unit.refresh_after_step()
         self._resume_at = 0
+        self._forget_this_step()
+        if self._on_step is not None:
+            self._on_step()
+        return None
+
+    def _forget_this_step(self) -> None:
+        """What one step's gradients carried (after the step, or dropped by zero_grad)."""
         self._stepped_ahead = set()
         self._unscaled = False
         self._disk_grad_factors = []
         self._clipped = False
-        if self._on_step is not None:
-            self._on_step()
-        return None
 
     def _refuse_consumed_again(self) -> None:
         """A second optimizer.step() on gradients a step in backward consumed: plain
@@ -499,10 +503,7 @@ class OffloadedOptimizer(Optimizer):
                 stacklevel=2,
             )
             self._resume_at = 0
-        self._stepped_ahead = set()
-        self._unscaled = False
-        self._disk_grad_factors = []
-        self._clipped = False
+        self._forget_this_step()
         if self.step_ahead is not None:
             self.step_ahead.discard_all()
         for unit in self.units:

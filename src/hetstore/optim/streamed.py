@@ -234,28 +234,32 @@ class StreamedUnitStep(UnitStates):
         return chunk_buffers(self.unit.tiers.host, count, names, numel, f"swap {self.unit.name}")
 
     # ------------------------------------------------------------------ gradients
+    def _grad_spans(self) -> list[tuple[int, int]]:
+        """The gradient chunks ``[start, end)`` a scan visits (one definition: recorded
+        norms equal scanned ones only over the same chunks)."""
+        total = self.unit.trainable_numel
+        return [(a, min(a + self.chunk_numel, total)) for a in range(0, total, self.chunk_numel)]
+
     def visit_in(self, grads: torch.Tensor, visit: Callable[[torch.Tensor, int], None]) -> None:
         """Call ``visit(chunk, start)`` over ``grads`` (the unit's whole gradient buffer,
         in memory) in the chunks :meth:`scan_grads` reads."""
-        total = self.unit.trainable_numel
-        for a in range(0, total, self.chunk_numel):
-            visit(grads[a : min(a + self.chunk_numel, total)], a)
+        for a, b in self._grad_spans():
+            visit(grads[a:b], a)
 
     def scan_grads(self, multipliers: list, visit: Callable[[torch.Tensor, int], None]) -> None:
         """Read the unit's gradients chunk by chunk (two buffers, reading ahead), apply
         ``multipliers`` in order, and call ``visit(chunk, start)``."""
         unit = self.unit
-        total = unit.trainable_numel
-        starts = list(range(0, total, self.chunk_numel))
+        spans = self._grad_spans()
+        starts = [a for a, _ in spans]
         sets, buffers = self._slot_sets(
-            min(2, len(starts)), [("grad", torch.float32)], min(self.chunk_numel, total)
+            min(2, len(spans)),
+            [("grad", torch.float32)],
+            min(self.chunk_numel, unit.trainable_numel),
         )
         pending: list = []
         try:
-            views = []
-            for i, a in enumerate(starts):
-                n = min(self.chunk_numel, total - a)
-                views.append(sets[i % len(sets)]["grad"][:n])
+            views = [sets[i % len(sets)]["grad"][: b - a] for i, (a, b) in enumerate(spans)]
             pending.append(unit.grad.read(views[0], starts[0]))
             for i, a in enumerate(starts):
                 current = pending.pop(0)

@@ -9,11 +9,11 @@ later ``optimizer.step()``. :func:`check_manual_floor` refuses such a configurat
 
 The figures here are *floors*, not predictions: each part is a buffer the runtime
 certainly holds at the same moment as the others (activations are left out, no batch
-is known yet), sized as the runtime sizes it (``footprints``) but without the layout's
-alignment padding. A configuration refused here would fail; one that passes may still
-run short by its activations, which the tiers' own errors then name. That is why this
-is a hard refusal while the cost model's prediction (within 10%, but on either side)
-is not used as one.
+is known yet), sized no larger than the runtime sizes it (no alignment padding, the
+step's chunk no longer than the unit's largest trainable parameter). A configuration
+refused here would fail; one that passes may still run short by its activations, which
+the tiers' own errors then name. That is why this is a hard refusal while the cost
+model's prediction (within 10%, but on either side) is not used as one.
 
 Parts per tier, at the moment of the optimizer step of the largest disk unit (or, on
 the device, while the largest offloaded block runs):
@@ -22,10 +22,11 @@ the device, while the largest offloaded block runs):
   gradients and states of device-optimizer units; else the root unit's working copy
   (held for the whole step) and the largest block's.
 - host: parameters homed on host (unless they are the host master); master, states
-  and gradients kept on host; the parameter stager's slots (``prefetch_depth + 1``
-  of the largest disk home, at most one per disk unit); the gradient stager's (3 of the
-  largest disk gradient, at most one per unit); one unit's streamed step (chunk
-  buffers, ``optimizer_chunk_size``).
+  and gradients kept on host; the parameter stager's slots of the largest disk home
+  (``prefetch_depth + 1`` when the root unit is on disk: its read while the first
+  blocks are prefetched; else one); the gradient stager's (3 of the largest disk
+  gradient, at most one per unit; one with ``step_in_backward``); one unit's streamed
+  step (up to 3 buffer sets of a chunk, ``optimizer_chunk_size``).
 - disk: everything homed there, and one step's shadow of the largest disk unit's master
   and states (the step is all-or-nothing: it writes beside the old values).
 """
@@ -38,12 +39,17 @@ from hetstore._sizes import format_size
 from hetstore.errors import OutOfDeviceMemory, OutOfTierMemory
 from hetstore.footprints import GRAD_STAGING_SLOTS, STREAMED_STEP_SLOT_SETS
 from hetstore.optim.registry import flat_spec, flat_steppable
-from hetstore.planner.cost import _aliases_master, _master_bytes, _paged, consumed
+from hetstore.planner.cost import UnitChoice, _aliases_master, _master_bytes, _paged, consumed
 from hetstore.planner.trace import Trace
 from hetstore.tier import Tier
 from hetstore.tiers.flat import BYTE_ALIGN_ELEMENTS
 
 __all__ = ["Floor", "manual_floor", "floor_of_config", "check_manual_floor"]
+
+# the parts a setting other than a tier shrinks (named once: the advice matches on them)
+PARAM_STAGING = "parameter staging"
+STEP_CHUNKS = "the optimizer step's chunk buffers"
+STEP_SHADOW = "the optimizer step's shadow"
 
 
 @dataclass(frozen=True)
@@ -70,8 +76,6 @@ def manual_floor(
     """The floor of the same placement for every unit (see module doc). ``stepped``: an
     optimizer will step the units (their gradients exist); ``states``: its states are
     made at ``offload()`` in the optimizer's tier (the flat families)."""
-    from hetstore.planner.cost import UnitChoice
-
     choice = UnitChoice(param, optimizer)
     parts: dict[Tier, dict[str, int]] = {t: {} for t in Tier}
 
@@ -125,14 +129,14 @@ def manual_floor(
         # certain: the root's read while the first ``depth`` blocks are prefetched (a
         # model without a root unit on disk may turn one slot over)
         slots = min(depth, len(blocks)) + 1 if root_on_disk else 1
-        add(Tier.HOST, f"parameter staging ({slots} slots)", slots * _paged(largest_home))
+        add(Tier.HOST, f"{PARAM_STAGING} ({slots} slots)", slots * _paged(largest_home))
     if disk_grads:
         # each unit's buffer is written out while the next fills; a step in backward
         # may give one back early
         slots = 1 if trace.step_in_backward else min(GRAD_STAGING_SLOTS, len(disk_grads))
         add(Tier.HOST, f"gradient staging ({slots} slots)", slots * _paged(max(disk_grads)))
-    add(Tier.HOST, "the optimizer step's chunk buffers", max(steps, default=0))
-    add(Tier.DISK, "the optimizer step's shadow", max(shadows, default=0))
+    add(Tier.HOST, STEP_CHUNKS, max(steps, default=0))
+    add(Tier.DISK, STEP_SHADOW, max(shadows, default=0))
     return Floor({t: list(p.items()) for t, p in parts.items() if p})
 
 
@@ -164,13 +168,13 @@ def _remedy(tier: Tier, what: str, config) -> str | None:
         if config.offload_grad is None or config.offload_optimizer is tier:
             return f"offload_optimizer='{further}' moves"
         return f"offload_grad='{further}' moves"
-    if what.startswith("parameter staging") and config.prefetch_depth:
+    if what.startswith(PARAM_STAGING) and config.prefetch_depth:
         return f"a lower prefetch_depth (now {config.prefetch_depth}) shrinks"
-    if what.startswith("the optimizer step's chunk"):
+    if what == STEP_CHUNKS:
         return (
             f"a lower optimizer_chunk_size (now {format_size(config.optimizer_chunk_size)}) shrinks"
         )
-    if what.endswith("shadow"):
+    if what == STEP_SHADOW:
         return "offload_optimizer='cpu' moves"
     return None
 
@@ -190,13 +194,6 @@ def floor_of_config(trace: Trace, config, optimizer) -> Floor:
     )
 
 
-_KEYS = {
-    Tier.DEVICE: "max_device_memory",
-    Tier.HOST: "offload_cpu_size",
-    Tier.DISK: "offload_disk_size",
-}
-
-
 def check_manual_floor(floor: Floor, capacities: dict[Tier, int | None], config) -> None:
     """Raise ``OutOfDeviceMemory`` / ``OutOfTierMemory`` naming the capacity key when a
     tier's floor is over its capacity (``None``: not limited, not checked)."""
@@ -204,7 +201,7 @@ def check_manual_floor(floor: Floor, capacities: dict[Tier, int | None], config)
         need, capacity = floor.total(tier), capacities.get(tier)
         if capacity is None or need <= capacity:
             continue
-        key = _KEYS[tier]
+        key = tier.capacity_key
         held = ", ".join(f"{what} {format_size(n)}" for what, n in floor.parts[tier])
         advice = [f"raise {key} to at least {format_size(need)}"]
         remedies: dict[str, int] = {}

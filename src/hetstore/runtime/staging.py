@@ -49,6 +49,11 @@ def stagers_of(units) -> list:
     return list(found.values())
 
 
+def _grads_in(slot: torch.Tensor, unit: Unit) -> torch.Tensor:
+    """The fp32 view of ``unit``'s gradients at the head of a gradient staging buffer."""
+    return slot[: unit.trainable_numel * 4].view(torch.float32)
+
+
 class _Slots:
     """``count`` host buffers of ``nbytes`` each, allocated on first use."""
 
@@ -205,7 +210,7 @@ class GradStager:
             elif not (self._lent and self.reclaim is not None and self.reclaim()):
                 self.flush(next(iter(self._holders)))  # (never all lent: see lend)
             slot = self._slots.take()
-        view = slot[: unit.trainable_numel * 4].view(torch.float32)
+        view = _grads_in(slot, unit)
         if unit.any_grad():  # accumulating: earlier micro-batches' sums are on disk
             try:
                 unit.grad_region().read(view).wait()
@@ -234,23 +239,25 @@ class GradStager:
         """The buffer holding ``unit``'s gradients, just flushed, for reading until
         :meth:`give_back` (its write to disk goes on: a rollback reads that); None when
         it is not at hand."""
-        slot = next((s for u, s in reversed(self._writing) if u is unit), None)
+        slot = self._written_slot(unit)
         # at most count - 2 lent: two buffers keep turning over (one gathering, one
         # being written), so backward never waits for the worker to give one back
         # (measured: with every buffer lendable, backward slowed to the worker's pace)
         if slot is None or unit in self._lent or len(self._lent) >= self._slots.count - 2:
             return None
         self._lent[unit] = slot
-        return slot[: unit.trainable_numel * 4].view(torch.float32)
+        return _grads_in(slot, unit)
 
     def peek(self, unit: Unit) -> torch.Tensor | None:
         """``unit``'s gradients in the buffer just flushed, to read now, before the
         stager may reuse it (it does only when another unit needs a buffer); None when
         it is not at hand."""
-        slot = next((s for u, s in reversed(self._writing) if u is unit), None)
-        if slot is None:
-            return None
-        return slot[: unit.trainable_numel * 4].view(torch.float32)
+        slot = self._written_slot(unit)
+        return None if slot is None else _grads_in(slot, unit)
+
+    def _written_slot(self, unit: Unit) -> torch.Tensor | None:
+        """The buffer ``unit``'s last flush is writing from, if still in flight."""
+        return next((s for u, s in reversed(self._writing) if u is unit), None)
 
     def hand_over(self, unit: Unit) -> torch.Tensor | None:
         """``unit``'s gathered gradients, taken out of the stager for a step in backward
@@ -267,7 +274,7 @@ class GradStager:
         """A handed-over buffer's step did not happen: write its gradients to disk after
         all (the ordinary step reads them there)."""
         slot = self._lent[unit]
-        unit.grad_region().write(slot[: unit.trainable_numel * 4].view(torch.float32), 0)
+        unit.grad_region().write(_grads_in(slot, unit), 0)
         del self._lent[unit]
         self._writing.append((unit, slot))
 
