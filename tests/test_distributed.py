@@ -108,6 +108,8 @@ def test_what_sharding_refuses_is_named(results):
     assert "RMSprop" in found["rmsprop"] and "Adam, AdamW and SGD" in found["rmsprop"]
     assert "process_group must be" in found["bad_group"] and "str" in found["bad_group"]
     assert "hetstore.save" in found["optimizer_state_dict"]
+    assert "'blocks.0.fc.weight'" in found["sharded_read"]
+    assert "model.state_dict() on every rank" in found["sharded_read"]
 
 
 @pytest.mark.parametrize("kind", ["die", "hang"])

@@ -13,6 +13,7 @@ import torch
 
 import hetstore
 from hetstore import GradientAccessError, OffloadConfig
+from hetstore.runtime.released import Released, ReleasedParameter
 from tests.models.gpt import GPT, batches
 from tests.test_host_offload import TIGHT, adamw, assert_same_weights, config, pair
 
@@ -114,7 +115,9 @@ def test_managed_parameters_stay_parameters_and_come_back():
     p = mine.blocks[0].fc.weight
     assert isinstance(p, torch.nn.Parameter) and type(p).__name__ == "Parameter"
     hetstore.state_of(mine).runtime.remove()
-    assert type(p) is torch.nn.Parameter
+    # the contract's class is gone; while its unit is released the parameter keeps the
+    # layer that serves reads (hetstore.runtime.released), over plain nn.Parameter
+    assert type(p) is ReleasedParameter and type(p).__mro__[1:3] == (Released, torch.nn.Parameter)
 
 
 def test_disk_gradients_refuse_torch_readers_with_the_way_out():

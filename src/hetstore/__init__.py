@@ -15,6 +15,7 @@ from hetstore.errors import (
     DistributedError,
     GradientAccessError,
     HetstoreError,
+    OffloadedParameterError,
     OutOfDeviceMemory,
     OutOfTierMemory,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "DiskIOError",
     "DistributedError",
     "GradientAccessError",
+    "OffloadedParameterError",
     "HetstoreError",
     "memory_stats",
     "load_weights",

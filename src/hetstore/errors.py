@@ -12,6 +12,7 @@ __all__ = [
     "DiskIOError",
     "DistributedError",
     "GradientAccessError",
+    "OffloadedParameterError",
 ]
 
 
@@ -65,6 +66,12 @@ class DistributedError(HetstoreError, RuntimeError):
 class GradientAccessError(HetstoreError, RuntimeError):
     """``p.grad`` of a parameter whose gradient has no whole tensor to show (on disk, or
     sharded over ranks). The message names the parameter and the way out."""
+
+
+class OffloadedParameterError(HetstoreError, RuntimeError):
+    """A write into an offloaded parameter between uses (it would change a copy, not the
+    master), or a read that cannot be served (sharded, freed). The message names the
+    parameter and the way out (``load_state_dict``, ``state_dict``)."""
 
 
 # Raised (as ConfigError) by a backward through a graph whose model was released: its

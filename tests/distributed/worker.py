@@ -200,6 +200,11 @@ def run_refusals(out: str, path: str) -> None:
         found["optimizer_state_dict"] = "no error"
     except RuntimeError as exc:
         found["optimizer_state_dict"] = str(exc)
+    try:  # a read of a sharded parameter between uses would need a collective
+        model.blocks[0].fc.weight.detach().clone()
+        found["sharded_read"] = "no error"
+    except hetstore.OffloadedParameterError as exc:
+        found["sharded_read"] = str(exc)
     torch.save(found, os.path.join(out, f"refusals-rank{dist.get_rank()}.pt"))
 
 

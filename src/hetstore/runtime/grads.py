@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from hetstore.errors import GradientAccessError
+from hetstore.runtime import released
 
 if TYPE_CHECKING:
     from hetstore.runtime.unit import ParamEntry, Unit
@@ -57,16 +58,14 @@ def set_torch_grad(param: torch.Tensor, value: torch.Tensor | None) -> None:
     _TORCH_GRAD.__set__(param, value)
 
 
-def _repr_without_storage(param: nn.Parameter) -> str:
-    """torch's repr reads the elements, and a released parameter has no bytes (printing
-    one crashed the interpreter): describe it instead."""
-    if param.untyped_storage().nbytes() == 0:
-        shape = ", ".join(str(n) for n in param.shape)
-        return (
-            f"Parameter(shape=({shape}), dtype={param.dtype}, device={param.device}: "
-            "offloaded by hetstore, not on the device now; model.state_dict() has its value)"
-        )
-    return super(type(param), param).__repr__()
+def _repr_as_plain(param: nn.Parameter) -> str:
+    """Print as an ``nn.Parameter`` prints: torch's repr names a subclass, which would
+    give ``Parameter(Parameter([...]))`` for the contract's class. A released one is
+    printed by the layer that serves its reads (runtime/released.py)."""
+    if released.is_released(param):
+        return nn.Parameter.__repr__(param)
+    with torch.no_grad():  # an alias made under grad mode would print its grad_fn
+        return repr(param.as_subclass(nn.Parameter))
 
 
 class GradContract:
@@ -81,9 +80,13 @@ class GradContract:
             for entry in unit.entries:
                 param = entry.param
                 self._where[id(param)] = (unit, entry)
+                was_released = released.is_released(param)
+                released.expose(param)  # the managed class goes under the released layer
                 base = type(param)
                 self._swapped.append((param, base))
                 param.__class__ = self._managed_class(base)
+                if was_released:
+                    released.conceal(param)
 
     def _managed_class(self, base: type) -> type:
         cls = self._classes.get(base)
@@ -93,7 +96,8 @@ class GradContract:
                 "__module__": __name__,
                 "__doc__": base.__doc__,
                 "grad": grad,
-                "__repr__": _repr_without_storage,
+                "__repr__": _repr_as_plain,
+                "_hetstore_managed": True,  # runtime.released may put its layer on top
             }
             cls = type(base.__name__, (base,), namespace)
             self._classes[base] = cls
@@ -166,6 +170,9 @@ class GradContract:
     # ------------------------------------------------------------------ lifetime
     def remove(self) -> None:
         for param, base in self._swapped:
+            was_released = released.is_released(param)
             param.__class__ = base
+            if was_released:
+                released.conceal(param)
         self._swapped.clear()
         self._where.clear()

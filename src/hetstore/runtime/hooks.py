@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from hetstore.errors import BACKWARD_AFTER_RELEASE, ConfigError
+from hetstore.runtime import released
 from hetstore.runtime.grads import set_torch_grad, torch_grad
 from hetstore.runtime.profiler import StepProfiler
 from hetstore.runtime.staging import stagers_of
@@ -35,6 +36,12 @@ def _eager(hook):
     """``hook``, never traced into a ``torch.compile`` graph (see OffloadRuntime)."""
     return torch.compiler.disable(hook, recursive=True, reason=_COMPILE_REASON)
 
+
+# what a parameter of a model freed by hetstore.release() answers a read with
+_FREED = (
+    "its model was released by hetstore.release() and its weights freed; read weights "
+    "(model.state_dict(), hetstore.save) before releasing the model"
+)
 
 _COMPILE_REASON = (
     "hetstore: this hook moves an offloaded unit's parameters between tiers and must run "
@@ -393,14 +400,18 @@ class OffloadRuntime:
             self.activations.released = True
         for stager in stagers_of(self.units):
             stager.close()
-        params = [e.param for u in self.units for e in u.entries]
         for unit in self.units:
             unit.close()
-        for param in params:
-            # one element, expanded: never a full-size allocation
-            empty = torch.empty(1, dtype=param.dtype, device=param.device).expand(param.shape)
-            empty.untyped_storage().resize_(0)
-            param.data = empty
+        for unit in self.units:
+            for e in unit.entries:
+                released.expose(e.param)
+                # one element, expanded: never a full-size allocation
+                empty = torch.empty(1, dtype=e.param.dtype, device=e.param.device)
+                empty = empty.expand(e.shape)
+                empty.untyped_storage().resize_(0)
+                e.param.data = empty
+                released.attach(e.param, released.ParamSource(None, e, _FREED))
+                released.conceal(e.param)
 
 
 class _GradReadyHook:

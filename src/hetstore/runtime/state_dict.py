@@ -44,6 +44,7 @@ class _MasterViews:
             master = unit.full_master()
             if for_load:
                 self.masters.append(master)
+            unit.expose_params()  # their .data is set here, which a released one refuses
             for e in unit.entries:
                 value = master[e.offset : e.offset + e.numel].view(e.shape)
                 e.param.data = value if for_load else value.clone()
@@ -61,6 +62,7 @@ class _MasterViews:
                 e.param.data = unit.device_flat[e.offset : e.offset + e.numel].view(e.shape)
             if not live:
                 storage.resize_(0)
+                unit.conceal_params()
         masters, self.masters = self.masters, None
         if masters is not None:  # a load: the changed masters become the source of truth
             for unit, master in zip(self.units, masters, strict=True):

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from hetstore.runtime import released
 from hetstore.runtime.rewrite import ChunkedRewrite
 from hetstore.tier import Tier
 from hetstore.tiers import HostBuffer, Tiers
@@ -255,11 +256,19 @@ class Unit:
         )
         if isinstance(self.grad, torch.Tensor):
             self.grad.zero_()  # padding between segments must be finite for overflow checks
+        refusal = (
+            None
+            if self.shards is None
+            else "sharded over ranks, its value is read by a collective: call "
+            "model.state_dict() on every rank"
+        )
         for e in self.entries:
             view = self.device_flat[e.offset : e.offset + e.numel].view(e.shape)
             e.param.data = view
+            released.attach(e.param, released.ParamSource(self, e, refusal))
         if not self.materialized:
             self.device_flat.untyped_storage().resize_(0)
+            self.conceal_params()
 
     def _initialize_master(self) -> None:
         """The master from the parameters' current values; sharded, rank 0's values (as
@@ -546,6 +555,45 @@ class Unit:
         if slot is not None:
             self.param_stager.give_back(slot, self.ready_event)
         self.materialized = True
+        self.expose_params()
+
+    def expose_params(self) -> None:
+        """The parameters are plain ``nn.Parameter`` views of ``device_flat`` (its bytes
+        are there, or the caller points them elsewhere: state_dict's master views)."""
+        for e in self.entries:
+            released.expose(e.param)
+
+    def conceal_params(self) -> None:
+        """``device_flat`` has no bytes: reads of the parameters are served from home,
+        writes refused (:mod:`hetstore.runtime.released`), instead of touching freed memory."""
+        for e in self.entries:
+            released.conceal(e.param)
+
+    def read_param(self, entry: ParamEntry) -> torch.Tensor:
+        """One parameter's current value as forward sees it (compute dtype, on the
+        device, a fresh tensor), for a read between uses: from the device copy when
+        fetched, else from ``home`` (from the master while a disk home is behind it)."""
+        if self.materialized:
+            return (
+                self.device_flat[entry.offset : entry.offset + entry.numel]
+                .view(entry.shape)
+                .clone()
+            )
+        start, n = entry.offset, entry.numel
+        source, dtype = self.home, self.compute_dtype
+        if self.home_stale and start < self.master_numel:
+            source, dtype = self.master, torch.float32
+        if isinstance(source, DiskArray):
+            staged = self.scratch(n, dtype, "parameter read")
+            try:
+                value = staged.tensor[:n]
+                read_into(source, value, start)
+                value = value.clone()
+            finally:
+                self.tiers.host.free(staged)
+        else:
+            value = source[start : start + n]
+        return value.to(self.device, self.compute_dtype, copy=True).view(entry.shape)
 
     def _fill_device_flat(self, source: torch.Tensor, non_blocking: bool) -> None:
         """Copy ``source`` (this rank's compute-dtype parameters) into ``device_flat``;
@@ -577,6 +625,7 @@ class Unit:
         self.device_flat.untyped_storage().resize_(0)
         self.tiers.device_tier.release(self.device_bytes, self._label("params"))
         self.materialized = False
+        self.conceal_params()
 
     def refresh_after_step(self) -> None:
         """After the optimizer changed an in-memory master: refresh the compute-dtype

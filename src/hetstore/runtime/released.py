@@ -1,0 +1,290 @@
+"""Parameters whose unit is released: reads are served, writes refused, nothing crashes.
+
+Between uses a unit's device copy has no bytes (:meth:`Unit.release` resizes its storage
+to 0, FSDP2's trick), and torch checks no storage bounds: reading such a parameter -- to
+print a weight, keep an EMA copy, log a norm between steps -- would read freed memory or
+kill the interpreter. So while its unit is released, each parameter's class is switched
+from ``nn.Parameter`` to :class:`ReleasedParameter` (a subclass: identity, ``isinstance``,
+shape, dtype, device, ``requires_grad`` and ``.grad`` are unchanged), and switched back
+when the unit is fetched, so forward and backward see plain Parameters at no cost (a class
+switch is a pointer store; torch.compile traces the class it always sees in forward).
+
+What a released parameter does, through ``__torch_function__``:
+
+- metadata (``shape``, ``dtype``, ``numel()``, ``.grad``, ``requires_grad_()``, hooks ...)
+  is answered as always, reading nothing;
+- a read (``clone()``, ``norm()``, arithmetic, ``print``, ``torch.save(p)``) runs on the
+  parameter's current value, as forward would see it (compute dtype, on its device), read
+  from the unit's home (or its master when newer): exact, at the cost of one read (a disk
+  read for a unit on disk). ``*_like`` factories read nothing;
+- a result that shares memory with that value (``p.data``, ``p.detach()``, a view or a
+  slice) is a :class:`ReadOnlyValue`: in plain PyTorch writing through it changes the
+  parameter, here it would change a copy, so it refuses writes instead of losing them;
+- a write (an in-place op, ``out=``, ``p.data = ...``) raises
+  :class:`~hetstore.errors.OffloadedParameterError` naming ``load_state_dict``, which
+  writes hetstore's fp32 master (the source of truth) and refreshes every copy.
+
+A parameter sharded over ranks refuses reads too (its value is spread over ranks: a
+collective, which ``model.state_dict()`` on every rank is); one whose model was freed by
+``hetstore.release()`` refuses everything but metadata.
+
+Only parameters of exactly ``nn.Parameter`` are switched (a subclass keeps its class and
+the old behaviour). A value is read where it is used, so state_dict()/``hetstore.save`` or
+``hetstore.export_weights`` stay the way to read a whole model: they read each unit once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch._C import DisableTorchFunctionSubclass
+from torch.utils._pytree import tree_flatten, tree_map
+
+from hetstore.errors import OffloadedParameterError
+
+if TYPE_CHECKING:
+    from hetstore.runtime.unit import ParamEntry, Unit
+
+__all__ = ["ParamSource", "Released", "ReadOnlyValue", "attach", "conceal", "expose", "is_released"]
+
+_SOURCE = "_hetstore_source"  # the attribute a managed parameter carries: its ParamSource
+
+
+class ParamSource:
+    """Where a released parameter's value comes from: its unit and its entry there."""
+
+    __slots__ = ("unit", "entry", "refusal")
+
+    def __init__(self, unit: Unit | None, entry: ParamEntry, refusal: str | None = None):
+        self.unit, self.entry, self.refusal = unit, entry, refusal
+
+    def read(self) -> torch.Tensor:
+        if self.refusal is not None:
+            raise OffloadedParameterError(f"parameter {self.entry.name!r}: {self.refusal}")
+        return self.unit.read_param(self.entry)
+
+
+def attach(param: nn.Parameter, source: ParamSource) -> None:
+    setattr(param, _SOURCE, source)
+
+
+def conceal(param: nn.Parameter) -> None:
+    """The unit's bytes are going: reads of ``param`` are served from now on."""
+    if hasattr(param, _SOURCE) and not isinstance(param, Released):
+        param.__class__ = _released_variant(type(param))
+
+
+def expose(param: nn.Parameter) -> None:
+    """The unit's bytes are there: ``param`` gets its own class back."""
+    if isinstance(param, Released):
+        param.__class__ = type(param).__dict__["_hetstore_plain"]
+
+
+def is_released(param: torch.Tensor) -> bool:
+    return isinstance(param, Released)
+
+
+def _released_variant(cls: type) -> type:
+    """``cls`` with :class:`Released` in front. ``nn.Parameter``'s is
+    :class:`ReleasedParameter`; any other class is one a model's :class:`GradContract`
+    made for that model, and its variant is kept on it (never on a class of torch's)."""
+    if cls is nn.Parameter:
+        return ReleasedParameter
+    if cls.__module__ == nn.Parameter.__module__ or "_hetstore_managed" not in cls.__dict__:
+        raise TypeError(f"hetstore cannot stand in for a parameter of class {cls.__qualname__}")
+    variant = cls.__dict__.get("_hetstore_released_variant")
+    if variant is None:
+        variant = type(cls.__name__, (Released, cls), {"_hetstore_plain": cls})
+        cls._hetstore_released_variant = variant
+    return variant
+
+
+# ---------------------------------------------------------------------- classification
+def _getters(*names: str) -> set:
+    return {getattr(torch.Tensor, n).__get__ for n in names if hasattr(torch.Tensor, n)}
+
+
+def _setters(*names: str) -> set:
+    return {getattr(torch.Tensor, n).__set__ for n in names if hasattr(torch.Tensor, n)}
+
+
+# Read nothing but metadata: answered by the parameter itself.
+_METADATA = (
+    _getters(
+        "shape", "dtype", "device", "requires_grad", "grad", "_grad", "is_leaf", "grad_fn",
+        "_grad_fn", "ndim", "layout", "names", "is_cuda", "is_cpu", "is_meta", "is_sparse",
+        "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps", "itemsize", "nbytes",
+        "_version", "output_nr", "_base", "retains_grad", "_backward_hooks",
+        "_post_accumulate_grad_hooks",
+    )
+    | _setters(
+        "grad", "_grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"
+    )
+    | {
+        torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement,
+        torch.Tensor.element_size, torch.Tensor.stride, torch.Tensor.is_contiguous,
+        torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_signed,
+        torch.Tensor.get_device, torch.Tensor.requires_grad_, torch.Tensor.retain_grad,
+        torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
+        torch.Tensor.__hash__, torch.Tensor.__len__, torch.Tensor.storage_offset,
+        torch.numel,
+    }
+)  # fmt: skip
+
+# Use only the shape, dtype and device of their tensor argument: served by an empty one.
+_LIKE = {
+    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
+    torch.randn_like, torch.randint_like, torch.Tensor.new_zeros, torch.Tensor.new_ones,
+    torch.Tensor.new_empty, torch.Tensor.new_full, torch.Tensor.new_tensor,
+}  # fmt: skip
+
+# May hand back their own argument (``p.to(p.device)``, ``p.float()`` of an fp32 ``p``):
+# then they must give the parameter itself, as in plain PyTorch -- ``model.to(device)``
+# (Trainer and accelerate call it) assigns each result to ``p.data``, a no-op then.
+_MAY_RETURN_SELF = {
+    torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.float,
+    torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.double, torch.Tensor.contiguous,
+    torch.Tensor.type, torch.Tensor.type_as,
+}  # fmt: skip
+
+_DATA_SET = torch.Tensor.data.__set__
+_INPLACE_DUNDERS = {
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+    "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+    "__imatmul__", "__setitem__", "__set__",  # a property set (.data = x) that is not metadata
+}  # fmt: skip
+
+
+def _written(func, args, kwargs) -> list:
+    """The tensors ``func`` writes into: its first argument when it works in place (a
+    trailing ``_``, an in-place operator, ``inplace=True``, a property set such as
+    ``.data = x``), and its ``out=``."""
+    name = getattr(func, "__name__", "")
+    targets = []
+    in_place = (
+        (name.endswith("_") and not name.endswith("__"))
+        or name in _INPLACE_DUNDERS
+        or kwargs.get("inplace") is True
+    )
+    if in_place:  # the first argument, positional or not (nn.init passes tensor=)
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        targets.append(first)
+    if kwargs.get("out") is not None:
+        targets.append(kwargs["out"])
+    return [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
+
+
+def _refuse_write(tensor: torch.Tensor, func) -> OffloadedParameterError:
+    what = getattr(func, "__name__", None) or repr(func)
+    hint = ""
+    if func == _DATA_SET:
+        what = ".data = ..."
+        hint = (
+            " (model.to(), .cuda() or .half() of an offloaded model cannot move or cast "
+            "it: hetstore places the parameters, and compute_dtype sets their dtype)"
+        )
+    if isinstance(tensor, Released):
+        name = getattr(tensor, _SOURCE).entry.name
+        subject = f"{what} on offloaded parameter {name!r}"
+    else:
+        subject = f"{what} on a value read from offloaded parameter {tensor._hetstore_name!r}"
+    return OffloadedParameterError(
+        f"{subject} outside forward{hint}: between uses its unit has no device copy and "
+        "hetstore's fp32 master is the source of truth, so a write here would change a "
+        "copy and be lost. Write weights with model.load_state_dict(new_values, "
+        "strict=False) (or hetstore.load_weights for a file): it writes the master and "
+        "refreshes every copy; train them through hetstore's optimizer"
+    )
+
+
+def _serve(func, types, args, kwargs):
+    """``func`` with every released parameter replaced by its value (see module doc)."""
+    kwargs = kwargs or {}
+    if func in _METADATA:
+        with DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    if func == _DATA_SET and args[1] is args[0]:  # p.data = p: model.to() of a no-op
+        return None
+    if func in _MAY_RETURN_SELF and isinstance(args[0], Released):
+        param = args[0]
+        with DisableTorchFunctionSubclass():  # on a stand-in: no read, only metadata
+            stand_in = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            if func(stand_in, *args[1:], **kwargs) is stand_in:
+                return param
+    for target in _written(func, args, kwargs):
+        if isinstance(target, (Released, ReadOnlyValue)):
+            raise _refuse_write(target, func)
+    shared: dict[int, str] = {}  # storage address -> the parameter name a value came from
+
+    def value_of(x):
+        if isinstance(x, Released):
+            source = getattr(x, _SOURCE)
+            if func in _LIKE:
+                return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            value = source.read()
+            shared[value.untyped_storage().data_ptr()] = source.entry.name
+            if func is torch.Tensor.__repr__:  # prints "requires_grad=True" as the parameter
+                value.requires_grad_(x.requires_grad)
+            return value
+        if isinstance(x, ReadOnlyValue):
+            with DisableTorchFunctionSubclass():
+                shared[x.untyped_storage().data_ptr()] = x._hetstore_name
+        return x
+
+    args, kwargs = tree_map(value_of, (args, kwargs))
+    with DisableTorchFunctionSubclass():
+        result = func(*args, **kwargs)
+
+        def guard(r):
+            if not isinstance(r, torch.Tensor) or isinstance(r, nn.Parameter):
+                return r
+            ptr = r.untyped_storage().data_ptr()
+            if ptr == 0 or ptr not in shared:
+                return r
+            protected = r.as_subclass(ReadOnlyValue)
+            protected._hetstore_name = shared[ptr]
+            return protected
+
+        return tree_map(guard, result)
+
+
+class Released:
+    """Put in front of a managed parameter's class while its unit is released (see the
+    module doc): :func:`conceal` and :func:`expose` switch it in and out."""
+
+    def __new__(cls, data=None, requires_grad=True):
+        # type(p)(...) -- Parameter.__deepcopy__ does it -- makes an ordinary Parameter
+        return nn.Parameter(data, requires_grad)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _serve(func, types, args, kwargs)
+
+    def __reduce_ex__(self, protocol):
+        # pickled (torch.save(p), deepcopy) as the ordinary Parameter it stands for
+        with DisableTorchFunctionSubclass():
+            value = getattr(self, _SOURCE).read()
+        return nn.Parameter(value, self.requires_grad).__reduce_ex__(protocol)
+
+
+class ReleasedParameter(Released, nn.Parameter):
+    """``nn.Parameter`` while released (a model's own classes get a variant each)."""
+
+    _hetstore_plain = nn.Parameter
+
+
+class ReadOnlyValue(torch.Tensor):
+    """A value read from a released parameter that shares memory with the read: refuses
+    writes, which in plain PyTorch would have changed the parameter."""
+
+    _hetstore_name: str
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _serve(func, types, args, kwargs)
+
+    def __reduce_ex__(self, protocol):
+        with DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)

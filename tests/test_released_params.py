@@ -1,0 +1,230 @@
+"""Reading and writing an offloaded parameter between uses (hetstore/runtime/released.py).
+
+A released unit's parameters have no bytes. Reading one used to read freed memory or kill
+the interpreter (exit 139: ``model.blocks[0].ln1.weight.detach().clone()``). Now a read
+gets the value forward would see, bit for bit -- checked against ``state_dict()`` (the
+fp32 master) cast to the compute dtype, which is exactly what a fetch puts on the device --
+and a write is refused before it changes anything, naming ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import hetstore
+from hetstore import OffloadedParameterError
+from hetstore.runtime.released import is_released
+from hetstore.runtime.unit import Unit
+from tests.disk_helpers import disk_config
+from tests.models.gpt import GPT, batches
+from tests.test_host_offload import adamw, config
+
+PLACEMENTS = {
+    "host": lambda path: config("cpu", "cpu"),
+    "host-bf16": lambda path: config("cpu", "cpu", compute_dtype="bf16"),
+    "disk": disk_config,  # overlap_step is on: the step runs ahead in backward
+    "disk params, host states": lambda path: dataclasses.replace(
+        disk_config(path), offload_optimizer="cpu"
+    ),
+}
+
+
+def offloaded(placement, path, steps=2):
+    torch.manual_seed(0)
+    model = GPT()
+    model, optimizer = hetstore.offload(
+        model, adamw(model.parameters()), PLACEMENTS[placement](path)
+    )
+    for x, y in batches(steps):
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def forward_values(model) -> dict[str, torch.Tensor]:
+    """What forward computes with: the master (state_dict) in the compute dtype."""
+    dtype = {p.dtype for p in model.parameters()}.pop()
+    return {k: v.to(dtype) for k, v in model.state_dict().items()}
+
+
+def disk_bytes_read(model) -> int:
+    disk = hetstore.state_of(model).tiers.disk
+    return 0 if disk is None else disk.bytes_read
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_reads_between_steps_give_what_forward_sees(placement, tmp_path):
+    model, _ = offloaded(placement, tmp_path)
+    wanted = forward_values(model)
+    params = dict(model.named_parameters())
+    assert all(is_released(p) for p in params.values())  # every unit is released now
+    for name, p in params.items():
+        got = p.detach().clone()
+        assert type(got) is torch.Tensor and got.dtype == p.dtype and got.shape == p.shape
+        assert torch.equal(got, wanted[name]), name
+        assert torch.equal(p.float().norm(), wanted[name].float().norm()), name
+    # torch's own readers of whole lists of parameters
+    vector = nn.utils.parameters_to_vector(model.parameters())
+    assert torch.equal(vector, torch.cat([wanted[n].reshape(-1) for n in params]))
+
+
+def test_printing_a_parameter_prints_its_value(tmp_path):
+    model, _ = offloaded("host", tmp_path)
+    wanted = forward_values(model)
+    p = model.blocks[0].ln1.weight
+    assert repr(p) == repr(nn.Parameter(wanted["blocks.0.ln1.weight"]))
+
+
+def test_an_ema_kept_between_steps_follows_the_weights(tmp_path):
+    """The EMA loop of timm / diffusers: ema = decay * ema + (1 - decay) * p after each
+    step. Every read is the current weights, bit for bit (compared with state_dict)."""
+    torch.manual_seed(0)
+    model = GPT()
+    model, optimizer = hetstore.offload(model, adamw(model.parameters()), disk_config(tmp_path))
+    ema = {n: p.detach().clone() for n, p in model.named_parameters()}
+    wanted = {n: v.clone() for n, v in model.state_dict().items() if n in ema}
+    for x, y in batches(3):
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                ema[n].mul_(0.9).add_(p, alpha=0.1)
+        state = model.state_dict()
+        for n in wanted:
+            wanted[n].mul_(0.9).add_(state[n], alpha=0.1)
+    for n in ema:
+        assert torch.equal(ema[n], wanted[n]), n
+
+
+def test_metadata_reads_nothing(tmp_path):
+    model, _ = offloaded("disk", tmp_path)
+    before = disk_bytes_read(model)
+    for p in model.parameters():
+        assert p.shape == p.size() and p.numel() == p.nelement() > 0
+        assert p.dtype == torch.float32 and p.device.type == "cpu" and p.requires_grad
+        assert p.is_leaf and p.dim() == p.ndim and p.is_contiguous()
+        assert torch.zeros_like(p).shape == p.shape
+        p.requires_grad_(True)
+    n_params = sum(p.numel() for p in model.parameters())  # what Trainer and PEFT log
+    assert n_params == sum(p.numel() for p in GPT().parameters())
+    assert disk_bytes_read(model) == before
+
+
+WRITES = {
+    "in-place op": lambda p, v: p.add_(1.0),
+    "copy_ into .data (EMA copy_to)": lambda p, v: p.data.copy_(v),
+    "slice assignment through detach()": lambda p, v: p.detach().__setitem__(0, 3.0),
+    "a view of .data": lambda p, v: p.data.view(-1).zero_(),
+    "nn.init": lambda p, v: nn.init.normal_(p),
+    "out=": lambda p, v: torch.add(v, 1.0, out=p),
+    ".data assignment": lambda p, v: setattr(p, "data", v),
+    "vector_to_parameters": lambda p, v: nn.utils.vector_to_parameters(v.reshape(-1), [p]),
+    "an in-place operator": lambda p, v: p.__imul__(2.0),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+def test_writes_are_refused_and_lose_nothing(write, tmp_path):
+    model, optimizer = offloaded("host", tmp_path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    p = model.blocks[0].fc.weight
+    with torch.no_grad(), pytest.raises(OffloadedParameterError) as info:
+        WRITES[write](p, torch.zeros(p.shape))
+    assert "'blocks.0.fc.weight'" in str(info.value) and "load_state_dict" in str(info.value)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    # the way out named by the error: it writes the master, and forward uses it
+    model.load_state_dict({"blocks.0.fc.weight": torch.zeros(p.shape)}, strict=False)
+    assert torch.equal(p.detach(), torch.zeros(p.shape))
+
+
+def test_writing_into_another_tensor_from_a_parameter_is_allowed(tmp_path):
+    model, _ = offloaded("host", tmp_path)
+    wanted = forward_values(model)["blocks.0.fc.weight"]
+    p = model.blocks[0].fc.weight
+    target = torch.empty(p.shape)
+    target.copy_(p)
+    assert torch.equal(target, wanted)
+    torch.mul(p, 2.0, out=target)
+    assert torch.equal(target, wanted * 2.0)
+
+
+def test_model_to_its_own_device_is_a_noop_and_a_cast_is_refused(tmp_path):
+    """Trainer and accelerate call model.to(device): with nothing to change it must pass.
+    A cast would change copies only: refused, naming compute_dtype."""
+    model, optimizer = offloaded("host", tmp_path)
+    params = list(model.parameters())
+    assert model.to("cpu") is model and model.float() is model
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]
+    with pytest.raises(OffloadedParameterError, match="compute_dtype"):
+        model.half()
+    x, y = batches(1)[0]
+    model(x, y).backward()  # still trains
+    optimizer.step()
+
+
+def test_copies_and_pickles_are_plain_parameters_with_the_value(tmp_path):
+    model, _ = offloaded("disk", tmp_path)
+    wanted = forward_values(model)["blocks.1.qkv.weight"]
+    p = model.blocks[1].qkv.weight
+    clone = copy.deepcopy(p)
+    buffer = io.BytesIO()
+    torch.save(p, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (clone, loaded):
+        assert type(other) is nn.Parameter and torch.equal(other.detach(), wanted)
+    assert is_released(p)  # and the original is untouched
+
+
+def test_forward_and_backward_see_plain_parameters(tmp_path):
+    """The layer is off while a unit is in use: nothing of it runs per op in training."""
+    model, optimizer = offloaded("host", tmp_path, steps=0)
+    seen = []
+    block = model.blocks[0]
+    # after hetstore's own pre-hook, which fetches the unit
+    block.register_forward_pre_hook(lambda m, a: seen.append(any(map(is_released, m.parameters()))))
+    x, y = batches(1)[0]
+    model(x, y).backward()
+    assert seen == [False]
+    assert all(is_released(p) for p in block.parameters())
+
+
+@pytest.mark.parametrize("placement", ["host", "disk"])
+def test_training_reads_no_parameter_through_the_layer(placement, tmp_path, monkeypatch):
+    """The runtime, the optimizer and torch's clipping never go through a served read
+    (it would be a disk read per parameter): steps with clipping and zero_grad read none."""
+    model, optimizer = offloaded(placement, tmp_path, steps=0)
+    reads = []
+    monkeypatch.setattr(Unit, "read_param", lambda self, entry: reads.append(entry.name))
+    for x, y in batches(3):
+        model(x, y).backward()
+        optimizer.clip_grad_norm_(0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    hetstore.memory_stats(model)
+    assert reads == []
+
+
+def test_reads_between_backward_and_step_are_the_weights_before_the_step(tmp_path):
+    """With the step run ahead in backward's shadow (overlap_step on disk), a read before
+    optimizer.step() still sees the committed weights; after it, the new ones."""
+    model, optimizer = offloaded("disk", tmp_path)
+    before = forward_values(model)
+    x, y = batches(3)[2]
+    model(x, y).backward()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+    optimizer.step()
+    after = forward_values(model)
+    assert any(not torch.equal(after[n], before[n]) for n in after)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), after[name]), name
