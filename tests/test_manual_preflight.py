@@ -20,7 +20,7 @@ import hetstore
 from hetstore import OutOfDeviceMemory
 from hetstore._sizes import format_size
 from hetstore.errors import OutOfTierMemory
-from hetstore.planner.floor import floor_of_config
+from hetstore.planner.floor import check_manual_floor, floor_of_config
 from hetstore.planner.tracer import model_data_trace
 from hetstore.tier import Tier
 from tests.models.gpt import GPT, batches
@@ -213,3 +213,26 @@ def test_sgd_with_momentum_states_made_later_are_not_counted_against_it(tmp_path
     train(model, optimizer, steps=2)
     assert floor.total(Tier.HOST) <= hetstore.memory_stats(model)["host"]["peak"]
     hetstore.release(model)
+
+
+@pytest.mark.parametrize("tier", [Tier.HOST, Tier.DISK])
+def test_a_capacity_that_is_the_machines_is_named_as_such(tier, tmp_path):
+    """With offload_cpu_size / offload_disk_size unset the capacity is the RAM / the free
+    space at offload_path: the refusal says so, and does not advise raising a key that was
+    never set past what the machine has."""
+    model, optimizer = model_and_optimizer()
+    cfg = disk_config(tmp_path)
+    floor = floor_of(model, optimizer, cfg)
+    capacities = {tier: floor.total(tier) - 1}
+    with pytest.raises(OutOfTierMemory) as info:
+        check_manual_floor(floor, capacities, cfg, machine=frozenset({tier}))
+    message = str(info.value)
+    assert f"{tier.capacity_key} is not set" in message
+    assert f"raise {tier.capacity_key}" not in message
+    if tier is Tier.DISK:
+        assert "is free at offload_path" in message and str(tmp_path) in message
+    else:
+        assert "of RAM" in message and "offload_optimizer='disk'" in message
+    # the same capacity given by the key: the key is what to raise
+    with pytest.raises(OutOfTierMemory, match=f"raise {tier.capacity_key} to at least"):
+        check_manual_floor(floor, capacities, cfg)

@@ -399,14 +399,15 @@ def _check_manual_placement(trace: Trace, optimizer, config: OffloadConfig) -> N
     floor = floor_of_config(trace, config, optimizer)
     host = config.offload_cpu_size
     disk = config.offload_disk_size
-    capacities = {
-        Tier.DEVICE: config.max_device_memory,
-        Tier.HOST: host if host is not None else _physical_memory(),
-        Tier.DISK: disk
-        if disk is not None or not floor.total(Tier.DISK)
-        else free_space_at(config.offload_path),
-    }
-    check_manual_floor(floor, capacities, config)
+    capacities = {Tier.DEVICE: config.max_device_memory, Tier.HOST: host, Tier.DISK: disk}
+    machine = set()  # tiers without a key set: limited by the machine itself
+    if host is None:
+        capacities[Tier.HOST] = _physical_memory()
+        machine.add(Tier.HOST)
+    if disk is None and floor.total(Tier.DISK):
+        capacities[Tier.DISK] = free_space_at(config.offload_path)
+        machine.add(Tier.DISK)
+    check_manual_floor(floor, capacities, config, machine=frozenset(machine))
 
 
 def _move_home(unit: Unit, tier: Tier, units: list[Unit], tiers: Tiers, plan: Plan) -> None:

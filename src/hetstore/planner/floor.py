@@ -194,16 +194,41 @@ def floor_of_config(trace: Trace, config, optimizer) -> Floor:
     )
 
 
-def check_manual_floor(floor: Floor, capacities: dict[Tier, int | None], config) -> None:
+def check_manual_floor(
+    floor: Floor,
+    capacities: dict[Tier, int | None],
+    config,
+    *,
+    machine: frozenset[Tier] = frozenset(),
+) -> None:
     """Raise ``OutOfDeviceMemory`` / ``OutOfTierMemory`` naming the capacity key when a
-    tier's floor is over its capacity (``None``: not limited, not checked)."""
+    tier's floor is over its capacity (``None``: not limited, not checked). A tier in
+    ``machine`` has no key set: its capacity is the machine's (RAM, the free space at
+    ``offload_path``), and the advice is about the machine, not a key to raise."""
     for tier in Tier:
         need, capacity = floor.total(tier), capacities.get(tier)
         if capacity is None or need <= capacity:
             continue
         key = tier.capacity_key
         held = ", ".join(f"{what} {format_size(n)}" for what, n in floor.parts[tier])
-        advice = [f"raise {key} to at least {format_size(need)}"]
+        if tier not in machine:
+            given = f"{key} is {format_size(capacity)}"
+            advice = [f"raise {key} to at least {format_size(need)}"]
+        elif tier is Tier.DISK:
+            given = (
+                f"only {format_size(capacity)} is free at offload_path {config.offload_path!r} "
+                f"({key} is not set)"
+            )
+            advice = [
+                f"free space there, or point offload_path at a disk with at least "
+                f"{format_size(need)} free"
+            ]
+        else:
+            given = f"this machine has {format_size(capacity)} of RAM ({key} is not set)"
+            advice = [
+                "keep more on disk (offload_param='disk', offload_optimizer='disk'), or use "
+                f"a machine with more than {format_size(need)} of RAM"
+            ]
         remedies: dict[str, int] = {}
         for what, nbytes in floor.parts[tier]:
             remedy = _remedy(tier, what, config)
@@ -211,16 +236,11 @@ def check_manual_floor(floor: Floor, capacities: dict[Tier, int | None], config)
                 remedies[remedy] = remedies.get(remedy, 0) + nbytes
         advice += [f"{remedy} {format_size(n)} of it" for remedy, n in remedies.items()]
         advice.append("or set auto_offload=True to let the planner place each unit")
-        given = (
-            "free at offload_path"
-            if tier is Tier.DISK and config.offload_disk_size is None
-            else key
-        )
         error = OutOfDeviceMemory if tier is Tier.DEVICE else OutOfTierMemory
         raise error(
             f"hetstore: out of {tier.label} memory, refused before training: this placement "
             f"holds at least {format_size(need)} there at once, activations aside ({held}), "
-            f"and {given} is {format_size(capacity)}. To fix: " + "; ".join(advice),
+            f"and {given}. To fix: " + "; ".join(advice),
             tier=tier.label,
             requested=need,
             capacity=capacity,
