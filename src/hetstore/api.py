@@ -293,6 +293,7 @@ def offload(
         optimizer.state.clear()
         runtime.optimizer = weakref.ref(wrapped)  # hetstore.release(model) releases it too
         runtime.step_ahead = wrapped.step_ahead  # told when a unit's gradients are final
+        runtime.grad_norms = wrapped.grad_norms
     return model, wrapped
 
 

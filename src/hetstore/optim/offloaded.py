@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from hetstore.errors import ConfigError
 from hetstore.optim.compact import CompactUnitStep
+from hetstore.optim.grad_norms import RecordedNorms
 from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.registry import FLAT_NAMES, flat_spec, flat_steppable
 from hetstore.optim.state_format import StateFormat
@@ -111,6 +112,10 @@ class OffloadedOptimizer(Optimizer):
             self.step_ahead = StepAhead(
                 ahead, self._hyper, loss_scaler, consume=self.step_in_backward
             )
+        # the clip's norms of disk gradients, taken in backward (the runtime tells it
+        # when a unit's gradients are final); with or without the step ahead
+        streamed = [s for s in self._unit_steps if isinstance(s, StreamedUnitStep)]
+        self.grad_norms = RecordedNorms(streamed) if shards is None and streamed else None
 
     @property
     def speculation_stats(self) -> dict[str, int] | None:
@@ -303,12 +308,12 @@ class OffloadedOptimizer(Optimizer):
         return norms
 
     def _norms_from_backward(self, unit: Unit, norm_type: float) -> dict[int, torch.Tensor] | None:
-        """The per-parameter norms the step ahead recorded from ``unit``'s gradients at the
-        end of backward, when they are still what the clip would read (no factor to
-        apply yet: an earlier clip scales them); else None."""
-        if self.step_ahead is None or norm_type != 2.0 or self._disk_grad_factors:
+        """The per-parameter norms recorded from ``unit``'s gradients in backward, when
+        they are still what the clip would read (no factor to apply yet: an earlier clip
+        scales them); else None."""
+        if self.grad_norms is None or norm_type != 2.0 or self._disk_grad_factors:
             return None
-        return self.step_ahead.norms_of(unit)
+        return self.grad_norms.norms_of(unit)
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -333,10 +338,10 @@ class OffloadedOptimizer(Optimizer):
         norm_type = float(norm_type)
         if self.shards is not None:
             return self._clip_sharded(max_norm, norm_type, error_if_nonfinite)
-        if self.step_ahead is not None and norm_type == 2.0 and self.loss_scaler is None:
+        if self.grad_norms is not None and norm_type == 2.0 and self.loss_scaler is None:
             # from the next backward on: each disk unit's norms taken as its gradients are
             # written (with fp16 the clip reads unscaled gradients, which backward has not)
-            self.step_ahead.record_norms = True
+            self.grad_norms.enabled = True
         memory = self._memory_grad_views()
         per_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for key, view in memory.items():
@@ -467,6 +472,8 @@ class OffloadedOptimizer(Optimizer):
         self._unscaled = False
         self._disk_grad_factors = []
         self._clipped = False
+        if self.grad_norms is not None:
+            self.grad_norms.clear()
 
     def _refuse_consumed_again(self) -> None:
         """A second optimizer.step() on gradients a step in backward consumed: plain

@@ -23,10 +23,8 @@ A speculation assumes that what the step would read is what it read:
 A speculation that was wrong costs the disk traffic of one step, never correctness.
 After a step whose ``clip_grad_norm_`` scaled the gradients, the next step's would most
 likely be wrong too: they are held back (``held_back``) until a step whose clip did not
-bite. Once ``clip_grad_norm_`` (L2, no fp16 scaling) has been called, each unit's
-per-parameter norms are also taken here, from the buffer its gradients are written
-from, in the chunks a read back would use (:class:`~hetstore.optim.streamed.ChunkNorms`),
-so that the clip need not read them back.
+bite. (The clip itself reads no gradient back from disk either way: its norms are taken
+in backward, :mod:`hetstore.optim.grad_norms`.)
 
 Which backward is the last before a step: by default the one whose count since the last
 step reaches the count the last step had (1 at first), so a plain loop speculates on
@@ -71,7 +69,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetstore.errors import OutOfTierMemory
-from hetstore.optim.streamed import ChunkNorms, StreamedUnitStep
+from hetstore.optim.grad_norms import grad_state
+from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
 from hetstore.runtime.staging import GradStager, stagers_of
 from hetstore.tiers._hostmem import PAGE_SIZE, round_up
@@ -121,14 +120,6 @@ def eligible(unit_step, unit: Unit) -> bool:
         and (isinstance(unit.grad, torch.Tensor) or unit.grad_stager is not None)
         and ChunkedRewrite.can_speculate(unit)
     )
-
-
-def _grad_state(unit: Unit) -> tuple[int, int | None]:
-    """What tells a later change of the unit's gradients: the count of gradients added
-    in, and for a buffer in memory its version counter (in-place changes through
-    ``p.grad``: clipping, a user's hook)."""
-    grad = unit.grad
-    return unit.grad_version, grad._version if isinstance(grad, torch.Tensor) else None
 
 
 def _changed(a: dict, b: dict) -> list[str]:
@@ -192,11 +183,6 @@ class StepAhead:
         # the last step scaled the gradients (a clip that bit): a speculation assumes
         # they are not scaled, so it would roll back; hold back until a step that does not
         self.hold_back = False
-        # clip_grad_norm_ (L2) was called: record each disk unit's per-parameter norms
-        # from the gradient stager's buffer when its gradients are final, so the clip
-        # does not read the gradients back from disk (see norms_of)
-        self.record_norms = False
-        self._norms: dict[int, tuple[tuple, tuple, dict[int, torch.Tensor]]] = {}
         # step_in_backward: steps taken in backward and committed, until optimizer.step()
         self.consume = consume
         self._consumed: dict[int, _Speculation] = {}
@@ -237,8 +223,6 @@ class StepAhead:
         self._cancel(id(unit))  # one from an earlier micro-batch: superseded
         if id(unit) not in self._steps:
             return  # not stepped ahead (e.g. gradients in memory of a unit not on disk)
-        if self.record_norms:
-            self._record_norms(unit)
         if self.hold_back:
             self.stats.held_back += 1
             return
@@ -273,7 +257,7 @@ class StepAhead:
         spec = _Speculation(
             unit_step,
             rewrite,
-            grad_state=_grad_state(unit),
+            grad_state=grad_state(unit),
             has_grad=tuple(e.has_grad for e in unit.trainable_entries),
             hyper={s.group: _snapshot(self._hyper(s.group)) for s in segments},
             state_version=unit.state_version,
@@ -306,34 +290,6 @@ class StepAhead:
             raise
         self.stats.started += 1
         return spec
-
-    # ------------------------------------------------------------------ gradient norms
-    def _record_norms(self, unit: Unit) -> None:
-        """Per-parameter L2 norms of ``unit``'s final gradients, from the stager's buffer
-        its write to disk is reading, in the chunks the clip's scan of the disk would
-        read (the same values, the same arithmetic: the same bits)."""
-        self._norms.pop(id(unit), None)
-        stager = unit.grad_stager
-        view = stager.peek(unit) if stager is not None else None
-        if view is None:
-            return
-        chunked = ChunkNorms(unit, 2.0)
-        self._steps[id(unit)].visit_in(view, chunked.visit)
-        has_grad = tuple(e.has_grad for e in unit.trainable_entries)
-        self._norms[id(unit)] = (_grad_state(unit), has_grad, chunked.result())
-
-    def norms_of(self, unit: Unit) -> dict[int, torch.Tensor] | None:
-        """id(param) -> the L2 norm of its gradient as recorded at the end of backward;
-        None unless recorded and nothing added to or changed the gradients since."""
-        recorded = self._norms.get(id(unit))
-        if recorded is None:
-            return None
-        state, has_grad, norms = recorded
-        if state != _grad_state(unit) or has_grad != tuple(
-            e.has_grad for e in unit.trainable_entries
-        ):
-            return None
-        return norms
 
     # ------------------------------------------------------------------ optimizer events
     def settle(self, disk_grad_factors: list, committed: set[int], clipped: bool = False) -> None:
@@ -378,7 +334,6 @@ class StepAhead:
         """A step was taken or skipped (fp16 overflow): count micro-batches anew."""
         self.expected = max(self.backwards, 1)
         self.backwards = 0
-        self._norms.clear()
 
     def unscaling(self, units: list[Unit]):
         """fp16: the optimizer is about to unscale these units' gradients in memory, in
@@ -532,7 +487,7 @@ class StepAhead:
     def _holds(self, spec: _Speculation) -> bool:
         unit = spec.unit_step.unit
         return (
-            _grad_state(unit) == spec.grad_state
+            grad_state(unit) == spec.grad_state
             and tuple(e.has_grad for e in unit.trainable_entries) == spec.has_grad
             and unit.state_version == spec.state_version
             and all(_same(self._hyper(group), hyper) for group, hyper in spec.hyper.items())

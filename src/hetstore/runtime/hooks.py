@@ -98,6 +98,9 @@ class OffloadRuntime:
         # the optimizer's optim.step_ahead.StepAhead, told when backward starts and when
         # a unit's gradients are final (None: every unit is stepped in optimizer.step())
         self.step_ahead = None
+        # the optimizer's optim.grad_norms.RecordedNorms, told when a unit's gradients
+        # are final (the clip's norms are taken from the buffer they are written from)
+        self.grad_norms = None
         self.released = False  # set by hetstore.release: a graph still alive must not run
         self.prefetch_depth = prefetch_depth
         self.grad_stager = grad_stager
@@ -300,6 +303,8 @@ class OffloadRuntime:
             consumed = self.step_ahead is not None and self.step_ahead.consume_grads(unit)
             if self.grad_stager is not None and not consumed:
                 self.grad_stager.flush(unit)  # the write overlaps the next unit's backward
+            if self.grad_norms is not None and not consumed:
+                self.grad_norms.grads_final(unit)  # the clip's norms, from the buffer
             if self.step_ahead is not None and not consumed:
                 self.step_ahead.grads_final(unit)  # its step overlaps the rest of backward
             if unit is not self.root:
@@ -396,6 +401,7 @@ class OffloadRuntime:
         self.remove()  # hooks, the gradient contract, the state-dict hooks
         self.released = True
         self.step_ahead = None  # the optimizer's release closed it
+        self.grad_norms = None
         if self.activations is not None:
             self.activations.released = True
         for stager in stagers_of(self.units):
