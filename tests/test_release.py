@@ -148,6 +148,7 @@ def test_released_model_and_optimizer_refuse_to_run(tmp_path):
     assert model.wte.weight.shape == (SHAPE["vocab"], SHAPE["width"])
     with pytest.raises(hetstore.OffloadedParameterError, match="released by hetstore.release"):
         model.wte.weight.detach().clone()
+    assert "released by hetstore.release" in repr(model.wte.weight)  # a repr never raises
 
 
 def test_release_refuses_a_plain_model_and_a_running_backward(tmp_path):

@@ -69,9 +69,11 @@ def test_reads_between_steps_give_what_forward_sees(placement, tmp_path):
         got = p.detach().clone()
         assert type(got) is torch.Tensor and got.dtype == p.dtype and got.shape == p.shape
         assert torch.equal(got, wanted[name]), name
-        assert torch.equal(p.float().norm(), wanted[name].float().norm()), name
+        with torch.no_grad():
+            assert torch.equal(p.float().norm(), wanted[name].float().norm()), name
     # torch's own readers of whole lists of parameters
-    vector = nn.utils.parameters_to_vector(model.parameters())
+    with torch.no_grad():
+        vector = nn.utils.parameters_to_vector(model.parameters())
     assert torch.equal(vector, torch.cat([wanted[n].reshape(-1) for n in params]))
 
 
@@ -151,10 +153,76 @@ def test_writing_into_another_tensor_from_a_parameter_is_allowed(tmp_path):
     wanted = forward_values(model)["blocks.0.fc.weight"]
     p = model.blocks[0].fc.weight
     target = torch.empty(p.shape)
-    target.copy_(p)
-    assert torch.equal(target, wanted)
-    torch.mul(p, 2.0, out=target)
-    assert torch.equal(target, wanted * 2.0)
+    with torch.no_grad():
+        target.copy_(p)
+        assert torch.equal(target, wanted)
+        torch.mul(p, 2.0, out=target)
+        assert torch.equal(target, wanted * 2.0)
+
+
+def test_a_use_that_needs_the_gradient_outside_forward_is_refused(tmp_path):
+    """With gradients on, a computation on a released parameter would give a result
+    requiring grad in plain PyTorch -- a gradient hetstore would never collect (the unit
+    is not in use): an L2 penalty added outside forward, an embedding looked up outside
+    the model's forward (inputs_embeds). Refused, naming the ways out; the same reads
+    without a gradient, and results that need none, are served."""
+    model, _ = offloaded("host", tmp_path)
+    p = model.blocks[0].fc.weight
+    ids = batches(1)[0][0]
+    uses = {
+        "penalty": lambda: sum(q.pow(2).sum() for q in model.parameters()),
+        "embedding": lambda: model.wte(ids),
+        "copy into a tensor": lambda: torch.empty(p.shape).copy_(p),
+    }
+    for name, use in uses.items():
+        with pytest.raises(OffloadedParameterError, match="torch.no_grad") as info:
+            use()
+        assert "outside its module's forward with gradients on" in str(info.value), name
+        with torch.no_grad():
+            assert not use().requires_grad, name
+    # results without a gradient need no refusal, with gradients on
+    wanted = forward_values(model)["blocks.0.fc.weight"]
+    assert torch.equal(p > 0, wanted > 0) and p.argmax() == wanted.argmax()
+    assert not p.detach().requires_grad and not p.data.requires_grad
+    assert repr(p).endswith("requires_grad=True)")
+
+
+def test_bytes_numpy_and_aten_writes_cannot_escape(tmp_path):
+    model, _ = offloaded("host", tmp_path)
+    p, q = model.blocks[0].fc.weight, model.blocks[1].fc.weight
+    for escape in (
+        lambda: p.data_ptr(),
+        lambda: p.untyped_storage(),
+        lambda: p.detach().untyped_storage(),
+        lambda: torch.from_dlpack(p.detach()),
+    ):
+        with pytest.raises(OffloadedParameterError, match="no bytes of its own"):
+            escape()
+    array = p.detach().numpy()  # a copy of the value: refuses writes, which would be lost
+    with pytest.raises(ValueError, match="read-only"):
+        array[0, 0] = 5.0
+    with torch.no_grad(), pytest.raises(OffloadedParameterError, match="add_"):
+        torch.ops.aten.add_.Tensor(q, 1.0)
+    assert torch.equal(q.detach(), forward_values(model)["blocks.1.fc.weight"])
+
+
+def test_a_parameter_subclass_is_offloaded_and_served(tmp_path):
+    """A model with its own subclass of nn.Parameter: offloaded as before, and read
+    between steps like any other parameter."""
+
+    class Tagged(nn.Parameter):
+        pass
+
+    torch.manual_seed(0)
+    model = GPT()
+    model.blocks[0].fc.weight = Tagged(model.blocks[0].fc.weight.detach().clone())
+    model, optimizer = hetstore.offload(model, adamw(model.parameters()), config("cpu", "cpu"))
+    x, y = batches(1)[0]
+    model(x, y).backward()
+    optimizer.step()
+    p = model.blocks[0].fc.weight
+    assert isinstance(p, Tagged) and is_released(p)
+    assert torch.equal(p.detach(), forward_values(model)["blocks.0.fc.weight"])
 
 
 def test_model_to_its_own_device_is_a_noop_and_a_cast_is_refused(tmp_path):

@@ -131,6 +131,7 @@ class OffloadedOptimizer(Optimizer):
         if self.step_ahead is not None:
             self.step_ahead.close()
             self.step_ahead = None
+        self.grad_norms = None  # it holds the unit steps (and their buffers)
         self._unit_steps = []
         self._entry_of = {}
         self.units = []

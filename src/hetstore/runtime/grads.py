@@ -80,12 +80,11 @@ class GradContract:
             for entry in unit.entries:
                 param = entry.param
                 self._where[id(param)] = (unit, entry)
-                was_released = released.is_released(param)
                 released.expose(param)  # the managed class goes under the released layer
                 base = type(param)
                 self._swapped.append((param, base))
                 param.__class__ = self._managed_class(base)
-                if was_released:
+                if not unit.materialized:  # (a subclass of Parameter gets its layer now)
                     released.conceal(param)
 
     def _managed_class(self, base: type) -> type:

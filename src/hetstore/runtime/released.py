@@ -22,7 +22,12 @@ What a released parameter does, through ``__torch_function__``:
   parameter, here it would change a copy, so it refuses writes instead of losing them;
 - a write (an in-place op, ``out=``, ``p.data = ...``) raises
   :class:`~hetstore.errors.OffloadedParameterError` naming ``load_state_dict``, which
-  writes hetstore's fp32 master (the source of truth) and refreshes every copy.
+  writes hetstore's fp32 master (the source of truth) and refreshes every copy;
+- a use needing a gradient (gradients on, the parameter requires one, and a result then
+  requires one: a penalty or an embedding lookup outside forward) is refused: hetstore
+  collects a unit's gradients only around its module's forward, so it would be lost;
+- the bytes themselves (``data_ptr``, storage, DLPack) are refused: there are none, and a
+  read's are a temporary's; a numpy array of a read is read-only.
 
 A parameter sharded over ranks refuses reads too (its value is spread over ranks: a
 collective, which ``model.state_dict()`` on every rank is); one whose model was freed by
@@ -73,7 +78,9 @@ def attach(param: nn.Parameter, source: ParamSource) -> None:
 def conceal(param: nn.Parameter) -> None:
     """The unit's bytes are going: reads of ``param`` are served from now on."""
     if hasattr(param, _SOURCE) and not isinstance(param, Released):
-        param.__class__ = _released_variant(type(param))
+        variant = _released_variant(type(param))
+        if variant is not None:
+            param.__class__ = variant
 
 
 def expose(param: nn.Parameter) -> None:
@@ -86,14 +93,15 @@ def is_released(param: torch.Tensor) -> bool:
     return isinstance(param, Released)
 
 
-def _released_variant(cls: type) -> type:
+def _released_variant(cls: type) -> type | None:
     """``cls`` with :class:`Released` in front. ``nn.Parameter``'s is
-    :class:`ReleasedParameter`; any other class is one a model's :class:`GradContract`
-    made for that model, and its variant is kept on it (never on a class of torch's)."""
+    :class:`ReleasedParameter`; a class a model's :class:`GradContract` made keeps its own
+    (never one on a class of torch's or a library's); None for any other class (a
+    subclass of ``nn.Parameter`` from elsewhere gets the layer once the contract wraps it)."""
     if cls is nn.Parameter:
         return ReleasedParameter
-    if cls.__module__ == nn.Parameter.__module__ or "_hetstore_managed" not in cls.__dict__:
-        raise TypeError(f"hetstore cannot stand in for a parameter of class {cls.__qualname__}")
+    if "_hetstore_managed" not in cls.__dict__:
+        return None
     variant = cls.__dict__.get("_hetstore_released_variant")
     if variant is None:
         variant = type(cls.__name__, (Released, cls), {"_hetstore_plain": cls})
@@ -129,9 +137,17 @@ _METADATA = (
         torch.Tensor.get_device, torch.Tensor.requires_grad_, torch.Tensor.retain_grad,
         torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
         torch.Tensor.__hash__, torch.Tensor.__len__, torch.Tensor.storage_offset,
-        torch.numel,
+        torch.numel, torch._has_compatible_shallow_copy_type,
     }
 )  # fmt: skip
+
+# Would hand out the bytes themselves (an address, the storage, a DLPack capsule): there
+# are none between uses, and a read's are a temporary's (two parameters would share an
+# address, a write through them would be lost).
+_NO_BYTES = {
+    torch.Tensor.data_ptr, torch.Tensor.untyped_storage, torch.Tensor.storage,
+    torch.Tensor._typed_storage, torch.Tensor.__dlpack__,
+}  # fmt: skip
 
 # Use only the shape, dtype and device of their tensor argument: served by an empty one.
 _LIKE = {
@@ -161,7 +177,7 @@ def _written(func, args, kwargs) -> list:
     """The tensors ``func`` writes into: its first argument when it works in place (a
     trailing ``_``, an in-place operator, ``inplace=True``, a property set such as
     ``.data = x``), and its ``out=``."""
-    name = getattr(func, "__name__", "")
+    name = getattr(func, "__name__", "").split(".")[0]  # aten's "add_.Tensor" too
     targets = []
     in_place = (
         (name.endswith("_") and not name.endswith("__"))
@@ -216,7 +232,18 @@ def _serve(func, types, args, kwargs):
     for target in _written(func, args, kwargs):
         if isinstance(target, (Released, ReadOnlyValue)):
             raise _refuse_write(target, func)
+    ours = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, (Released, ReadOnlyValue))]
+    if func in _NO_BYTES:
+        raise _refuse_bytes(ours[0], func)
+    if func is torch.Tensor.__repr__ and isinstance(args[0], Released):
+        refusal = getattr(args[0], _SOURCE).refusal
+        if refusal is not None:  # a repr must not raise (debuggers, logs): describe it
+            return _describe(args[0], refusal)
     shared: dict[int, str] = {}  # storage address -> the parameter name a value came from
+    # with gradients on, a parameter that requires one is read as a tensor requiring one:
+    # a result that then requires a gradient is a differentiable use, refused below
+    tracked = torch.is_grad_enabled() or func is torch.Tensor.__repr__
+    marked: list[str] = []
 
     def value_of(x):
         if isinstance(x, Released):
@@ -225,8 +252,9 @@ def _serve(func, types, args, kwargs):
                 return torch.empty(x.shape, dtype=x.dtype, device=x.device)
             value = source.read()
             shared[value.untyped_storage().data_ptr()] = source.entry.name
-            if func is torch.Tensor.__repr__:  # prints "requires_grad=True" as the parameter
-                value.requires_grad_(x.requires_grad)
+            if tracked and x.requires_grad:
+                value.requires_grad_(True)  # (repr then prints "requires_grad=True")
+                marked.append(source.entry.name)
             return value
         if isinstance(x, ReadOnlyValue):
             with DisableTorchFunctionSubclass():
@@ -236,8 +264,15 @@ def _serve(func, types, args, kwargs):
     args, kwargs = tree_map(value_of, (args, kwargs))
     with DisableTorchFunctionSubclass():
         result = func(*args, **kwargs)
+        outputs = tree_flatten(result)[0]
+        if marked and func is not torch.Tensor.__repr__:
+            if any(isinstance(r, torch.Tensor) and r.requires_grad for r in outputs):
+                raise _refuse_grad(marked[0], func)
 
         def guard(r):
+            if ours and hasattr(r, "__array_interface__") and hasattr(r, "flags"):
+                r.flags.writeable = False  # numpy() / __array__: a write would be lost
+                return r
             if not isinstance(r, torch.Tensor) or isinstance(r, nn.Parameter):
                 return r
             ptr = r.untyped_storage().data_ptr()
@@ -248,6 +283,40 @@ def _serve(func, types, args, kwargs):
             return protected
 
         return tree_map(guard, result)
+
+
+def _name_of(x) -> str:
+    return getattr(x, _SOURCE).entry.name if isinstance(x, Released) else x._hetstore_name
+
+
+def _describe(param: torch.Tensor, refusal: str) -> str:
+    shape = ", ".join(str(n) for n in param.shape)
+    return (
+        f"Parameter(shape=({shape}), dtype={param.dtype}, device={param.device}: "
+        f"{_name_of(param)!r}, {refusal})"
+    )
+
+
+def _refuse_bytes(x, func) -> OffloadedParameterError:
+    return OffloadedParameterError(
+        f"{func.__name__}() of offloaded parameter {_name_of(x)!r} (or of a value read from "
+        "it) outside forward: between uses it has no bytes of its own (they live in its "
+        "unit's tier), and a read's are a temporary's, so an address, storage or DLPack "
+        "capsule of it would mislead (two parameters could share one) or lose writes. "
+        "Compare parameters by identity; take a copy first (p.detach().clone())"
+    )
+
+
+def _refuse_grad(name: str, func) -> OffloadedParameterError:
+    return OffloadedParameterError(
+        f"{getattr(func, '__name__', func)} uses offloaded parameter {name!r} outside its "
+        "module's forward with gradients on: hetstore brings a unit's parameters in, and "
+        "collects their gradients, around the forward of the module it offloads them with "
+        "(a whole block, or the model for the rest), so a gradient through this use would "
+        "be lost. Compute it inside that forward (a penalty on the weights inside the "
+        "model's forward, an embedding lookup by passing input_ids), or read the value "
+        "without a gradient: under torch.no_grad(), or from p.detach()"
+    )
 
 
 class Released:
