@@ -408,7 +408,6 @@ class OffloadRuntime:
             stager.close()
         for unit in self.units:
             unit.close()
-        for unit in self.units:
             for e in unit.entries:
                 released.expose(e.param)
                 # one element, expanded: never a full-size allocation

@@ -33,9 +33,10 @@ A parameter sharded over ranks refuses reads too (its value is spread over ranks
 collective, which ``model.state_dict()`` on every rank is); one whose model was freed by
 ``hetstore.release()`` refuses everything but metadata.
 
-Only parameters of exactly ``nn.Parameter`` are switched (a subclass keeps its class and
-the old behaviour). A value is read where it is used, so state_dict()/``hetstore.save`` or
-``hetstore.export_weights`` stay the way to read a whole model: they read each unit once.
+The layer goes on ``nn.Parameter`` itself or on the class a model's grad contract made
+(runtime/grads.py), which wraps any subclass of it too. A value is read where it is used,
+so state_dict()/``hetstore.save`` or ``hetstore.export_weights`` stay the way to read a
+whole model: they read each unit once.
 """
 
 from __future__ import annotations
@@ -201,11 +202,8 @@ def _refuse_write(tensor: torch.Tensor, func) -> OffloadedParameterError:
             " (model.to(), .cuda() or .half() of an offloaded model cannot move or cast "
             "it: hetstore places the parameters, and compute_dtype sets their dtype)"
         )
-    if isinstance(tensor, Released):
-        name = getattr(tensor, _SOURCE).entry.name
-        subject = f"{what} on offloaded parameter {name!r}"
-    else:
-        subject = f"{what} on a value read from offloaded parameter {tensor._hetstore_name!r}"
+    whose = "" if isinstance(tensor, Released) else "a value read from "
+    subject = f"{what} on {whose}offloaded parameter {_name_of(tensor)!r}"
     return OffloadedParameterError(
         f"{subject} outside forward{hint}: between uses its unit has no device copy and "
         "hetstore's fp32 master is the source of truth, so a write here would change a "
@@ -333,8 +331,7 @@ class Released:
 
     def __reduce_ex__(self, protocol):
         # pickled (torch.save(p), deepcopy) as the ordinary Parameter it stands for
-        with DisableTorchFunctionSubclass():
-            value = getattr(self, _SOURCE).read()
+        value = getattr(self, _SOURCE).read()
         return nn.Parameter(value, self.requires_grad).__reduce_ex__(protocol)
 
 

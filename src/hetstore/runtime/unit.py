@@ -571,29 +571,22 @@ class Unit:
 
     def read_param(self, entry: ParamEntry) -> torch.Tensor:
         """One parameter's current value as forward sees it (compute dtype, on the
-        device, a fresh tensor), for a read between uses: from the device copy when
-        fetched, else from ``home`` (from the master while a disk home is behind it)."""
-        if self.materialized:
-            return (
-                self.device_flat[entry.offset : entry.offset + entry.numel]
-                .view(entry.shape)
-                .clone()
-            )
+        device, a fresh tensor), for a read while the unit is released: from ``home``
+        (from the master while a disk home is behind it)."""
         start, n = entry.offset, entry.numel
         source, dtype = self.home, self.compute_dtype
         if self.home_stale and start < self.master_numel:
             source, dtype = self.master, torch.float32
-        if isinstance(source, DiskArray):
-            staged = self.scratch(n, dtype, "parameter read")
-            try:
-                value = staged.tensor[:n]
-                read_into(source, value, start)
-                value = value.clone()
-            finally:
-                self.tiers.host.free(staged)
-        else:
+        if not isinstance(source, DiskArray):
             value = source[start : start + n]
-        return value.to(self.device, self.compute_dtype, copy=True).view(entry.shape)
+            return value.to(self.device, self.compute_dtype, copy=True).view(entry.shape)
+        staged = self.scratch(n, dtype, "parameter read")
+        try:
+            value = staged.tensor[:n]
+            read_into(source, value, start)
+            return value.to(self.device, self.compute_dtype, copy=True).view(entry.shape)
+        finally:
+            self.tiers.host.free(staged)
 
     def _fill_device_flat(self, source: torch.Tensor, non_blocking: bool) -> None:
         """Copy ``source`` (this rank's compute-dtype parameters) into ``device_flat``;
