@@ -106,6 +106,38 @@ def test_an_ema_kept_between_steps_follows_the_weights(tmp_path):
         assert torch.equal(ema[n], wanted[n]), n
 
 
+@pytest.mark.parametrize("placement", ["host", "host-bf16", "disk"])
+def test_an_alias_kept_across_steps_follows_the_weights(placement, tmp_path):
+    """In plain PyTorch ``w = p.detach()`` (or ``p.data``, a view) shares the parameter's
+    memory: kept across a step it shows the new weights. Here an alias is a read (there
+    are no bytes between uses): it must follow the steps and loads all the same, every
+    alias of one read agreeing, while a clone stays a snapshot."""
+    model, optimizer = offloaded(placement, tmp_path, steps=1)
+    name = "blocks.0.fc.weight"
+    p = model.blocks[0].fc.weight
+    w, d = p.detach(), p.data
+    with torch.no_grad():
+        flat = p.view(-1)
+    row = w[1]  # an alias of an alias
+    snapshot = p.detach().clone()
+    for x, y in batches(2, seed=7):
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    wanted = forward_values(model)[name]
+    assert not torch.equal(wanted, snapshot)  # the weights did move: the test can fail
+    assert torch.equal(snapshot, snapshot.clone()) and type(snapshot) is torch.Tensor
+    assert torch.equal(row, wanted[1])  # an alias of an alias, used first
+    assert torch.equal(w, wanted) and torch.equal(d, wanted)
+    assert torch.equal(flat, wanted.view(-1))
+    # a load is a change too
+    zeros = torch.zeros(p.shape)
+    model.load_state_dict({name: zeros}, strict=False)
+    assert torch.equal(w, zeros.to(p.dtype)) and torch.equal(row, zeros[1].to(p.dtype))
+    with pytest.raises(OffloadedParameterError):  # and an alias still refuses writes
+        w.add_(1.0)
+
+
 def test_metadata_reads_nothing(tmp_path):
     model, _ = offloaded("disk", tmp_path)
     before = disk_bytes_read(model)

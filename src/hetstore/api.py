@@ -25,6 +25,7 @@ from hetstore.planner.probe import Probe
 from hetstore.planner.shapes import BatchGuard
 from hetstore.planner.tracer import model_data_trace, trace_model, with_batch
 from hetstore.runtime.activations import ActivationHooks
+from hetstore.runtime.copying import PlainCopies
 from hetstore.runtime.grads import GradContract
 from hetstore.runtime.hooks import OffloadRuntime
 from hetstore.runtime.materialize import materialize_module, owns_meta
@@ -257,6 +258,7 @@ def offload(
         runtime.drop_grads_of(unoptimized)
     runtime.adopt(install_state_dict_hooks(model, unit_list))
     runtime.adopt([GradContract(unit_list)])  # p.grad reads hetstore's gradient buffers
+    runtime.adopt([PlainCopies(model, unit_list, runtime)])  # copy.deepcopy: a plain model
     attach(model, ModelState(runtime, tiers, shards))
     runtime.plan = plan
     runtime.trace = trace

@@ -21,6 +21,7 @@ import weakref
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
 
 from hetstore.errors import BACKWARD_AFTER_RELEASE, ConfigError
 from hetstore.runtime import released
@@ -186,6 +187,17 @@ class OffloadRuntime:
     def adopt(self, handles: list) -> None:
         """Take ownership of hooks installed elsewhere, so ``remove()`` takes them off too."""
         self._handles.extend(handles)
+
+    def module_hooks(self) -> dict[int, object]:
+        """hetstore's hooks: handle id (a key of torch's hook dicts, unique across torch)
+        -> the hook (runtime.copying leaves them out of a copy of the model)."""
+        hooks = {}
+        for handle in self._handles:
+            if isinstance(handle, RemovableHandle):
+                table = handle.hooks_dict_ref()
+                if table is not None and handle.id in table:
+                    hooks[handle.id] = table[handle.id]
+        return hooks
 
     def drop_grads_of(self, params: list[nn.Parameter]) -> None:
         """Parameters that require grad but no optimizer steps: drop their gradients."""

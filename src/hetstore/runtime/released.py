@@ -19,7 +19,11 @@ What a released parameter does, through ``__torch_function__``:
   read for a unit on disk). ``*_like`` factories read nothing;
 - a result that shares memory with that value (``p.data``, ``p.detach()``, a view or a
   slice) is a :class:`ReadOnlyValue`: in plain PyTorch writing through it changes the
-  parameter, here it would change a copy, so it refuses writes instead of losing them;
+  parameter, here it would change a copy, so it refuses writes instead of losing them.
+  It stays an alias as in plain PyTorch: kept across a step (or a load), its next use
+  reads the parameter's new value into the same memory first (:class:`LiveRead`), so
+  ``w = p.detach()`` taken once follows the weights, and every alias of one read (``w``,
+  ``w[0]``, ``w.view(-1)``) sees the same bytes;
 - a write (an in-place op, ``out=``, ``p.data = ...``) raises
   :class:`~hetstore.errors.OffloadedParameterError` naming ``load_state_dict``, which
   writes hetstore's fp32 master (the source of truth) and refreshes every copy;
@@ -53,7 +57,10 @@ from hetstore.errors import OffloadedParameterError
 if TYPE_CHECKING:
     from hetstore.runtime.unit import ParamEntry, Unit
 
-__all__ = ["ParamSource", "Released", "ReadOnlyValue", "attach", "conceal", "expose", "is_released"]
+__all__ = [
+    "LiveRead", "ParamSource", "Released", "ReadOnlyValue", "attach", "conceal", "expose",
+    "is_released", "source_of",
+]  # fmt: skip
 
 _SOURCE = "_hetstore_source"  # the attribute a managed parameter carries: its ParamSource
 
@@ -71,9 +78,43 @@ class ParamSource:
             raise OffloadedParameterError(f"parameter {self.entry.name!r}: {self.refusal}")
         return self.unit.read_param(self.entry)
 
+    @property
+    def version(self) -> int | None:
+        """Moves whenever the value forward sees may have changed (a step, a load)."""
+        return None if self.unit is None else self.unit.param_version
+
+
+class LiveRead:
+    """One read of a released parameter, shared by every alias taken of it (``p.detach()``,
+    ``p.data``, their views): before an alias is used, a read that the parameter's unit
+    has changed since (:attr:`ParamSource.version`) is read again into the same memory,
+    so aliases follow the parameter as they do in plain PyTorch."""
+
+    __slots__ = ("source", "value", "version")
+
+    def __init__(self, source: ParamSource, value: torch.Tensor):
+        self.source, self.value, self.version = source, value, source.version
+
+    @property
+    def name(self) -> str:
+        return self.source.entry.name
+
+    def refresh(self) -> None:
+        version = self.source.version
+        if version == self.version or self.source.refusal is not None:
+            return  # unchanged; or no read possible (released model): the last value stays
+        fresh = self.source.read()
+        with DisableTorchFunctionSubclass(), torch.no_grad():
+            self.value.copy_(fresh)
+        self.version = version
+
 
 def attach(param: nn.Parameter, source: ParamSource) -> None:
     setattr(param, _SOURCE, source)
+
+
+def source_of(param: nn.Parameter) -> ParamSource:
+    return getattr(param, _SOURCE)
 
 
 def conceal(param: nn.Parameter) -> None:
@@ -237,7 +278,7 @@ def _serve(func, types, args, kwargs):
         refusal = getattr(args[0], _SOURCE).refusal
         if refusal is not None:  # a repr must not raise (debuggers, logs): describe it
             return _describe(args[0], refusal)
-    shared: dict[int, str] = {}  # storage address -> the parameter name a value came from
+    shared: dict[int, LiveRead] = {}  # storage address -> the read it belongs to
     # with gradients on, a parameter that requires one is read as a tensor requiring one:
     # a result that then requires a gradient is a differentiable use, refused below
     tracked = torch.is_grad_enabled() or func is torch.Tensor.__repr__
@@ -249,14 +290,16 @@ def _serve(func, types, args, kwargs):
             if func in _LIKE:
                 return torch.empty(x.shape, dtype=x.dtype, device=x.device)
             value = source.read()
-            shared[value.untyped_storage().data_ptr()] = source.entry.name
+            shared[value.untyped_storage().data_ptr()] = LiveRead(source, value)
             if tracked and x.requires_grad:
                 value.requires_grad_(True)  # (repr then prints "requires_grad=True")
                 marked.append(source.entry.name)
             return value
         if isinstance(x, ReadOnlyValue):
+            live = x._hetstore_live
+            live.refresh()  # kept across a step: the parameter's value now
             with DisableTorchFunctionSubclass():
-                shared[x.untyped_storage().data_ptr()] = x._hetstore_name
+                shared[x.untyped_storage().data_ptr()] = live
         return x
 
     args, kwargs = tree_map(value_of, (args, kwargs))
@@ -277,14 +320,14 @@ def _serve(func, types, args, kwargs):
             if ptr == 0 or ptr not in shared:
                 return r
             protected = r.as_subclass(ReadOnlyValue)
-            protected._hetstore_name = shared[ptr]
+            protected._hetstore_live = shared[ptr]
             return protected
 
         return tree_map(guard, result)
 
 
 def _name_of(x) -> str:
-    return getattr(x, _SOURCE).entry.name if isinstance(x, Released) else x._hetstore_name
+    return getattr(x, _SOURCE).entry.name if isinstance(x, Released) else x._hetstore_live.name
 
 
 def _describe(param: torch.Tensor, refusal: str) -> str:
@@ -343,14 +386,16 @@ class ReleasedParameter(Released, nn.Parameter):
 
 class ReadOnlyValue(torch.Tensor):
     """A value read from a released parameter that shares memory with the read: refuses
-    writes, which in plain PyTorch would have changed the parameter."""
+    writes, which in plain PyTorch would have changed the parameter, and follows the
+    parameter's changes (its :class:`LiveRead`)."""
 
-    _hetstore_name: str
+    _hetstore_live: LiveRead
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _serve(func, types, args, kwargs)
 
     def __reduce_ex__(self, protocol):
+        self._hetstore_live.refresh()
         with DisableTorchFunctionSubclass():
             return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)

@@ -231,6 +231,7 @@ class ChunkedRewrite:
     def commit(self) -> None:
         """Make the shadows the unit's arrays (all of them: each commit only swaps regions)."""
         unit = self.unit
+        unit.param_version += 1
         for name, array in self.targets.items():
             array.commit(self._shadows.pop(name))
         if self.home_in_place:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hetstore.errors import OffloadedParameterError
 from hetstore.runtime.unit import Unit
 
 __all__ = ["install_state_dict_hooks"]
@@ -81,6 +82,15 @@ def install_state_dict_hooks(model: nn.Module, units: list[Unit]) -> list:
     def before_load(
         module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
     ):
+        if local_metadata.get("assign_to_params_buffers"):
+            raise OffloadedParameterError(
+                "load_state_dict(..., assign=True) on an offloaded model: it would make "
+                "the given tensors the model's parameters, which hetstore does not manage "
+                "(forward would use them, their gradients would reach no optimizer, and "
+                "training would silently change nothing). Load without assign=True: the "
+                "values are copied into hetstore's fp32 master and every copy of them; "
+                "nothing was loaded"
+            )
         views.enter(for_load=True)
 
     def after_load(module, incompatible_keys):

@@ -190,6 +190,9 @@ class Unit:
         # edits, an ordinary streamed step): a step taken ahead from older ones is stale
         # (hetstore.optim.step_ahead)
         self.state_version = 0
+        # moves whenever the parameters' values may have changed (a step, a load, an
+        # edit): an alias read while released (``p.detach()``) reads them again then
+        self.param_version = 0
         # counts gradients added into ``grad`` (a disk array has no version counter of
         # its own to tell a later micro-batch's accumulation from none)
         self.grad_version = 0
@@ -395,6 +398,7 @@ class Unit:
             yield tail
             if not write_back:
                 return
+            self.param_version += 1
             if self.param_stager is not None:
                 self.param_stager.forget(self)
             with torch.no_grad():
@@ -446,6 +450,7 @@ class Unit:
         """Make ``home`` (and a materialized device copy) equal ``master``, cast.
         ``master`` may be a prefix of the layout (the trainable head after a step, see
         :meth:`refresh_after_step`): only that much is rewritten."""
+        self.param_version += 1
         if self.param_stager is not None:
             self.param_stager.forget(self)  # a staged read must not race a rewrite in place
         n = master.numel()
