@@ -446,7 +446,7 @@ def _attach_stagers(units: list[Unit], tiers: Tiers, prefetch_depth: int) -> Gra
         )
         for unit in disk_home:
             unit.param_stager = stager
-    disk_grad = [u for u in units if u.grad_staged]
+    disk_grad = [u for u in units if u.grads.staged]
     if not disk_grad:
         return None
     grad_stager = GradStager(tiers.host, max(u.trainable_numel * 4 for u in disk_grad))

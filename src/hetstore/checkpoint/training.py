@@ -197,7 +197,7 @@ def save(
     optimizer_json = None
     if optimizer is not None:
         optimizer_json = _optimizer_header(optimizer, names, groups_tensors)
-    if runtime is not None and any(u.any_grad() for u in runtime.units):
+    if runtime is not None and any(u.grads.any() for u in runtime.units):
         warnings.warn(
             "save(): gradients accumulated since the last optimizer step are not saved",
             stacklevel=2,

@@ -58,7 +58,7 @@ class CompactUnitStep(UnitStates):
         """Step every segment (``grad_multipliers``: unused, gradients in memory are
         scaled in place before the step)."""
         unit = self.unit
-        unit.fill_missing_grads()
+        unit.grads.fill_missing()
         longest = max((c.state_end - c.start for c in self._chunks), default=0)
         if not longest:
             return

@@ -9,7 +9,7 @@ buffer while its write to disk runs, at the runtime's grads-final event, in the 
 the disk scan reads (:class:`~hetstore.optim.streamed.ChunkNorms`) -- so the clip's
 total is the same bits recorded or scanned, with or without ``overlap_step``.
 
-A record holds while the unit's gradients are unchanged since (``grad_version``, the
+A record holds while the unit's gradients are unchanged since (``Unit.grads.version``, the
 has-grad flags): a later micro-batch, or a write through ``p.grad``, makes the clip scan
 the disk as before. The buffer holds the whole accumulated gradient (the stager reads
 earlier micro-batches' sums in before adding), so a record taken at any micro-batch is
@@ -31,7 +31,7 @@ def grad_state(unit: Unit) -> tuple[int, int | None]:
     in, and for a buffer in memory its version counter (in-place changes through
     ``p.grad``: clipping, a user's hook)."""
     grad = unit.grad
-    return unit.grad_version, grad._version if isinstance(grad, torch.Tensor) else None
+    return unit.grads.version, grad._version if isinstance(grad, torch.Tensor) else None
 
 
 class RecordedNorms:

@@ -222,7 +222,7 @@ class OffloadedOptimizer(Optimizer):
         return [
             u.grad
             for u in self.units
-            if isinstance(u.grad, torch.Tensor) and u.trainable_numel and u.any_grad()
+            if isinstance(u.grad, torch.Tensor) and u.trainable_numel and u.grads.any()
         ]
 
     def _disk_units(self) -> list[StreamedUnitStep]:
@@ -231,7 +231,7 @@ class OffloadedOptimizer(Optimizer):
             for us in self._unit_steps
             if isinstance(us, StreamedUnitStep)
             and isinstance(us.unit.grad, DiskArray)
-            and us.unit.any_grad()
+            and us.unit.grads.any()
         ]
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -447,13 +447,13 @@ class OffloadedOptimizer(Optimizer):
             if unit.home_stale:  # stepped before an interruption; only the copy is left
                 unit.refresh_from_master()
                 continue
-            if not unit.any_grad():
+            if not unit.grads.any():
                 continue  # like torch: parameters without a gradient are not stepped
             self._warn_missing([e.name for e in unit.trainable_entries if not e.has_grad])
             if isinstance(unit_step, UnitStates):
                 unit_step.step(self._disk_grad_factors if isinstance(unit.grad, DiskArray) else [])
                 continue
-            unit.fill_missing_grads()
+            unit.grads.fill_missing()
             for inner, outer in zip(
                 unit_step.optimizer.param_groups, unit_step.groups, strict=True
             ):
@@ -480,7 +480,7 @@ class OffloadedOptimizer(Optimizer):
         """A second optimizer.step() on gradients a step in backward consumed: plain
         PyTorch would step again with them, which are gone."""
         again = [
-            u.name for u in self.units if u.grads_consumed and id(u) not in self._stepped_ahead
+            u.name for u in self.units if u.grads.consumed and id(u) not in self._stepped_ahead
         ]
         if again:
             raise RuntimeError(
@@ -515,7 +515,7 @@ class OffloadedOptimizer(Optimizer):
         if self.step_ahead is not None:
             self.step_ahead.discard_all()
         for unit in self.units:
-            unit.clear_grads()
+            unit.grads.clear()
 
     # ------------------------------------------------------------------ state dict
     def _locate(self, param) -> tuple[_UnitStep, int, torch.Tensor, ParamEntry]:

@@ -12,7 +12,7 @@ ordinary way. The result is the ordinary step's, bit for bit, either way.
 
 A speculation assumes that what the step would read is what it read:
 
-- the gradients did not change since: no gradient was added (``Unit.grad_version``:
+- the gradients did not change since: no gradient was added (``Unit.grads.version``:
   another micro-batch's backward) and a buffer in memory was not changed in place
   (``Tensor._version``: clipping through ``p.grad``, a user's hook);
   ``optimizer.clip_grad_norm_`` leaves it alone when it does not clip;
@@ -392,7 +392,7 @@ class StepAhead:
                 "backward; to accumulate micro-batches, run the backward of every one but "
                 "the last under `with hetstore.no_sync(model):`"
             )
-        stale = [u.name for u in (s.unit for s in self._steps.values()) if u.grads_consumed]
+        stale = [u.name for u in (s.unit for s in self._steps.values()) if u.grads.consumed]
         if stale:
             raise RuntimeError(
                 f"step_in_backward=True: units {stale[:3]} still count the gradients their "
@@ -424,7 +424,7 @@ class StepAhead:
                 self.stats.rolled_back += 1
                 continue
             spec.unit_step.commit_speculation(spec.rewrite)
-            unit.grads_consumed = True
+            unit.grads.consumed = True
             self._consumed[key] = spec
             self.stats.committed += 1
 

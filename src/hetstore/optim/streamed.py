@@ -267,7 +267,7 @@ class StreamedUnitStep(UnitStates):
                     pending.append(unit.grad.read(views[i + 1], starts[i + 1]))
                 current.wait()
                 chunk = views[i]
-                unit.fill_missing_grads(chunk, a)
+                unit.grads.fill_missing(chunk, a)
                 for m in multipliers:
                     chunk.mul_(m)
                 visit(chunk, a)
@@ -474,7 +474,7 @@ class StreamedUnitStep(UnitStates):
                 multipliers = multipliers[1:]
             grad = own_version_counter(grad)
         else:
-            unit.fill_missing_grads(grad, c.start)  # like the in-memory step: zeros
+            unit.grads.fill_missing(grad, c.start)  # like the in-memory step: zeros
         for m in multipliers:
             grad.mul_(m)
         fp32 = "" if self.format.exact else " fp32"  # the slot buffers stepped in fp32

@@ -137,7 +137,7 @@ class GradContract:
     @staticmethod
     def _view(unit: Unit, entry: ParamEntry, verb: str) -> torch.Tensor:
         """A view of the gradient buffer. Handing one out counts as changing the
-        gradients (``Unit.grad_version``): ``.data`` of it, or ``.numpy()``, changes them
+        gradients (``Unit.grads.version``): ``.data`` of it, or ``.numpy()``, changes them
         past its version counter, so a step taken ahead from them is not kept."""
         if unit.shards is not None:
             raise GradientAccessError(
@@ -146,7 +146,7 @@ class GradContract:
                 "of the gradient. Clip with optimizer.clip_grad_norm_(max_norm) (all ranks), "
                 "clear with optimizer.zero_grad()"
             )
-        if unit.grads_consumed:
+        if unit.grads.consumed:
             raise GradientAccessError(
                 f"cannot {verb} the .grad of {entry.name!r}: the optimizer step inside "
                 f"backward (step_in_backward=True) consumed it (unit {unit.name!r}), so it "
@@ -154,7 +154,7 @@ class GradContract:
                 "optimizer.zero_grad(); clipping or reading gradients needs "
                 "step_in_backward=False"
             )
-        if unit.grad_staged:
+        if unit.grads.staged:
             raise GradientAccessError(
                 f"cannot {verb} the .grad of {entry.name!r}: its gradient lives on disk "
                 f"(unit {unit.name!r}, offload_grad='disk'), where no tensor can stand for it. "
@@ -163,7 +163,7 @@ class GradContract:
                 "memory, where torch's gradient APIs (model.zero_grad(), "
                 "torch.nn.utils.clip_grad_norm_, p.grad) work"
             )
-        unit.grad_version += 1
+        unit.grads.version += 1
         return unit.grad[entry.offset : entry.offset + entry.numel].view(entry.shape)
 
     # ------------------------------------------------------------------ lifetime

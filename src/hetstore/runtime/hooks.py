@@ -302,15 +302,15 @@ class OffloadRuntime:
         # autograd allocated this gradient on the device: count it while it exists
         device_tier.reserve(grad_bytes, label)
         try:
-            unit.accumulate_grad(entry, grad)
+            unit.grads.accumulate(entry, grad)
         finally:
             set_torch_grad(param, None)
             del grad
             device_tier.release(grad_bytes, label)
-        unit.pending_grads -= 1
-        if unit.pending_grads == 0:
-            if unit.has_grad_bucket:  # sharded: average across ranks, keep this rank's shard
-                unit.reduce_grads()
+        unit.grads.pending -= 1
+        if unit.grads.pending == 0:
+            if unit.grads.has_bucket:  # sharded: average across ranks, keep this rank's shard
+                unit.grads.reduce()
             # step_in_backward: the unit is stepped now, from the gradients gathered
             consumed = self.step_ahead is not None and self.step_ahead.consume_grads(unit)
             if self.grad_stager is not None and not consumed:
@@ -347,7 +347,7 @@ class OffloadRuntime:
             return
         self._callback_task = task
         for unit in self.units:
-            unit.pending_grads = len(unit.trainable_entries)
+            unit.grads.pending = len(unit.trainable_entries)
         if self.step_ahead is not None:
             self.step_ahead.backward_started()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -356,8 +356,8 @@ class OffloadRuntime:
         self._callback_task = None
         self._awaiting_release = []
         for unit in self.units:  # sharded units some of whose parameters got no gradient
-            if unit.has_grad_bucket:
-                unit.reduce_grads()
+            if unit.grads.has_bucket:
+                unit.grads.reduce()
         if self.grad_stager is not None:
             self.grad_stager.flush_all()
         for unit in self.units:

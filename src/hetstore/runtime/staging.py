@@ -211,9 +211,9 @@ class GradStager:
                 self.flush(next(iter(self._holders)))  # (never all lent: see lend)
             slot = self._slots.take()
         view = _grads_in(slot, unit)
-        if unit.any_grad():  # accumulating: earlier micro-batches' sums are on disk
+        if unit.grads.any():  # accumulating: earlier micro-batches' sums are on disk
             try:
-                unit.grad_region().read(view).wait()
+                unit.grads.region().read(view).wait()
             except BaseException:
                 self._slots.give(slot)
                 raise
@@ -274,7 +274,7 @@ class GradStager:
         """A handed-over buffer's step did not happen: write its gradients to disk after
         all (the ordinary step reads them there)."""
         slot = self._lent[unit]
-        unit.grad_region().write(_grads_in(slot, unit), 0)
+        unit.grads.region().write(_grads_in(slot, unit), 0)
         del self._lent[unit]
         self._writing.append((unit, slot))
 
@@ -289,7 +289,7 @@ class GradStager:
         """Start writing ``unit``'s gathered gradients to disk (no-op if none gathered)."""
         if unit not in self._holders:
             return
-        region = unit.grad_region()  # (a deferred one may not fit: the buffer stays held)
+        region = unit.grads.region()  # (a deferred one may not fit: the buffer stays held)
         view, slot = self._holders.pop(unit)
         region.write(view, 0)
         self._writing.append((unit, slot))

@@ -1,7 +1,17 @@
 """One unit's parameters in every form, and their movement between tiers.
 
+A unit is split by concern:
+
+- **layout** (:mod:`hetstore.runtime.layout`, ``Unit.layout``): where each parameter
+  sits in the flat buffers, a pure function of the parameters, fixed at construction;
+- **buffers per role** (here): the forms below, each allocated on its tier;
+- **residency** (here): ``fetch`` / ``release`` / ``prefetch`` of the device copy, with
+  ``ready_event`` naming an in-flight CUDA copy, and reads of a released parameter;
+- **the gradient sink** (:mod:`hetstore.runtime.grad_sink`, ``Unit.grads``): where
+  backward's gradients go and the state of filling them.
+
 Forms of a unit's parameters (all flat, 1-D, one element per parameter element, in the
-order of ``entries``: trainable parameters grouped by optimizer param group, then frozen):
+layout's order):
 
 - ``master``: fp32, on the optimizer's tier (device, host or disk). The source of truth
   for elements ``[0, master_numel)``: every parameter except frozen ones that are already
@@ -12,39 +22,34 @@ order of ``entries``: trainable parameters grouped by optimizer param group, the
 - ``device_flat``: compute dtype on the device; every ``nn.Parameter`` of the unit is a
   view into it. When the unit is released its *storage* is resized to 0 (FSDP2's trick):
   the Parameter objects, and autograd's references to them, stay valid; the bytes go.
-- ``grad``: fp32 on the gradient tier, accumulated across micro-batches.
+- ``grad`` (``grads.buffer``): fp32 on the gradient tier, accumulated across micro-batches.
 
 On the disk tier a form is a :class:`~hetstore.tiers.flat.DiskArray`, not a tensor:
 parameters come to the device through the runtime's :class:`ParamStager`, gradients go
 out through its :class:`GradStager`, and the optimizer streams master and states.
 
-Layout: each optimizer segment starts at a multiple of ``Unit.align`` elements,
-``ALIGN_ELEMENTS`` or ``BYTE_ALIGN_ELEMENTS`` with 8-bit optimizer states (padding of at
-most 8 or 16 KiB in between), so chunks of different segments never share a disk page and can
-be read and written at the same time.
-
-Sharded over ranks (ZeRO-3, :mod:`hetstore.runtime.sharding`): the *full* layout above
-(``full_numel``, padded to a multiple of ``world_size * ALIGN_ELEMENTS``) is what
-``device_flat`` holds; ``master``, ``home``, ``grad`` and the optimizer states hold only
-this rank's shard, elements ``[shard_start, shard_start + numel)`` of it. ``numel``,
-``segments`` and ``trainable_numel`` describe the shard (they equal the full ones in one
-process), so the optimizer steps a shard exactly as it steps a whole unit; ``entries``
-keep their offsets in the full layout. ``fetch`` all-gathers the shards into
-``device_flat``; gradients are gathered whole in a device bucket and reduce-scattered
-(averaged) by :meth:`Unit.reduce_grads` when the unit's backward is done.
+Sharded over ranks (ZeRO-3, :mod:`hetstore.runtime.sharding`): the *full* layout (see
+runtime.layout) is what ``device_flat`` holds; ``master``, ``home``, ``grad`` and the
+optimizer states hold only this rank's shard, so the optimizer steps a shard exactly as
+it steps a whole unit. ``fetch`` all-gathers the shards into ``device_flat``; gradients
+are gathered whole in a device bucket and reduce-scattered (averaged) by
+:meth:`GradSink.reduce` when the unit's backward is done.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from enum import Enum
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from hetstore.runtime import released
+from hetstore.runtime.grad_sink import GradSink
+from hetstore.runtime.layout import ParamEntry, Segment, UnitLayout
 from hetstore.runtime.rewrite import ChunkedRewrite
 from hetstore.tier import Tier
 from hetstore.tiers import HostBuffer, Tiers
@@ -55,7 +60,15 @@ if TYPE_CHECKING:
     from hetstore.runtime.sharding import ShardGroup
     from hetstore.runtime.staging import GradStager, ParamStager
 
-__all__ = ["ParamEntry", "Segment", "Unit", "Placement"]
+__all__ = ["ParamEntry", "Placement", "Residency", "Segment", "Unit"]
+
+
+class Residency(Enum):
+    """Where a unit's device copy stands (``Unit.residency``)."""
+
+    RELEASED = "released"  # no bytes: the parameters carry runtime.released's layer
+    FETCHING = "fetching"  # bytes allocated, a CUDA copy in flight (``ready_event``)
+    PRESENT = "present"  # the parameters are on the device, plain nn.Parameter views
 
 
 @dataclass(frozen=True)
@@ -69,26 +82,6 @@ class Placement:
     def __post_init__(self):  # config spellings ('none', 'cpu', 'disk') are accepted
         for name in ("param", "optimizer", "grad"):
             object.__setattr__(self, name, Tier(getattr(self, name)))
-
-
-@dataclass
-class ParamEntry:
-    param: nn.Parameter = field(repr=False)  # no bytes while released: never print it
-    name: str
-    offset: int
-    numel: int
-    shape: torch.Size
-    group: int | None  # optimizer param group index; None when not optimized
-    has_grad: bool = False
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A contiguous run of one param group's parameters inside a unit's flat buffers."""
-
-    group: int
-    start: int
-    end: int
 
 
 class Unit:
@@ -118,70 +111,13 @@ class Unit:
         self.device = tiers.device
         self.compute_dtype = compute_dtype
 
-        # trainable first, ordered by group so each group is one contiguous segment; then
-        # frozen parameters wider than the compute dtype (they keep an fp32 master:
-        # rounding them would change what state_dict() gives back); then frozen ones
-        # already in the compute dtype (stored only in it, see ``master_numel``)
-        def kind(item) -> tuple[int, int]:
-            _, param, group = item
-            if group is not None:
-                return (0, group)
-            return (1 if param.dtype != compute_dtype else 2, 0)
-
-        ordered = sorted(params, key=kind)
-        self.entries: list[ParamEntry] = []
-        offset = 0
-        previous_kind: object = object()
-        compute_only_start = None
-        for item in ordered:
-            name_, param, group = item
-            if kind(item) != previous_kind and offset % align:
-                offset += align - offset % align  # a segment starts aligned
-            previous_kind = kind(item)
-            if previous_kind[0] == 2 and compute_only_start is None:
-                compute_only_start = offset
-            self.entries.append(ParamEntry(param, name_, offset, param.numel(), param.shape, group))
-            offset += param.numel()
-        # fixed from here on; read on every step and backward, so computed once
-        self.trainable_entries = [e for e in self.entries if e.group is not None]
-        # parameters autograd may still read after the unit's gradients are in (frozen
-        # ones, or trainable ones outside the optimizer): their release waits for backward
-        # to leave the unit (runtime.hooks)
-        self.has_untracked_params = len(self.trainable_entries) < len(self.entries)
-        # where those begin in the layout (a segment start, so ALIGN_ELEMENTS-aligned):
-        # a step rewrites the compute-dtype copies of [0, frozen_start) only
-        self.frozen_start = next((e.offset for e in self.entries if e.group is None), offset)
-        full_segments: list[Segment] = []
-        for entry in self.entries:
-            if entry.group is None:
-                continue
-            last = full_segments[-1] if full_segments else None
-            if last is not None and last.group == entry.group and last.end == entry.offset:
-                full_segments[-1] = Segment(last.group, last.start, entry.offset + entry.numel)
-            else:
-                full_segments.append(Segment(entry.group, entry.offset, entry.offset + entry.numel))
-        self.full_trainable_numel = full_segments[-1].end if full_segments else 0
-        if shards is None:
-            self.full_numel, self.shard_start, self.numel = offset, 0, offset
-            self.segments = full_segments
-        else:
-            quantum = shards.world_size * align
-            self.full_numel = -(-offset // quantum) * quantum
-            self.shard_start, self.numel = shards.shard_range(self.full_numel)
-            self.segments = _shard_segments(full_segments, self.shard_start, self.numel)
-        self.trainable_numel = self.segments[-1].end if self.segments else 0
-        # the fp32 master covers elements [0, master_numel): all of them, except that
-        # frozen parameters already in the compute dtype live only in ``home`` (a LoRA
-        # model's bf16 base has no fp32 copy). Not when ``home`` is the master itself
-        # (nothing is stored twice then) nor sharded (a shard may cut across the border).
         aliased = placement.param == placement.optimizer and compute_dtype == torch.float32
-        split = compute_only_start is not None and shards is None and not aliased
-        self.master_numel = compute_only_start if split else self.numel
-        self._grad_bucket: torch.Tensor | None = None  # sharded: the full gradient, gathering
+        self.layout = UnitLayout.build(
+            params, compute_dtype, align=align, shards=shards, master_is_home=aliased
+        )
         self._owned: list[FlatAllocation] = []  # every buffer allocate() made
-        self.materialized = False
-        self.ready_event = None  # CUDA event guarding an in-flight fetch
-        self.pending_grads = 0
+        self.residency = Residency.RELEASED
+        self.ready_event = None  # CUDA event guarding an in-flight fetch (FETCHING)
         # set by the runtime when some form lives on disk
         self.param_stager: ParamStager | None = None
         self.grad_stager: GradStager | None = None
@@ -193,40 +129,78 @@ class Unit:
         # moves whenever the parameters' values may have changed (a step, a load, an
         # edit): an alias read while released (``p.detach()``) reads them again then
         self.param_version = 0
-        # counts gradients added into ``grad`` (a disk array has no version counter of
-        # its own to tell a later micro-batch's accumulation from none)
-        self.grad_version = 0
-        # step_in_backward: gradients on disk get their disk array only when one must
-        # persist (accumulation under no_sync, a step that could not run in backward);
-        # gradients consumed by the step in backward never do (see grad_region)
-        self.grad_deferred = False
-        self._defer_disk_grad = defer_disk_grad
-        # the step in backward took this unit's gradients: none to read until cleared
-        self.grads_consumed = False
         # called by before_state_change: the optimizer's step ahead drops a speculation
         # of this unit first, so that its worker never reads arrays being replaced
         self.before_rewrite: Callable[[Unit], None] | None = None
-        self._build()
+        self._build(defer_disk_grad)
+
+    @property
+    def materialized(self) -> bool:
+        """The device copy has its bytes (present, or being copied in on a CUDA stream:
+        the compute stream waits with :meth:`wait_ready` before use)."""
+        return self.residency is not Residency.RELEASED
+
+    # ------------------------------------------------------------------ the layout
+    # (runtime.layout: fixed at construction; read everywhere, hence these names)
+    @property
+    def entries(self) -> list[ParamEntry]:
+        return self.layout.entries
+
+    @property
+    def trainable_entries(self) -> list[ParamEntry]:
+        return self.layout.trainable_entries
+
+    @property
+    def has_untracked_params(self) -> bool:
+        return self.layout.has_untracked_params
+
+    @property
+    def frozen_start(self) -> int:
+        return self.layout.frozen_start
+
+    @property
+    def full_numel(self) -> int:
+        return self.layout.full_numel
+
+    @property
+    def shard_start(self) -> int:
+        return self.layout.shard_start
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def segments(self) -> list[Segment]:
+        return self.layout.segments
+
+    @property
+    def trainable_numel(self) -> int:
+        return self.layout.trainable_numel
+
+    @property
+    def master_numel(self) -> int:
+        return self.layout.master_numel
 
     # ------------------------------------------------------------------ construction
-    def _label(self, what: str) -> str:
+    def label(self, what: str) -> str:
         return f"{what} {self.name}"
 
-    def _collective(self, what: str) -> str:
+    def collective(self, what: str) -> str:
         return f"{what} of unit {self.name!r}"
 
     def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         """A flat buffer on ``tier`` (a tensor; a ``DiskArray`` on disk) owned by this
         unit and freed by ``close()``; the optimizer keeps its states here too."""
-        owned = self.tiers.of(Tier(tier)).allocate_flat(numel, dtype, self._label(what))
+        owned = self.tiers.of(Tier(tier)).allocate_flat(numel, dtype, self.label(what))
         self._owned.append(owned)
         return owned.data
 
     def scratch(self, numel: int, dtype: torch.dtype, what: str) -> HostBuffer:
         """A temporary host buffer (free it with ``tiers.host.free``)."""
-        return self.tiers.host.allocate(max(numel, 1) * dtype.itemsize, self._label(what), dtype)
+        return self.tiers.host.allocate(max(numel, 1) * dtype.itemsize, self.label(what), dtype)
 
-    def _build(self) -> None:
+    def _build(self, defer_disk_grad: bool) -> None:
         p = self.placement
         fp32 = torch.float32
         self.master = self.allocate(p.optimizer, self.master_numel, fp32, "master params")
@@ -239,26 +213,21 @@ class Unit:
             self._initialize_master()
         if p.param is Tier.DEVICE and self.shards is None:
             self.device_flat = self.home
-            self.materialized = True
+            self.residency = Residency.PRESENT
         else:
             self.device_flat = torch.empty(
                 self.full_numel, dtype=self.compute_dtype, device=self.device
             )
-        self.grad_deferred = (
-            self._defer_disk_grad
-            and bool(self.trainable_numel)
+        # step_in_backward: gradients on disk get their disk array only when one must
+        # persist; those the step in backward consumes never do (GradSink.region)
+        deferred = (
+            defer_disk_grad
             and p.grad is Tier.DISK
             and self.shards is None
             # master and every parameter copy written through shadows: a step in backward
             and ChunkedRewrite.can_speculate(self)
         )
-        self.grad = (
-            self.allocate(p.grad, self.trainable_numel, fp32, "grads")
-            if self.trainable_numel and not self.grad_deferred
-            else None
-        )
-        if isinstance(self.grad, torch.Tensor):
-            self.grad.zero_()  # padding between segments must be finite for overflow checks
+        self.grads = GradSink(self, deferred=deferred)
         refusal = (
             None
             if self.shards is None
@@ -285,13 +254,13 @@ class Unit:
             full.zero_()
             for e in self.entries:
                 full[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
-            self.shards.broadcast(full, self._collective("the initial parameters"))
+            self.shards.broadcast(full, self.collective("the initial parameters"))
             self._store_shard(full[self.shard_start : self.shard_start + self.numel])
 
     @contextlib.contextmanager
     def _device_scratch(self, numel: int, dtype: torch.dtype, what: str):
         """A transient device tensor, counted against the device budget while it lives."""
-        nbytes, label = numel * dtype.itemsize, self._label(what)
+        nbytes, label = numel * dtype.itemsize, self.label(what)
         self.tiers.device_tier.reserve(nbytes, label)
         try:
             yield torch.empty(numel, dtype=dtype, device=self.device)
@@ -341,7 +310,7 @@ class Unit:
         if self.shards is not None:
             with self._device_scratch(self.full_numel, torch.float32, "master gather") as full:
                 self.shards.all_gather(
-                    full, self.master_copy().to(self.device), self._collective("the master")
+                    full, self.master_copy().to(self.device), self.collective("the master")
                 )
                 try:
                     yield full
@@ -435,7 +404,7 @@ class Unit:
             return self.master_copy()
         full = torch.empty(self.full_numel, dtype=torch.float32, device=self.device)
         self.shards.all_gather(
-            full, self.master_copy().to(self.device), self._collective("the master")
+            full, self.master_copy().to(self.device), self.collective("the master")
         )
         return full.cpu()
 
@@ -538,7 +507,7 @@ class Unit:
             return
         if self.home_stale:  # a failed step left the disk copy behind the master
             self.refresh_from_master()
-        self.tiers.device_tier.reserve(self.device_bytes, self._label("params"))
+        self.tiers.device_tier.reserve(self.device_bytes, self.label("params"))
         try:
             source, slot = self.home, None
             if isinstance(self.home, DiskArray):
@@ -555,11 +524,11 @@ class Unit:
                 self._fill_device_flat(source, non_blocking=False)
         except BaseException:
             self.device_flat.untyped_storage().resize_(0)
-            self.tiers.device_tier.release(self.device_bytes, self._label("params"))
+            self.tiers.device_tier.release(self.device_bytes, self.label("params"))
             raise
         if slot is not None:
             self.param_stager.give_back(slot, self.ready_event)
-        self.materialized = True
+        self.residency = Residency.PRESENT if self.ready_event is None else Residency.FETCHING
         self.expose_params()
 
     def expose_params(self) -> None:
@@ -600,7 +569,7 @@ class Unit:
             self.device_flat.copy_(source, non_blocking=non_blocking)
             return
         shard = source.to(self.device, non_blocking=non_blocking)
-        self.shards.all_gather(self.device_flat, shard, self._collective("the parameters"))
+        self.shards.all_gather(self.device_flat, shard, self.collective("the parameters"))
 
     def prefetch(self) -> None:
         """Start bringing the parameters closer without waiting: a disk read into staging."""
@@ -611,6 +580,7 @@ class Unit:
         if self.ready_event is not None:
             torch.cuda.current_stream(self.device).wait_event(self.ready_event)
             self.ready_event = None
+            self.residency = Residency.PRESENT
 
     def release(self) -> None:
         """Free the device copy unless the parameters live on the device."""
@@ -621,8 +591,8 @@ class Unit:
             # the block was allocated on the copy stream; do not reuse it before compute is done
             self.device_flat.record_stream(torch.cuda.current_stream(self.device))
         self.device_flat.untyped_storage().resize_(0)
-        self.tiers.device_tier.release(self.device_bytes, self._label("params"))
-        self.materialized = False
+        self.tiers.device_tier.release(self.device_bytes, self.label("params"))
+        self.residency = Residency.RELEASED
         self.conceal_params()
 
     def refresh_after_step(self) -> None:
@@ -642,125 +612,18 @@ class Unit:
 
     # ------------------------------------------------------------------ gradients
     @property
-    def grad_staged(self) -> bool:
-        """Gradients gather in the gradient stager's host buffer (they belong on disk)."""
-        return self.grad_deferred or isinstance(self.grad, DiskArray)
-
-    def grad_region(self) -> DiskArray:
-        """The gradients' disk array; a deferred one is made now (raises
-        :class:`OutOfTierMemory` naming it when the disk has no room)."""
-        if self.grad is None and self.grad_deferred:
-            self.grad = self.allocate(Tier.DISK, self.trainable_numel, torch.float32, "grads")
-        return self.grad
-
-    def _gathering_grad(self) -> torch.Tensor:
-        """Where backward sums this unit's gradients: the gradient stager's host buffer
-        when they belong on disk, else the gradient buffer itself."""
-        return self.grad_stager.buffer_for(self) if self.grad_staged else self.grad
-
-    def accumulate_grad(self, entry: ParamEntry, grad: torch.Tensor) -> None:
-        """Move ``grad`` into the fp32 gradient buffer (no clone kept on the device).
-
-        Sharded, into the unit's full device bucket instead (see :meth:`reduce_grads`).
-        """
-        self.grad_version += 1
-        if self.shards is not None:
-            if self._grad_bucket is None:
-                self._grad_bucket = self._new_grad_bucket(grad.dtype)
-            self._grad_bucket[entry.offset : entry.offset + entry.numel].copy_(grad.reshape(-1))
-            return
-        target = self._gathering_grad()[entry.offset : entry.offset + entry.numel]
-        source = grad.reshape(-1)
-        if source.device != target.device:
-            source = source.to(target.device, non_blocking=False)
-        if entry.has_grad:
-            target.add_(source)
-        else:
-            target.copy_(source)  # first micro-batch: a copy replaces a zero-fill
-            entry.has_grad = True
-
-    def _new_grad_bucket(self, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = self.full_numel * dtype.itemsize
-        self.tiers.device_tier.reserve(nbytes, self._label("grad bucket"))
-        self._grad_bucket_bytes = nbytes
-        # zeros: parameters without a gradient this backward count as a zero gradient
-        return torch.zeros(self.full_numel, dtype=dtype, device=self.device)
-
-    @property
-    def has_grad_bucket(self) -> bool:
-        return self._grad_bucket is not None
-
-    def reduce_grads(self) -> None:
-        """Sharded: average the unit's full gradient over the ranks (reduce-scatter) and
-        add this rank's shard into the fp32 gradient tier; the bucket is freed.
-
-        A collective: every rank calls it for the same units in the same order (the
-        runtime does so when a unit's backward is done). Afterwards every trainable entry
-        counts as having a gradient: a rank cannot tell which parameters got one elsewhere.
-        """
-        bucket = self._grad_bucket  # the runtime calls this only for units with a bucket
-        try:
-            shard = torch.empty(self.numel, dtype=bucket.dtype, device=self.device)
-            self.shards.reduce_scatter_mean(shard, bucket, self._collective("the gradients"))
-        finally:
-            self._grad_bucket = None
-            del bucket
-            self.tiers.device_tier.release(self._grad_bucket_bytes, self._label("grad bucket"))
-        if self.trainable_numel:
-            target = self._gathering_grad()[: self.trainable_numel]
-            source = shard[: self.trainable_numel].to(target.device)
-            if self.any_grad():
-                target.add_(source)
-            else:
-                target.copy_(source)
-        for entry in self.trainable_entries:
-            entry.has_grad = True
-
-    def clear_grads(self) -> None:
-        for entry in self.entries:
-            entry.has_grad = False
-        self.grads_consumed = False
-
-    def fill_missing_grads(self, grad: torch.Tensor | None = None, start: int = 0) -> list[str]:
-        """Zero the slices of parameters that got no gradient; return their names.
-
-        ``grad`` is the gradient buffer, or a chunk of it starting at element ``start``.
-        """
-        grad = self.grad if grad is None else grad
-        end = start + grad.numel()
-        missing = []
-        for entry in self.trainable_entries:
-            if not entry.has_grad:
-                a, b = max(entry.offset, start), min(entry.offset + entry.numel, end)
-                if a < b:
-                    grad[a - start : b - start].zero_()
-                missing.append(entry.name)
-        return missing
-
-    def any_grad(self) -> bool:
-        return any(e.has_grad for e in self.trainable_entries)
+    def grad(self) -> torch.Tensor | DiskArray | None:
+        """The fp32 gradient buffer (``grads``, runtime.grad_sink, owns it and its state)."""
+        return self.grads.buffer
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         self.release()
-        if self._grad_bucket is not None:  # a backward that failed before its reduce
-            self._grad_bucket = None
-            self.tiers.device_tier.release(self._grad_bucket_bytes, self._label("grad bucket"))
+        self.grads.close()
         for owned in self._owned:
             owned.free()
         self._owned.clear()
         # a closed unit holds no buffer, so its bytes go now even if something still
         # references the unit (a reference cycle awaiting the collector)
-        self.master = self.home = self.grad = self.device_flat = None
+        self.master = self.home = self.device_flat = None
         self.param_stager = self.grad_stager = None
-
-
-def _shard_segments(segments: list[Segment], start: int, size: int) -> list[Segment]:
-    """The parts of ``segments`` (full-layout offsets) inside ``[start, start + size)``,
-    in shard offsets."""
-    local = []
-    for seg in segments:
-        a, b = max(seg.start, start), min(seg.end, start + size)
-        if a < b:
-            local.append(Segment(seg.group, a - start, b - start))
-    return local

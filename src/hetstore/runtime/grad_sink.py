@@ -1,0 +1,168 @@
+"""Where one unit's gradients go: its fp32 gradient buffer, and the state of filling it.
+
+Backward hands each parameter's gradient to the runtime, which moves it here
+(:meth:`GradSink.accumulate`: no clone is kept on the device) and summed across
+micro-batches. The buffer lives on the gradient tier (``Placement.grad``):
+
+- in memory (device or host), gradients are added into it directly;
+- on disk, they gather in the gradient stager's host buffer (:mod:`runtime.staging`),
+  which the runtime writes out when the unit's backward is done. With the step in
+  backward (``step_in_backward``) the disk array is made only when a gradient must
+  persist (accumulation under ``no_sync``, a step that could not run in backward): a
+  *deferred* buffer (:meth:`region` makes it);
+- sharded over ranks, the full gradient gathers in a device bucket, averaged over the
+  ranks and reduced to this rank's shard by :meth:`reduce` when the unit's backward is
+  done (a collective).
+
+What the sink tracks for the rest of the runtime: which parameters got a gradient
+(``ParamEntry.has_grad``), gradients still expected this backward (``pending``), a
+version that moves with every gradient added (a disk array has no version counter of its
+own, and the optimizer's step ahead must tell a later micro-batch's gradients from
+none), and whether the step in backward already consumed them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hetstore.runtime.layout import ParamEntry
+from hetstore.tier import Tier
+from hetstore.tiers.flat import DiskArray
+
+if TYPE_CHECKING:
+    from hetstore.runtime.unit import Unit
+
+__all__ = ["GradSink"]
+
+
+class GradSink:
+    """The gradients of one :class:`~hetstore.runtime.unit.Unit` (see the module doc)."""
+
+    def __init__(self, unit: Unit, *, deferred: bool):
+        self._unit = unit
+        self.deferred = deferred and bool(unit.trainable_numel)
+        self.buffer: torch.Tensor | DiskArray | None = (
+            unit.allocate(unit.placement.grad, unit.trainable_numel, torch.float32, "grads")
+            if unit.trainable_numel and not self.deferred
+            else None
+        )
+        if isinstance(self.buffer, torch.Tensor):
+            self.buffer.zero_()  # padding between segments must be finite for overflow checks
+        self.version = 0  # moves with every gradient added (see the module doc)
+        self.pending = 0  # gradients still expected this backward (set by the runtime)
+        # the step in backward took the gradients: none to read until cleared
+        self.consumed = False
+        self._bucket: torch.Tensor | None = None  # sharded: the full gradient, gathering
+        self._bucket_bytes = 0
+
+    @property
+    def staged(self) -> bool:
+        """Gradients gather in the gradient stager's host buffer (they belong on disk)."""
+        return self.deferred or isinstance(self.buffer, DiskArray)
+
+    def region(self) -> DiskArray:
+        """The gradients' disk array; a deferred one is made now (raises
+        :class:`OutOfTierMemory` naming it when the disk has no room)."""
+        unit = self._unit
+        if self.buffer is None and self.deferred:
+            self.buffer = unit.allocate(Tier.DISK, unit.trainable_numel, torch.float32, "grads")
+        return self.buffer
+
+    def _gathering(self) -> torch.Tensor:
+        """Where backward sums the gradients: the stager's host buffer when they belong
+        on disk, else the buffer itself."""
+        unit = self._unit
+        return unit.grad_stager.buffer_for(unit) if self.staged else self.buffer
+
+    def accumulate(self, entry: ParamEntry, grad: torch.Tensor) -> None:
+        """Move ``grad`` into the fp32 gradients (sharded: into the full device bucket,
+        see :meth:`reduce`)."""
+        self.version += 1
+        if self._unit.shards is not None:
+            if self._bucket is None:
+                self._bucket = self._new_bucket(grad.dtype)
+            self._bucket[entry.offset : entry.offset + entry.numel].copy_(grad.reshape(-1))
+            return
+        target = self._gathering()[entry.offset : entry.offset + entry.numel]
+        source = grad.reshape(-1)
+        if source.device != target.device:
+            source = source.to(target.device, non_blocking=False)
+        if entry.has_grad:
+            target.add_(source)
+        else:
+            target.copy_(source)  # first micro-batch: a copy replaces a zero-fill
+            entry.has_grad = True
+
+    def _new_bucket(self, dtype: torch.dtype) -> torch.Tensor:
+        unit = self._unit
+        nbytes = unit.full_numel * dtype.itemsize
+        unit.tiers.device_tier.reserve(nbytes, unit.label("grad bucket"))
+        self._bucket_bytes = nbytes
+        # zeros: parameters without a gradient this backward count as a zero gradient
+        return torch.zeros(unit.full_numel, dtype=dtype, device=unit.device)
+
+    @property
+    def has_bucket(self) -> bool:
+        return self._bucket is not None
+
+    def reduce(self) -> None:
+        """Sharded: average the unit's full gradient over the ranks (reduce-scatter) and
+        add this rank's shard into the fp32 gradients; the bucket is freed.
+
+        A collective: every rank calls it for the same units in the same order (the
+        runtime does so when a unit's backward is done). Afterwards every trainable entry
+        counts as having a gradient: a rank cannot tell which parameters got one elsewhere.
+        """
+        unit = self._unit
+        bucket = self._bucket  # the runtime calls this only for units with a bucket
+        try:
+            shard = torch.empty(unit.numel, dtype=bucket.dtype, device=unit.device)
+            unit.shards.reduce_scatter_mean(shard, bucket, unit.collective("the gradients"))
+        finally:
+            del bucket
+            self._free_bucket()
+        if unit.trainable_numel:
+            target = self._gathering()[: unit.trainable_numel]
+            source = shard[: unit.trainable_numel].to(target.device)
+            if self.any():
+                target.add_(source)
+            else:
+                target.copy_(source)
+        for entry in unit.trainable_entries:
+            entry.has_grad = True
+
+    def _free_bucket(self) -> None:
+        self._bucket = None
+        self._unit.tiers.device_tier.release(self._bucket_bytes, self._unit.label("grad bucket"))
+
+    def clear(self) -> None:
+        for entry in self._unit.entries:
+            entry.has_grad = False
+        self.consumed = False
+
+    def fill_missing(self, grad: torch.Tensor | None = None, start: int = 0) -> list[str]:
+        """Zero the slices of parameters that got no gradient; return their names.
+
+        ``grad`` is the gradient buffer, or a chunk of it starting at element ``start``.
+        """
+        grad = self.buffer if grad is None else grad
+        end = start + grad.numel()
+        missing = []
+        for entry in self._unit.trainable_entries:
+            if not entry.has_grad:
+                a, b = max(entry.offset, start), min(entry.offset + entry.numel, end)
+                if a < b:
+                    grad[a - start : b - start].zero_()
+                missing.append(entry.name)
+        return missing
+
+    def any(self) -> bool:
+        return any(e.has_grad for e in self._unit.trainable_entries)
+
+    def close(self) -> None:
+        """Give back a bucket a failed backward left (the buffer is the unit's to free)."""
+        if self._bucket is not None:
+            self._free_bucket()
+        self.buffer = None
