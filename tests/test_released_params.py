@@ -271,6 +271,41 @@ def test_model_to_its_own_device_is_a_noop_and_a_cast_is_refused(tmp_path):
     optimizer.step()
 
 
+def test_what_returns_the_parameter_itself_is_decided_without_a_stand_in(tmp_path, monkeypatch):
+    """``p.to(...)``, ``p.cpu()``, ``p.float()`` hand back ``p`` itself when nothing would
+    change, as in plain PyTorch; anything else is a read. ``model.to(device)`` decides it
+    from the arguments (torch's own parser), allocating nothing the size of a parameter
+    (on CUDA that would be device memory outside the budget)."""
+    import hetstore.runtime.released as released_module
+
+    model, _ = offloaded("host", tmp_path)
+    p = model.blocks[0].fc.weight
+    wanted = forward_values(model)["blocks.0.fc.weight"]
+    stand_ins = []
+    real = released_module._returns_self_on_stand_in
+    monkeypatch.setattr(
+        released_module,
+        "_returns_self_on_stand_in",
+        lambda func, param, args, kwargs, device: (
+            stand_ins.append(device) or real(func, param, args, kwargs, device)
+        ),
+    )
+    assert model.to("cpu") is model and model.to(torch.device("cpu"), torch.float32) is model
+    assert stand_ins == []
+    same = [
+        p.to("cpu"), p.to(torch.float32), p.to(p), p.to("cpu", torch.float32, non_blocking=True),
+        p.to(memory_format=torch.preserve_format), p.to(memory_format=torch.contiguous_format),
+        p.cpu(), p.float(), p.contiguous(),
+    ]  # fmt: skip
+    assert all(q is p for q in same)
+    assert set(stand_ins) <= {"meta"}  # the casts ask a meta tensor: no bytes
+    with torch.no_grad():  # (with gradients on, a real cast is a differentiable use)
+        changed_ones = (p.to(torch.float16), p.to("cpu", copy=True), p.double(), p.half())
+    for changed in changed_ones:
+        assert changed is not p and type(changed) is torch.Tensor
+        assert torch.equal(changed, wanted.to(changed.dtype))
+
+
 def test_copies_and_pickles_are_plain_parameters_with_the_value(tmp_path):
     model, _ = offloaded("disk", tmp_path)
     wanted = forward_values(model)["blocks.1.qkv.weight"]

@@ -207,6 +207,63 @@ _MAY_RETURN_SELF = {
     torch.Tensor.type, torch.Tensor.type_as,
 }  # fmt: skip
 
+_DTYPE_CASTS = {
+    torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.double,
+    torch.Tensor.contiguous,
+}  # fmt: skip
+
+
+def _returns_self(func, param: torch.Tensor, args, kwargs) -> bool:
+    """Whether ``func(param, *args, **kwargs)`` hands back ``param`` itself, decided from
+    the arguments and the metadata: nothing is read, nothing allocated on the device
+    (``model.to()`` asks this of every parameter)."""
+    if func is torch.Tensor.to:
+        kwargs = dict(kwargs)
+        if kwargs.pop("copy", False):
+            return False
+        try:  # the parser torch's Module.to uses: (device, dtype, non_blocking, format)
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        except (TypeError, RuntimeError):  # a positional copy=...: decide on a stand-in
+            return _returns_self_on_stand_in(func, param, args, kwargs, param.device)
+        if memory_format not in (None, torch.preserve_format):
+            if not _meta_like(param).is_contiguous(memory_format=memory_format):
+                return False
+        return _same_device(device, param.device) and dtype in (None, param.dtype)
+    if func is torch.Tensor.cpu:
+        return param.device.type == "cpu"
+    if func is torch.Tensor.cuda:
+        device = args[0] if args else kwargs.get("device")
+        if device is None:
+            device = "cuda"
+        elif isinstance(device, int):
+            device = torch.device("cuda", device)
+        return _same_device(torch.device(device), param.device)
+    if func in _DTYPE_CASTS:  # dtype and layout only: a meta stand-in answers
+        return _returns_self_on_stand_in(func, param, args, kwargs, "meta")
+    # type(...) / type_as(...): the type names a device kind too; a real stand-in
+    # (rare calls: an uninitialized allocation the size of the parameter)
+    return _returns_self_on_stand_in(func, param, args, kwargs, param.device)
+
+
+def _meta_like(param: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device="meta")
+
+
+def _returns_self_on_stand_in(func, param, args, kwargs, device) -> bool:
+    stand_in = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=device)
+    return func(stand_in, *args, **kwargs) is stand_in
+
+
+def _same_device(wanted: torch.device | None, actual: torch.device) -> bool:
+    if wanted is None:
+        return True
+    if wanted.type != actual.type:
+        return False
+    if wanted.index is None and wanted.type == "cuda":
+        return torch.cuda.current_device() == actual.index
+    return wanted.index is None or wanted.index == actual.index
+
+
 _DATA_SET = torch.Tensor.data.__set__
 _INPLACE_DUNDERS = {
     "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
@@ -263,11 +320,9 @@ def _serve(func, types, args, kwargs):
     if func == _DATA_SET and args[1] is args[0]:  # p.data = p: model.to() of a no-op
         return None
     if func in _MAY_RETURN_SELF and isinstance(args[0], Released):
-        param = args[0]
-        with DisableTorchFunctionSubclass():  # on a stand-in: no read, only metadata
-            stand_in = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-            if func(stand_in, *args[1:], **kwargs) is stand_in:
-                return param
+        with DisableTorchFunctionSubclass():
+            if _returns_self(func, args[0], args[1:], kwargs):
+                return args[0]
     for target in _written(func, args, kwargs):
         if isinstance(target, (Released, ReadOnlyValue)):
             raise _refuse_write(target, func)
