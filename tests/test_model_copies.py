@@ -52,10 +52,13 @@ def test_deepcopy_gives_an_independent_plain_model_with_the_weights(placement, t
     train(model, optimizer, batches(2))
     calls = []
     model.blocks[1].register_forward_hook(lambda m, a, out: calls.append(1))  # the user's
+    # a user's own dict with small integer keys, like torch's hook ids
+    model.id2label = {i: f"label {i}" for i in range(200)}
     wanted = model.state_dict()
     copied = copy.deepcopy(model)
 
     assert hetstore.state_of(copied) is None
+    assert copied.id2label == model.id2label  # only hetstore's hook entries went
     assert sum(hook_counts(copied)) == sum(plain_hooks) + 1  # only the user's hook is left...
     assert len(copied.blocks[1]._forward_hooks) == 1  # ...and it was copied
     for name, p in copied.named_parameters():

@@ -138,6 +138,39 @@ def test_an_alias_kept_across_steps_follows_the_weights(placement, tmp_path):
         w.add_(1.0)
 
 
+def test_an_alias_outlives_its_model_with_its_last_value(tmp_path):
+    """An alias kept after hetstore.release (or after the model is dropped) keeps the last
+    value it showed, and does not keep the model's tiers alive."""
+    import gc
+    import weakref
+
+    model, optimizer = offloaded("host", tmp_path, steps=1)
+    w = model.blocks[0].fc.weight.detach()
+    shown = w.clone()
+    units = weakref.ref(hetstore.state_of(model).units[0])
+    x, y = batches(1, seed=9)[0]
+    model(x, y).backward()
+    optimizer.step()
+    hetstore.release(model)
+    assert torch.equal(w, shown)  # released: the value it last showed (no read, no crash)
+    assert repr(w) == repr(shown)  # printed as plain PyTorch prints a tensor
+    del model, optimizer
+    gc.collect()
+    assert units() is None  # the alias did not keep the unit (and its tiers) alive
+
+
+def test_an_alias_read_under_inference_mode_follows_the_weights(tmp_path):
+    """A validation loop under torch.inference_mode reads an alias; kept and used after
+    the next step, it is read again like any other."""
+    model, optimizer = offloaded("host", tmp_path, steps=1)
+    with torch.inference_mode():
+        w = model.blocks[0].fc.weight.detach()
+    for x, y in batches(1, seed=4):
+        model(x, y).backward()
+        optimizer.step()
+    assert torch.equal(w, forward_values(model)["blocks.0.fc.weight"])
+
+
 def test_metadata_reads_nothing(tmp_path):
     model, _ = offloaded("disk", tmp_path)
     before = disk_bytes_read(model)

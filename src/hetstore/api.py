@@ -397,7 +397,7 @@ def _check_manual_placement(trace: Trace, optimizer, config: OffloadConfig) -> N
     """Refuse, before anything is built, a manual placement whose buffers cannot all be
     held within the configured capacities (planner.floor): without this the lazily made
     ones (the disk paths' staging, the step's chunks and shadow) ran out mid-run."""
-    from hetstore.tiers import _physical_memory
+    from hetstore.tiers import physical_memory
 
     floor = floor_of_config(trace, config, optimizer)
     host = config.offload_cpu_size
@@ -405,7 +405,7 @@ def _check_manual_placement(trace: Trace, optimizer, config: OffloadConfig) -> N
     capacities = {Tier.DEVICE: config.max_device_memory, Tier.HOST: host, Tier.DISK: disk}
     machine = set()  # tiers without a key set: limited by the machine itself
     if host is None:
-        capacities[Tier.HOST] = _physical_memory()
+        capacities[Tier.HOST] = physical_memory()
         machine.add(Tier.HOST)
     if disk is None and floor.total(Tier.DISK):
         capacities[Tier.DISK] = free_space_at(config.offload_path)

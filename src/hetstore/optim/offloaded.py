@@ -450,6 +450,9 @@ class OffloadedOptimizer(Optimizer):
             if not unit.grads.any():
                 continue  # like torch: parameters without a gradient are not stepped
             self._warn_missing([e.name for e in unit.trainable_entries if not e.has_grad])
+            # an in-memory master that is also the home changes in place: the values
+            # forward sees move from here, even if the step then fails
+            unit.param_version += 1
             if isinstance(unit_step, UnitStates):
                 unit_step.step(self._disk_grad_factors if isinstance(unit.grad, DiskArray) else [])
                 continue

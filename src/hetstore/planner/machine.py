@@ -176,10 +176,10 @@ def machine_capacities(config, device: torch.device | str) -> Capacities:
     the device gets a quarter of it and the host tier half (the rest is left to
     activations in flight, staging and the process), so a plan never counts the RAM
     twice (it used to call a 21B-parameter GPT trainable on a 24 GiB box)."""
-    from hetstore.tiers import _physical_memory
+    from hetstore.tiers import physical_memory
 
     device = torch.device(device)
-    ram = _physical_memory()
+    ram = physical_memory()
     if device.type == "cuda":
         device_total, host_total = torch.cuda.get_device_properties(device).total_memory, ram
     else:

@@ -11,8 +11,8 @@ original computes with. That is what the copy is here: every module and buffer c
 usual, each managed parameter an ordinary parameter of its own class holding its current
 value as forward sees it (the fp32 master in the compute dtype, on the compute device:
 one read per parameter, from the unit's home), and none of hetstore's hooks or state.
-The copy is not offloaded: it needs the memory a plain model of its size needs (offload
-it too, or pass ``device="cpu"`` to ``AveragedModel`` for a copy kept on the host).
+The copy is not offloaded: it is made on the compute device, as plain PyTorch's is,
+and needs the memory a plain model of its size needs there.
 
 Mechanism: each module of the offloaded model carries a ``__deepcopy__`` instance
 attribute (``copy.deepcopy`` looks it up on the instance). It seeds the copy's memo with
@@ -60,9 +60,12 @@ class PlainCopies:
         self._modules = []
 
     def copy(self, module: nn.Module, memo: dict) -> nn.Module:
-        hooks = self._runtime.module_hooks()
-        for hook in hooks.values():
-            memo.setdefault(id(hook), hook)  # not traversed; taken out of the copy below
+        # once per top-level copy (each module of it comes here): the memo is that copy's
+        hooks = memo.get(id(self))
+        if hooks is None:
+            hooks = memo[id(self)] = self._runtime.hooks_installed()
+            for _, hook, _ in hooks:
+                memo.setdefault(id(hook), hook)  # not traversed; taken out of the copy below
         for param in module.parameters():
             if id(param) not in memo and id(param) in self._where:
                 memo[id(param)] = self._plain_param(param)
@@ -76,10 +79,13 @@ class PlainCopies:
                 module.__dict__["_hetstore"] = state
         for copied in result.modules():
             copied.__dict__.pop(_ATTR, None)  # a child copied before its parent returned
-            for value in list(copied.__dict__.values()):
-                if isinstance(value, dict) and value and hooks.keys() & value.keys():
-                    for key in hooks.keys() & value.keys():
-                        del value[key]
+        # hetstore's entries out of the copies of torch's hook dicts (found through the
+        # memo: a user's own dict with the same integer keys is left alone)
+        for hook_id, _, tables in hooks:
+            for table in tables:
+                copied_table = memo.get(id(table))
+                if copied_table is not None and copied_table is not table:
+                    copied_table.pop(hook_id, None)
         return result
 
     def _plain_param(self, param: nn.Parameter) -> nn.Parameter:
@@ -88,6 +94,7 @@ class PlainCopies:
         if released.is_released(param):
             value = released.source_of(param).read()  # refused when sharded or released
         else:
+            self._where[id(param)][0].wait_ready()  # a CUDA copy in may still be in flight
             with torch.no_grad(), DisableTorchFunctionSubclass():
                 value = param.detach().clone()
         cls = next(

@@ -188,16 +188,20 @@ class OffloadRuntime:
         """Take ownership of hooks installed elsewhere, so ``remove()`` takes them off too."""
         self._handles.extend(handles)
 
-    def module_hooks(self) -> dict[int, object]:
-        """hetstore's hooks: handle id (a key of torch's hook dicts, unique across torch)
-        -> the hook (runtime.copying leaves them out of a copy of the model)."""
-        hooks = {}
+    def hooks_installed(self) -> list[tuple[int, object, list[dict]]]:
+        """hetstore's hooks as ``(handle id, hook, the dicts holding that id)``: the hook
+        dict and its companions (``with_kwargs``, ``always_call``). runtime.copying
+        leaves them out of a copy of the model."""
+        found = []
         for handle in self._handles:
-            if isinstance(handle, RemovableHandle):
-                table = handle.hooks_dict_ref()
-                if table is not None and handle.id in table:
-                    hooks[handle.id] = table[handle.id]
-        return hooks
+            if not isinstance(handle, RemovableHandle):
+                continue
+            table = handle.hooks_dict_ref()
+            if table is None or handle.id not in table:
+                continue
+            extras = [ref() for ref in handle.extra_dict_ref]
+            found.append((handle.id, table[handle.id], [table] + [d for d in extras if d]))
+        return found
 
     def drop_grads_of(self, params: list[nn.Parameter]) -> None:
         """Parameters that require grad but no optimizer steps: drop their gradients."""

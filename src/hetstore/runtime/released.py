@@ -45,6 +45,7 @@ whole model: they read each unit once.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,34 +79,37 @@ class ParamSource:
             raise OffloadedParameterError(f"parameter {self.entry.name!r}: {self.refusal}")
         return self.unit.read_param(self.entry)
 
-    @property
-    def version(self) -> int | None:
-        """Moves whenever the value forward sees may have changed (a step, a load)."""
-        return None if self.unit is None else self.unit.param_version
-
 
 class LiveRead:
     """One read of a released parameter, shared by every alias taken of it (``p.detach()``,
     ``p.data``, their views): before an alias is used, a read that the parameter's unit
-    has changed since (:attr:`ParamSource.version`) is read again into the same memory,
-    so aliases follow the parameter as they do in plain PyTorch."""
+    has changed since (``Unit.param_version``) is read again into the same memory, so
+    aliases follow the parameter as they do in plain PyTorch.
 
-    __slots__ = ("source", "value", "version")
+    It holds the unit and its entry weakly: an alias kept in a logger or an EMA dict must
+    not keep a dropped model's tiers (host pool, disk files, IO threads) alive. Once the
+    model is gone or released, the alias keeps the last value it had."""
+
+    __slots__ = ("name", "value", "version", "_unit", "_entry")
 
     def __init__(self, source: ParamSource, value: torch.Tensor):
-        self.source, self.value, self.version = source, value, source.version
-
-    @property
-    def name(self) -> str:
-        return self.source.entry.name
+        self.name = source.entry.name
+        self.value = value
+        self.version = source.unit.param_version
+        self._unit = weakref.ref(source.unit)
+        self._entry = weakref.ref(source.entry)
 
     def refresh(self) -> None:
-        version = self.source.version
-        if version == self.version or self.source.refusal is not None:
-            return  # unchanged; or no read possible (released model): the last value stays
-        fresh = self.source.read()
-        with DisableTorchFunctionSubclass(), torch.no_grad():
-            self.value.copy_(fresh)
+        unit, entry = self._unit(), self._entry()
+        if unit is None or entry is None or unit.closed or unit.param_version == self.version:
+            return
+        version = unit.param_version
+        fresh = unit.read_param(entry)
+        # a read taken under inference_mode (a validation loop) is an inference tensor:
+        # only written to inside that mode
+        with DisableTorchFunctionSubclass(), torch.inference_mode(self.value.is_inference()):
+            with torch.no_grad():
+                self.value.copy_(fresh)
         self.version = version
 
 
@@ -225,19 +229,22 @@ def _returns_self(func, param: torch.Tensor, args, kwargs) -> bool:
             device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         except (TypeError, RuntimeError):  # a positional copy=...: decide on a stand-in
             return _returns_self_on_stand_in(func, param, args, kwargs, param.device)
-        if memory_format not in (None, torch.preserve_format):
-            if not _meta_like(param).is_contiguous(memory_format=memory_format):
-                return False
-        return _same_device(device, param.device) and dtype in (None, param.dtype)
+        return (
+            _same_device(device, param.device)
+            and dtype in (None, param.dtype)
+            and _keeps_layout(param, memory_format)
+        )
     if func is torch.Tensor.cpu:
-        return param.device.type == "cpu"
+        return param.device.type == "cpu" and _keeps_layout(param, kwargs.get("memory_format"))
     if func is torch.Tensor.cuda:
         device = args[0] if args else kwargs.get("device")
         if device is None:
             device = "cuda"
         elif isinstance(device, int):
             device = torch.device("cuda", device)
-        return _same_device(torch.device(device), param.device)
+        return _same_device(torch.device(device), param.device) and _keeps_layout(
+            param, kwargs.get("memory_format")
+        )
     if func in _DTYPE_CASTS:  # dtype and layout only: a meta stand-in answers
         return _returns_self_on_stand_in(func, param, args, kwargs, "meta")
     # type(...) / type_as(...): the type names a device kind too; a real stand-in
@@ -245,8 +252,13 @@ def _returns_self(func, param: torch.Tensor, args, kwargs) -> bool:
     return _returns_self_on_stand_in(func, param, args, kwargs, param.device)
 
 
-def _meta_like(param: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device="meta")
+def _keeps_layout(param: torch.Tensor, memory_format) -> bool:
+    """A conversion to ``memory_format`` leaves ``param``'s layout (torch's own rule, asked
+    of a meta tensor with its strides: no bytes)."""
+    if memory_format in (None, torch.preserve_format):
+        return True
+    stand_in = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device="meta")
+    return stand_in.to(memory_format=memory_format) is stand_in
 
 
 def _returns_self_on_stand_in(func, param, args, kwargs, device) -> bool:
@@ -355,6 +367,8 @@ def _serve(func, types, args, kwargs):
             live.refresh()  # kept across a step: the parameter's value now
             with DisableTorchFunctionSubclass():
                 shared[x.untyped_storage().data_ptr()] = live
+                if func is torch.Tensor.__repr__:  # printed as plain PyTorch prints it
+                    return x.as_subclass(torch.Tensor)
         return x
 
     args, kwargs = tree_map(value_of, (args, kwargs))

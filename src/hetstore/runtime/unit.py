@@ -135,6 +135,11 @@ class Unit:
         self._build(defer_disk_grad)
 
     @property
+    def closed(self) -> bool:
+        """``close()`` freed every buffer (``hetstore.release``)."""
+        return self.master is None
+
+    @property
     def materialized(self) -> bool:
         """The device copy has its bytes (present, or being copied in on a CUDA stream:
         the compute stream waits with :meth:`wait_ready` before use)."""

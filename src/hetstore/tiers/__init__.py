@@ -18,6 +18,7 @@ from hetstore.tiers.disk import DiskTier
 from hetstore.tiers.host import HostBuffer, HostTier, PinnedMemoryWarning
 
 __all__ = [
+    "physical_memory",
     "Tiers",
     "DeviceTier",
     "HostTier",
@@ -53,7 +54,7 @@ class Tiers:
         )
         host_capacity = config.offload_cpu_size
         if host_capacity is None:  # ranks on one machine share its memory
-            host_capacity = _physical_memory() // max(ranks_on_host, 1)
+            host_capacity = physical_memory() // max(ranks_on_host, 1)
         self.host = HostTier(
             capacity=host_capacity,
             block_size=config.host_mem_block_size,
@@ -119,7 +120,9 @@ class Tiers:
         return lines
 
 
-def _physical_memory() -> int:
+def physical_memory() -> int:
+    """This machine's RAM in bytes: the host tier's capacity when ``offload_cpu_size``
+    is not set (read by the tiers, ``offload()``'s pre-flight and the planner)."""
     import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
