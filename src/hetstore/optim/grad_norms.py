@@ -9,8 +9,8 @@ buffer while its write to disk runs, at the runtime's grads-final event, in the 
 the disk scan reads (:class:`~hetstore.optim.streamed.ChunkNorms`) -- so the clip's
 total is the same bits recorded or scanned, with or without ``overlap_step``.
 
-A record holds while the unit's gradients are unchanged since (``Unit.grads.version``, the
-has-grad flags): a later micro-batch, or a write through ``p.grad``, makes the clip scan
+A record holds while the unit's gradients are unchanged since (``GradSink.state()``:
+gradients added, in-place changes, the has-grad flags): a later micro-batch, or a write through ``p.grad``, makes the clip scan
 the disk as before. The buffer holds the whole accumulated gradient (the stager reads
 earlier micro-batches' sums in before adding), so a record taken at any micro-batch is
 exact for it.
@@ -21,17 +21,10 @@ from __future__ import annotations
 import torch
 
 from hetstore.optim.streamed import ChunkNorms, StreamedUnitStep
+from hetstore.runtime.grad_sink import GradState
 from hetstore.runtime.unit import Unit
 
-__all__ = ["RecordedNorms", "grad_state"]
-
-
-def grad_state(unit: Unit) -> tuple[int, int | None]:
-    """What tells a later change of the unit's gradients: the count of gradients added
-    in, and for a buffer in memory its version counter (in-place changes through
-    ``p.grad``: clipping, a user's hook)."""
-    grad = unit.grad
-    return unit.grads.version, grad._version if isinstance(grad, torch.Tensor) else None
+__all__ = ["RecordedNorms"]
 
 
 class RecordedNorms:
@@ -41,7 +34,7 @@ class RecordedNorms:
         self._steps = {id(s.unit): s for s in unit_steps if s.unit.grad_stager is not None}
         # off until clip_grad_norm_ (L2) is first called: no cost for runs that never clip
         self.enabled = False
-        self._norms: dict[int, tuple[tuple, tuple, dict[int, torch.Tensor]]] = {}
+        self._norms: dict[int, tuple[GradState, dict[int, torch.Tensor]]] = {}
 
     def grads_final(self, unit: Unit) -> None:
         """``unit``'s gradients are final and its stager's write to disk has started."""
@@ -53,8 +46,7 @@ class RecordedNorms:
             return
         chunked = ChunkNorms(unit, 2.0)
         self._steps[id(unit)].visit_in(view, chunked.visit)
-        has_grad = tuple(e.has_grad for e in unit.trainable_entries)
-        self._norms[id(unit)] = (grad_state(unit), has_grad, chunked.result())
+        self._norms[id(unit)] = (unit.grads.state(), chunked.result())
 
     def norms_of(self, unit: Unit) -> dict[int, torch.Tensor] | None:
         """id(param) -> the L2 norm of its gradient as recorded in backward; None unless
@@ -62,12 +54,8 @@ class RecordedNorms:
         recorded = self._norms.get(id(unit))
         if recorded is None:
             return None
-        state, has_grad, norms = recorded
-        if state != grad_state(unit) or has_grad != tuple(
-            e.has_grad for e in unit.trainable_entries
-        ):
-            return None
-        return norms
+        state, norms = recorded
+        return norms if state == unit.grads.state() else None
 
     def clear(self) -> None:
         self._norms.clear()

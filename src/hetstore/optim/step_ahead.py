@@ -69,7 +69,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetstore.errors import OutOfTierMemory
-from hetstore.optim.grad_norms import grad_state
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
 from hetstore.runtime.staging import GradStager, stagers_of
@@ -78,6 +77,7 @@ from hetstore.tiers._hostmem import PAGE_SIZE, round_up
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from hetstore.runtime.grad_sink import GradState
     from hetstore.runtime.unit import Unit
 
 __all__ = ["StepAhead", "SpeculationStats"]
@@ -103,8 +103,7 @@ class SpeculationStats:
 class _Speculation:
     unit_step: StreamedUnitStep
     rewrite: ChunkedRewrite
-    grad_state: tuple[int, int | None]
-    has_grad: tuple[bool, ...]
+    grad_state: GradState
     hyper: dict[int, dict]
     state_version: int
     factor: float | None = None  # fp16: the unscale factor it applied (1 / loss scale)
@@ -257,8 +256,7 @@ class StepAhead:
         spec = _Speculation(
             unit_step,
             rewrite,
-            grad_state=grad_state(unit),
-            has_grad=tuple(e.has_grad for e in unit.trainable_entries),
+            grad_state=unit.grads.state(),
             hyper={s.group: _snapshot(self._hyper(s.group)) for s in segments},
             state_version=unit.state_version,
             factor=1.0 / self._loss_scaler.scale if self._loss_scaler is not None else None,
@@ -350,9 +348,8 @@ class StepAhead:
             for unit, spec, version in zip(units, specs, before, strict=True):
                 if spec is None or spec.factor != inv:
                     continue
-                counted, seen = spec.grad_state
-                if seen == version:  # nothing else changed it since the speculation
-                    spec.grad_state = (counted, unit.grad._version)
+                if spec.grad_state.in_place == version:  # nothing else changed it since
+                    spec.grad_state = spec.grad_state._replace(in_place=unit.grad._version)
 
         return done
 
@@ -487,8 +484,7 @@ class StepAhead:
     def _holds(self, spec: _Speculation) -> bool:
         unit = spec.unit_step.unit
         return (
-            grad_state(unit) == spec.grad_state
-            and tuple(e.has_grad for e in unit.trainable_entries) == spec.has_grad
+            unit.grads.state() == spec.grad_state
             and unit.state_version == spec.state_version
             and all(_same(self._hyper(group), hyper) for group, hyper in spec.hyper.items())
         )

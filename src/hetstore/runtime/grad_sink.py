@@ -23,7 +23,7 @@ none), and whether the step in backward already consumed them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -34,7 +34,15 @@ from hetstore.tiers.flat import DiskArray
 if TYPE_CHECKING:
     from hetstore.runtime.unit import Unit
 
-__all__ = ["GradSink"]
+__all__ = ["GradSink", "GradState"]
+
+
+class GradState(NamedTuple):
+    """What tells a later change of a unit's gradients (compare two with ``==``)."""
+
+    added: int  # gradients added in (``GradSink.version``: another micro-batch's backward)
+    in_place: int | None  # a buffer in memory's version counter (clipping, p.grad hooks)
+    has_grad: tuple[bool, ...]  # which trainable parameters have one
 
 
 class GradSink:
@@ -157,6 +165,14 @@ class GradSink:
                     grad[a - start : b - start].zero_()
                 missing.append(entry.name)
         return missing
+
+    def state(self) -> GradState:
+        buffer = self.buffer
+        return GradState(
+            self.version,
+            buffer._version if isinstance(buffer, torch.Tensor) else None,
+            tuple(e.has_grad for e in self._unit.trainable_entries),
+        )
 
     def any(self) -> bool:
         return any(e.has_grad for e in self._unit.trainable_entries)

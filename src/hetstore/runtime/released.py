@@ -257,8 +257,8 @@ def _keeps_layout(param: torch.Tensor, memory_format) -> bool:
     of a meta tensor with its strides: no bytes)."""
     if memory_format in (None, torch.preserve_format):
         return True
-    stand_in = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device="meta")
-    return stand_in.to(memory_format=memory_format) is stand_in
+    conversion = {"memory_format": memory_format}
+    return _returns_self_on_stand_in(torch.Tensor.to, param, (), conversion, "meta")
 
 
 def _returns_self_on_stand_in(func, param, args, kwargs, device) -> bool:
