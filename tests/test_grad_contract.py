@@ -14,6 +14,7 @@ import torch
 import hetstore
 from hetstore import GradientAccessError, OffloadConfig
 from hetstore.runtime.released import Released, ReleasedParameter
+from tests.host_step import HostStepReference
 from tests.models.gpt import GPT, batches
 from tests.test_host_offload import TIGHT, adamw, assert_same_weights, config, pair
 
@@ -160,14 +161,16 @@ def test_disk_optimizer_with_host_gradients_keeps_the_contract():
 def test_cuda_parameters_with_host_gradients_keep_the_contract():
     """The GPU shape of the contract: parameters on the device, fp32 gradients in host
     memory. torch would refuse a CPU tensor as a CUDA parameter's .grad; the property
-    hands clip_grad_norm_ host views, which it groups by device. Norms are summed on the
-    CPU here and on the GPU in the reference: compared at 1e-5 relative."""
+    hands clip_grad_norm_ host views, which it groups by device. The reference steps on
+    the host too (tests/host_step.py: a CUDA run with a CPU AdamW drifts from hetstore's
+    through the kernels alone, 0.13% in the norm by the third step). Norms are summed on
+    the CPU here and on the GPU in the reference: compared at 1e-5 relative."""
     cfg = OffloadConfig(offload_param="cpu", offload_optimizer="cpu", device="cuda")
     torch.manual_seed(0)
     ref = GPT().cuda()
     mine = GPT()
     mine.load_state_dict(ref.state_dict())
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    ref_opt = HostStepReference(ref, adamw)
     mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
     for x, y in batches(3):
         ref(x.cuda(), y.cuda()).backward()

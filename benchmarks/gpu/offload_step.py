@@ -1,13 +1,18 @@
-"""GPU: offloaded (params + optimizer on pinned host) vs plain PyTorch, side by side.
+"""GPU: offloaded training vs plain PyTorch, side by side, one placement per row.
 
 One command on a machine with CUDA:
 
-    .venv/bin/python benchmarks/gpu/offload_step.py [--width 1024 --depth 12 --steps 10]
+    python benchmarks/gpu/offload_step.py [--width 1024 --depth 12 --steps 6]
+        [--variants cpu-cpu,none-cpu,disk-disk]
 
-Prints median step time of each, the ratio offloaded/plain, the CUDA allocator's peak
-(``torch.cuda.max_memory_allocated``) of each, and the largest loss difference.
-The two models start from the same weights and see the same batches; steps interleave so
-that machine noise hits both alike.
+Each variant ``PARAM-OPTIM`` is ``offload_param``-``offload_optimizer``. Prints, per
+row: the median step time and its ratio to plain PyTorch (measured in the same run, the
+steps interleaved so that machine noise hits all alike), the time in forward, backward
+and the optimizer step, the CUDA allocator's peak (the model's own: what it holds between steps plus the most its
+step allocates above that, from ``torch.cuda.max_memory_allocated``),
+and the GPU busy fraction of one profiled step (the union of every kernel's and copy's
+interval on the device over the step's wall time, from ``torch.profiler``). Then the
+largest loss difference from plain.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import tempfile
 import time
 
 import torch
@@ -23,15 +29,59 @@ import hetstore
 from hetstore.demo.gpt import GPT
 
 
-def step(model, optimizer, x, y) -> tuple[float, float]:
+def timed_step(model, optimizer, x, y) -> tuple[list[float], float]:
+    marks = []
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    marks.append(time.perf_counter())
     loss = model(x, y)
+    torch.cuda.synchronize()
+    marks.append(time.perf_counter())
     loss.backward()
+    torch.cuda.synchronize()
+    marks.append(time.perf_counter())
     optimizer.step()
     optimizer.zero_grad()
     torch.cuda.synchronize()
-    return time.perf_counter() - start, loss.item()
+    marks.append(time.perf_counter())
+    return [b - a for a, b in zip(marks, marks[1:], strict=False)], loss.item()
+
+
+def settled_allocated() -> int:
+    """``memory_allocated`` once finished work is done and the caching allocator has
+    taken back blocks freed on a side stream (it does so at its next allocation)."""
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")
+    return torch.cuda.memory_allocated()
+
+
+def busy_fraction(model, optimizer, x, y) -> float:
+    """Share of one step's wall time during which the GPU ran a kernel or a copy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, open_start, open_end = 0.0, None, None
+    for s, e in spans:  # the union of intervals (streams overlap)
+        if open_end is None or s > open_end:
+            if open_end is not None:
+                busy += open_end - open_start
+            open_start, open_end = s, e
+        else:
+            open_end = max(open_end, e)
+    if open_end is not None:
+        busy += open_end - open_start
+    return busy / 1e6 / wall
 
 
 def main() -> None:
@@ -41,7 +91,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--ctx", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--variants", default="cpu-cpu,none-cpu,disk-disk")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu needs CUDA; run it on a machine with a GPU")
@@ -49,43 +100,72 @@ def main() -> None:
     torch.manual_seed(0)
     base = GPT(args.vocab, args.width, args.depth, args.width // 64, args.ctx)
     n_params = sum(p.numel() for p in base.parameters())
+    runs, allocated_at_build = {}, {}
+    before = settled_allocated()
     plain = copy.deepcopy(base).cuda()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=True)
-    config = hetstore.OffloadConfig(offload_param="cpu", offload_optimizer="cpu", device="cuda")
-    mine, mine_opt = hetstore.offload(
-        base, torch.optim.AdamW(base.parameters(), lr=1e-4, fused=True), config
-    )
+    runs["plain"] = (plain, torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=True))
+    allocated_at_build["plain"] = settled_allocated() - before
+    offload_dir = tempfile.mkdtemp(prefix="hetstore-gpu-bench-")
+    for variant in args.variants.split(","):
+        param, optim = variant.split("-")
+        model = copy.deepcopy(base)
+        config = hetstore.OffloadConfig(
+            offload_param=param, offload_optimizer=optim, device="cuda", offload_path=offload_dir
+        )
+        before = settled_allocated()
+        runs[variant] = hetstore.offload(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), config
+        )
+        allocated_at_build[variant] = settled_allocated() - before
+    del base
 
     g = torch.Generator().manual_seed(1)
-    times = {"plain": [], "hetstore": []}
-    peaks = {"plain": 0, "hetstore": 0}
-    diff = 0.0
-    for i in range(args.steps + 1):
+
+    def batch():
         idx = torch.randint(0, args.vocab, (args.batch, args.ctx + 1), generator=g).cuda()
-        x, y = idx[:, :-1], idx[:, 1:]
+        return idx[:, :-1], idx[:, 1:]
+
+    # Every model is resident in this one process, so a model's own footprint is what
+    # it holds between steps (measured across its first step, which warms up kernels,
+    # records the execution order and makes the optimizer states) plus what its step
+    # adds above the memory allocated when the step starts.
+    resident = {}
+    x, y = batch()
+    for name, (model, opt) in runs.items():
+        before = settled_allocated()
+        timed_step(model, opt, x, y)
+        resident[name] = settled_allocated() - before + allocated_at_build[name]
+    phases = {name: [] for name in runs}
+    peaks = dict.fromkeys(runs, 0)
+    diff = 0.0
+    for _ in range(args.steps):
+        x, y = batch()
         losses = {}
-        for name, (model, opt) in (("plain", (plain, plain_opt)), ("hetstore", (mine, mine_opt))):
+        for name, (model, opt) in runs.items():
+            start = settled_allocated()
             torch.cuda.reset_peak_memory_stats()
-            seconds, losses[name] = step(model, opt, x, y)
-            peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated())
-            if i:  # the first step warms up kernels and records the execution order
-                times[name].append(seconds)
-        diff = max(diff, abs(losses["plain"] - losses["hetstore"]))
+            times, losses[name] = timed_step(model, opt, x, y)
+            above = torch.cuda.max_memory_allocated() - start
+            peaks[name] = max(peaks[name], resident[name] + above)
+            phases[name].append(times)
+        diff = max(diff, max(abs(v - losses["plain"]) for v in losses.values()))
+    busy = {name: busy_fraction(model, opt, x, y) for name, (model, opt) in runs.items()}
 
     print(
         f"{torch.cuda.get_device_name()}: GPT {n_params / 1e6:.0f}M params, "
-        f"batch {args.batch}x{args.ctx}, {args.steps} timed steps"
+        f"batch {args.batch}x{args.ctx}, {args.steps} timed steps, AdamW fused"
     )
-    print("| variant | median step s | / plain | CUDA peak allocated |")
-    print("|---|---|---|---|")
-    plain_median = statistics.median(times["plain"])
-    for name in ("plain", "hetstore"):
-        median = statistics.median(times[name])
+    print("| variant | step s | / plain | fwd s | bwd s | opt s | CUDA peak (own) | GPU busy |")
+    print("|---|---|---|---|---|---|---|---|")
+    plain_median = statistics.median(sum(t) for t in phases["plain"])
+    for name in runs:
+        total = statistics.median(sum(t) for t in phases[name])
+        fwd, bwd, opt = (statistics.median(t[k] for t in phases[name]) for k in range(3))
         print(
-            f"| {name} | {median:.3f} | {median / plain_median:.2f} | "
-            f"{peaks[name] / 2**30:.2f} GiB |"
+            f"| {name} | {total:.3f} | {total / plain_median:.2f} | {fwd:.3f} | {bwd:.3f} | "
+            f"{opt:.3f} | {peaks[name] / 2**30:.2f} GiB | {busy[name]:.0%} |"
         )
-    print(f"max |loss difference| = {diff:.2e}")
+    print(f"max |loss difference| from plain = {diff:.2e}")
 
 
 if __name__ == "__main__":

@@ -245,6 +245,7 @@ def offload(
             else None
         ),
         copy_stream=streams.params if streams is not None else None,
+        grad_stream=streams.grads if streams is not None else None,
     )
     unoptimized = [
         e.param for u in unit_list for e in u.entries if e.param.requires_grad and e.group is None

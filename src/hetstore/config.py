@@ -354,12 +354,21 @@ class OffloadConfig:
     def resolved_device(self) -> torch.device:
         """The compute device: 'auto' becomes cuda when available, else cpu."""
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return cuda_with_index("cuda") if torch.cuda.is_available() else torch.device("cpu")
         dev = torch.device(self.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(
-                f"device={self.device!r}: CUDA is not available here; use device='cpu' or 'auto'"
-            )
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    f"device={self.device!r}: CUDA is not available here; "
+                    "use device='cpu' or 'auto'"
+                )
+            count = torch.cuda.device_count()
+            if dev.index is not None and dev.index >= count:
+                raise ConfigError(
+                    f"device={self.device!r}: this machine has {count} CUDA device(s); "
+                    f"allowed indexes are 0..{count - 1}"
+                )
+            return cuda_with_index(dev)
         return dev
 
     def replace(self, **changes: Any) -> OffloadConfig:
@@ -796,3 +805,13 @@ def config_reference_markdown() -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def cuda_with_index(device: str | torch.device) -> torch.device:
+    """``cuda`` with its index made explicit (the current device when none was given).
+    Why: some CUDA calls (``set_per_process_memory_fraction``) refuse a bare 'cuda', and
+    a model's device must not change if the user later switches the current device."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or dev.index is not None:
+        return dev
+    return torch.device("cuda", torch.cuda.current_device())

@@ -380,7 +380,9 @@ class ActivationHooks:
         )
 
     def pack(self, tensor: torch.Tensor):
-        if tensor.device.type == "meta" or self._managed(tensor):
+        # Saved tensors off the compute device stay where they are: they take none of its
+        # memory (on CUDA, fused attention saves its random seed and offset on the CPU).
+        if tensor.device != self.tiers.device or self._managed(tensor):
             return _Kept(tensor)
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()

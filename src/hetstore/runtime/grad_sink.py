@@ -63,6 +63,7 @@ class GradSink:
         # the step in backward took the gradients: none to read until cleared
         self.consumed = False
         self._bucket: torch.Tensor | None = None  # sharded: the full gradient, gathering
+        self._copies: torch.cuda.Event | None = None  # the last copy to the host in flight
         self._bucket_bytes = 0
 
     @property
@@ -84,9 +85,12 @@ class GradSink:
         unit = self._unit
         return unit.grad_stager.buffer_for(unit) if self.staged else self.buffer
 
-    def accumulate(self, entry: ParamEntry, grad: torch.Tensor) -> None:
+    def accumulate(
+        self, entry: ParamEntry, grad: torch.Tensor, stream: torch.cuda.Stream | None = None
+    ) -> None:
         """Move ``grad`` into the fp32 gradients (sharded: into the full device bucket,
-        see :meth:`reduce`)."""
+        see :meth:`reduce`). With a CUDA ``stream``, a first gradient bound for host
+        memory is copied there on that stream without waiting (:meth:`wait_copies`)."""
         self.version += 1
         if self._unit.shards is not None:
             if self._bucket is None:
@@ -95,13 +99,42 @@ class GradSink:
             return
         target = self._gathering()[entry.offset : entry.offset + entry.numel]
         source = grad.reshape(-1)
-        if source.device != target.device:
-            source = source.to(target.device, non_blocking=False)
-        if entry.has_grad:
+        if entry.has_grad:  # a later micro-batch: summed on the target's device
+            self.wait_copies()
+            if source.device != target.device:
+                source = source.to(target.device, non_blocking=False)
             target.add_(source)
+            return
+        if stream is not None and source.is_cuda and target.device.type == "cpu":
+            self._copy_to_host(target, source, stream)
         else:
             target.copy_(source)  # first micro-batch: a copy replaces a zero-fill
-            entry.has_grad = True
+        entry.has_grad = True
+
+    def _copy_to_host(
+        self, target: torch.Tensor, source: torch.Tensor, stream: torch.cuda.Stream
+    ) -> None:
+        """Start copying a device gradient into host ``target`` on ``stream`` and return:
+        backward goes on computing while it crosses (into pinned memory the copy is
+        truly asynchronous). The cast to fp32 runs on ``stream`` too, and ``source`` is
+        recorded there so the allocator does not hand its memory to a later kernel
+        before the copy has read it."""
+        stream.wait_stream(torch.cuda.current_stream(source.device))
+        with torch.cuda.stream(stream):
+            source = source.to(target.dtype)
+            target.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        source.record_stream(stream)
+        self._copies = event  # copies on one stream finish in order: the last covers all
+
+    def wait_copies(self) -> None:
+        """Block until every gradient copy to the host issued so far has landed. Called
+        before anything reads or changes the buffer (the runtime when the unit's
+        backward is done and at the end of backward, ``p.grad``, ``zero_grad``)."""
+        if self._copies is not None:
+            self._copies.synchronize()
+            self._copies = None
 
     def _new_bucket(self, dtype: torch.dtype) -> torch.Tensor:
         unit = self._unit
@@ -124,6 +157,7 @@ class GradSink:
         counts as having a gradient: a rank cannot tell which parameters got one elsewhere.
         """
         unit = self._unit
+        self.wait_copies()
         bucket = self._bucket  # the runtime calls this only for units with a bucket
         try:
             shard = torch.empty(unit.numel, dtype=bucket.dtype, device=unit.device)
@@ -146,6 +180,7 @@ class GradSink:
         self._unit.tiers.device_tier.release(self._bucket_bytes, self._unit.label("grad bucket"))
 
     def clear(self) -> None:
+        self.wait_copies()  # a copy landing after the clear would bring old values back
         for entry in self._unit.entries:
             entry.has_grad = False
         self.consumed = False
@@ -179,6 +214,7 @@ class GradSink:
 
     def close(self) -> None:
         """Give back a bucket a failed backward left (the buffer is the unit's to free)."""
+        self.wait_copies()
         if self._bucket is not None:
             self._free_bucket()
         self.buffer = None

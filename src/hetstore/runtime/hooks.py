@@ -88,6 +88,7 @@ class OffloadRuntime:
         profiler: StepProfiler | None = None,
         batch_guard=None,
         copy_stream: torch.cuda.Stream | None = None,
+        grad_stream: torch.cuda.Stream | None = None,
     ):
         self.model = model
         self.units = units
@@ -112,6 +113,8 @@ class OffloadRuntime:
         # host-to-device copies of the next unit overlap this unit's compute (CUDA only;
         # owned by runtime.streams.CudaStreams)
         self.copy_stream = copy_stream
+        # gradients bound for host memory cross on this one while backward goes on
+        self.grad_stream = grad_stream
         self.order: list[Unit] = []  # execution order recorded on the first forward
         self._order_done = False
         self._callback_task: int | None = None
@@ -306,13 +309,15 @@ class OffloadRuntime:
         # autograd allocated this gradient on the device: count it while it exists
         device_tier.reserve(grad_bytes, label)
         try:
-            unit.grads.accumulate(entry, grad)
+            unit.grads.accumulate(entry, grad, self.grad_stream)
         finally:
             set_torch_grad(param, None)
             del grad
             device_tier.release(grad_bytes, label)
         unit.grads.pending -= 1
         if unit.grads.pending == 0:
+            if self._reads_grads_when_final:  # they read the host buffer now
+                unit.grads.wait_copies()
             if unit.grads.has_bucket:  # sharded: average across ranks, keep this rank's shard
                 unit.grads.reduce()
             # step_in_backward: the unit is stepped now, from the gradients gathered
@@ -356,9 +361,22 @@ class OffloadRuntime:
             self.step_ahead.backward_started()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
+    @property
+    def _reads_grads_when_final(self) -> bool:
+        """Whether anything reads a unit's gradient buffer as soon as its backward is
+        done (the disk write, the clip's norms, the step in backward or ahead); if not,
+        the copies to the host run on until the end of backward."""
+        return (
+            self.grad_stager is not None
+            or self.grad_norms is not None
+            or self.step_ahead is not None
+        )
+
     def _end_of_backward(self) -> None:
         self._callback_task = None
         self._awaiting_release = []
+        for unit in self.units:  # gradients still crossing to the host land first
+            unit.grads.wait_copies()
         for unit in self.units:  # sharded units some of whose parameters got no gradient
             if unit.grads.has_bucket:
                 unit.grads.reduce()

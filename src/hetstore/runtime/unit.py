@@ -519,8 +519,15 @@ class Unit:
                 slot, source = self.param_stager.take(self)
             storage = self.device_flat.untyped_storage()
             if stream is not None:
+                # Allocated on the compute stream, where the parameters are used and
+                # freed: one pool, whose freed blocks the next fetch reuses. A block
+                # allocated on the copy stream stays cached in that stream's pool, out of
+                # compute's reach: on an H100 the demo stopped over its budget with 95 MiB
+                # stranded so. The copy waits for compute queued before it, which may
+                # still be using the block's previous tenant.
+                storage.resize_(self.device_bytes)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
-                    storage.resize_(self.device_bytes)
                     self._fill_device_flat(source, non_blocking=True)
                     self.ready_event = torch.cuda.Event()
                     self.ready_event.record(stream)
@@ -592,9 +599,8 @@ class Unit:
         if not self.materialized or self.device_flat is self.home:
             return
         self.wait_ready()
-        if self.device.type == "cuda":
-            # the block was allocated on the copy stream; do not reuse it before compute is done
-            self.device_flat.record_stream(torch.cuda.current_stream(self.device))
+        # allocated on the compute stream and freed there (see fetch): the allocator
+        # reuses the block only for work queued after what used it
         self.device_flat.untyped_storage().resize_(0)
         self.tiers.device_tier.release(self.device_bytes, self.label("params"))
         self.residency = Residency.RELEASED

@@ -104,6 +104,7 @@ class Tiers:
         self.host.account.reset_peak()
 
     def close(self) -> None:
+        self.device_tier.close()
         self.host.close()
         if self._disk is not None:
             self._disk.close()

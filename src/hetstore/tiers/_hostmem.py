@@ -13,7 +13,9 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import weakref
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -46,48 +48,109 @@ def round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def _cuda_call(name: str, *args) -> None:
+    """Call a CUDA runtime function through torch; raise ``RuntimeError`` naming it and
+    the error on failure (torch's binding returns the error code on some versions and
+    raises on others)."""
+    try:
+        result = int(getattr(torch.cuda.cudart(), name)(*args))
+    except Exception as exc:  # torch.AcceleratorError, RuntimeError
+        _clear_last_cuda_error()
+        raise RuntimeError(f"{name} failed: {str(exc).splitlines()[0]}") from None
+    if result != 0:
+        _clear_last_cuda_error()
+        raise RuntimeError(f"{name} failed with CUDA error {result}")
+
+
+def _clear_last_cuda_error() -> None:
+    """Read off the thread's last CUDA error. Why: a failed host registration stays the
+    runtime's last error, and torch reports it at its next kernel launch as that kernel's
+    own failure (seen on torch 2.11: an embedding raised "already registered"), which
+    would turn the pageable fallback into a crash far from its cause. torch binds no
+    cudaGetLastError, so it is called in the CUDA runtime library this process loaded."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+    except OSError:
+        return
+    for path in paths:
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+        except (OSError, AttributeError):
+            pass
+
+
+class _PageLocks:
+    """What holds a mapping's pages: ``mlock`` and CUDA's registration. Undone once, by
+    ``MappedBlock.release()`` or when the last tensor viewing the mapping dies, whichever
+    comes first, and always before the pages are unmapped. Why it matters: CUDA keeps a
+    registration by address, so a range unmapped while still registered makes the next
+    mapping placed there fail to register ("already registered") and copies from it fail
+    ("resource already mapped"), in the same process, long after the model is gone."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.address = address
+        self.nbytes = nbytes
+        self.locked = False
+        self.cuda_registered = False
+
+    def undo(self) -> None:
+        if self.cuda_registered:
+            self.cuda_registered = False
+            _cuda_call("cudaHostUnregister", self.address)
+        if self.locked:
+            _libc.munlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.nbytes))
+            self.locked = False
+
+
 class MappedBlock:
     """One anonymous mapping of ``nbytes`` (rounded up to a page), viewed as a uint8 tensor.
 
-    Lifetime: the mapping lives as long as any tensor viewing it (``torch.frombuffer``
-    holds a reference to the mmap object), so ``release()`` only undoes locking and
-    drops our reference; memory returns to the OS when the last view dies.
+    Lifetime: the mapping lives as long as any tensor viewing it, so ``release()`` only
+    undoes locking and drops our reference; memory returns to the OS when the last view
+    dies. The tensor views the mapping through a numpy array (which holds the mmap's
+    buffer): the array dies with the last view, and a finalizer on it undoes the page
+    locks just before the mapping goes.
     """
 
     def __init__(self, nbytes: int, *, huge_pages: bool = True):
         self.nbytes = round_up(max(nbytes, 1), PAGE_SIZE)
-        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
             try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
+                mapping.madvise(mmap.MADV_HUGEPAGE)
             except OSError:
                 pass  # transparent huge pages disabled: a speed hint only
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        array = np.frombuffer(mapping, dtype=np.uint8)
+        self.tensor = torch.from_numpy(array)
         self.address = self.tensor.data_ptr()
-        self.locked = False
-        self.cuda_registered = False
+        self._locks = _PageLocks(self.address, self.nbytes)
+        # Not at interpreter exit: the process's pages and registrations go with it, and
+        # CUDA may already be torn down by then.
+        weakref.finalize(array, self._locks.undo).atexit = False
+
+    @property
+    def locked(self) -> bool:
+        return self._locks.locked
+
+    @property
+    def cuda_registered(self) -> bool:
+        return self._locks.cuda_registered
 
     def lock(self) -> None:
         """Page-lock with mlock; raises OSError (e.g. memlock limit) so callers can fall back."""
         if _libc.mlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.nbytes)) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"mlock of {self.nbytes} bytes failed: {os.strerror(err)}")
-        self.locked = True
+        self._locks.locked = True
 
     def register_cuda(self) -> None:
         """Pin for fast async H2D/D2H (cudaHostRegister); raises RuntimeError on failure."""
-        result = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, 0)
-        if int(result) != 0:
-            raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed with code {result}")
-        self.cuda_registered = True
+        _cuda_call("cudaHostRegister", self.address, self.nbytes, 0)
+        self._locks.cuda_registered = True
 
     def release(self) -> None:
-        if self.cuda_registered:
-            torch.cuda.cudart().cudaHostUnregister(self.address)
-            self.cuda_registered = False
-        if self.locked:
-            _libc.munlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.nbytes))
-            self.locked = False
+        self._locks.undo()
         self.tensor = None  # the mapping itself goes when the last view does
 
 

@@ -9,10 +9,12 @@ allocator itself refuse to pass the budget, catching memory hetstore does not se
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 
+from hetstore.config import cuda_with_index
 from hetstore.tier import Tier
 from hetstore.tiers.accounting import FlatAllocation, MemoryAccount, TierUsage
 
@@ -29,7 +31,9 @@ class DeviceTier:
         *,
         context: Callable[[str, int], list[str]] | None = None,
     ):
+        device = cuda_with_index(device)
         self.device = device
+        self._fraction: _FractionSet | None = None
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
             if capacity is not None:
@@ -37,7 +41,7 @@ class DeviceTier:
                     capacity = total
                 # Why: memory hetstore does not allocate itself (the user's activations,
                 # cuBLAS workspaces) must fail inside the same budget.
-                torch.cuda.set_per_process_memory_fraction(capacity / total, device)
+                self._fraction = _FractionSet(device, capacity / total)
             else:
                 capacity = total
         self.account = MemoryAccount(Tier.DEVICE, capacity, context=context)
@@ -45,6 +49,12 @@ class DeviceTier:
     @property
     def capacity(self) -> int | None:
         return self.account.capacity
+
+    def close(self) -> None:
+        """Give the process its CUDA memory fraction back (``hetstore.release``)."""
+        if self._fraction is not None:
+            self._fraction.restore()
+            self._fraction = None
 
     def empty(self, numel: int, dtype: torch.dtype, label: str) -> torch.Tensor:
         """An uninitialised 1-D device tensor, reserved against the budget first."""
@@ -77,3 +87,33 @@ class DeviceTier:
 
     def release(self, nbytes: int, label: str) -> None:
         self.account.release(nbytes, label)
+
+
+class _FractionSet:
+    """The process-wide CUDA memory fraction this tier set, and the one it replaced.
+
+    Restored when the model is released or garbage-collected, but only if nobody set
+    another since (a later model's budget, or the user): the fraction is one per process,
+    so the newest setting wins and is never undone by an older model going away.
+    """
+
+    def __init__(self, device: torch.device, fraction: float):
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        self.previous = getter(device) if getter is not None else 1.0
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        self._finalizer = weakref.finalize(self, _restore_fraction, device, fraction, self.previous)
+        self._finalizer.atexit = False
+
+    def restore(self) -> None:
+        self._finalizer()
+
+
+def _restore_fraction(device: torch.device, ours: float, previous: float) -> None:
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is not None:
+        # the allocator keeps the fraction as whole bytes (fraction x total, truncated),
+        # so reading it back differs from what was set by up to a byte's worth
+        total = torch.cuda.get_device_properties(device).total_memory
+        if abs(getter(device) - ours) * total > 2:
+            return  # set again since: not ours to undo
+    torch.cuda.set_per_process_memory_fraction(previous, device)
