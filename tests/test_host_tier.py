@@ -136,3 +136,27 @@ def test_pinning_without_accelerator_falls_back_with_one_warning():
         warnings.simplefilter("error")
         b = pool.allocate(MiB, "after fallback")  # no further warnings, no crash
     b.tensor.fill_(1)
+
+
+def test_a_mapping_is_unlocked_when_its_last_view_dies_not_before():
+    """Page locks (mlock here; CUDA's registration on a GPU, tests/test_cuda.py) are
+    undone when the last tensor viewing the mapping dies, before its pages are unmapped:
+    a lock left on unmapped pages is what made CUDA refuse the next mapping placed there."""
+    import gc
+
+    from hetstore.tiers._hostmem import MappedBlock
+
+    block = MappedBlock(4 * 4096)
+    try:
+        block.lock()
+    except OSError as exc:  # a memlock limit under the block's size
+        pytest.skip(f"cannot mlock here: {exc}")
+    locks, view = block._locks, block.tensor[4096:]
+    view.fill_(7)
+    del block
+    gc.collect()
+    assert locks.locked  # the view still uses the pages
+    assert int(view.sum()) == 7 * 3 * 4096
+    del view
+    gc.collect()
+    assert not locks.locked
