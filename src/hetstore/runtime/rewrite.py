@@ -216,6 +216,7 @@ class ChunkedRewrite:
                     unit.home[span.start : span.end].copy_(master)
                 if unit.materialized and unit.device_flat is not unit.home and not self.speculative:
                     self._touched_memory = True
+                    unit.wait_ready()  # a fetch still copying in would overwrite this
                     unit.device_flat[span.start : span.end].copy_(master)
                 writes[i % len(slots)] = handles
             for handles in writes.values():
@@ -276,6 +277,7 @@ class ChunkedRewrite:
             if not self.home_on_disk and unit.home is not unit.master:
                 unit.home[:n].copy_(master)
             if unit.materialized and unit.device_flat is not unit.home:
+                unit.wait_ready()  # a fetch still copying in would overwrite this
                 unit.device_flat[:n].copy_(master)
         finally:
             unit.tiers.host.free(scratch)

@@ -378,6 +378,7 @@ class Unit:
             with torch.no_grad():
                 write_from(self.home, tail, start)
                 if self.materialized and self.device_flat is not self.home:
+                    self.wait_ready()  # a fetch still copying in would overwrite this
                     self.device_flat[start : self.numel].copy_(tail)
         finally:
             self.tiers.host.free(staged)
@@ -437,6 +438,7 @@ class Unit:
             if self.materialized and self.shards is not None:
                 self.release()  # the next fetch gathers every rank's new shard
             elif self.materialized and self.device_flat is not self.home:
+                self.wait_ready()  # a fetch still copying in would overwrite this
                 self.device_flat[:n].copy_(master)
 
     def _write_home(self, master: torch.Tensor) -> None:
