@@ -157,7 +157,6 @@ class GradSink:
         counts as having a gradient: a rank cannot tell which parameters got one elsewhere.
         """
         unit = self._unit
-        self.wait_copies()
         bucket = self._bucket  # the runtime calls this only for units with a bucket
         try:
             shard = torch.empty(unit.numel, dtype=bucket.dtype, device=unit.device)

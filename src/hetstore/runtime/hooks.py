@@ -375,10 +375,9 @@ class OffloadRuntime:
     def _end_of_backward(self) -> None:
         self._callback_task = None
         self._awaiting_release = []
-        for unit in self.units:  # gradients still crossing to the host land first
-            unit.grads.wait_copies()
-        for unit in self.units:  # sharded units some of whose parameters got no gradient
-            if unit.grads.has_bucket:
+        for unit in self.units:
+            unit.grads.wait_copies()  # gradients still crossing to the host land first
+            if unit.grads.has_bucket:  # sharded, some of whose parameters got no gradient
                 unit.grads.reduce()
         if self.grad_stager is not None:
             self.grad_stager.flush_all()

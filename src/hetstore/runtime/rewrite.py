@@ -214,10 +214,9 @@ class ChunkedRewrite:
                 elif unit.home is not unit.master:
                     self._touched_memory = True
                     unit.home[span.start : span.end].copy_(master)
-                if unit.materialized and unit.device_flat is not unit.home and not self.speculative:
+                if unit.has_device_copy and not self.speculative:
                     self._touched_memory = True
-                    unit.wait_ready()  # a fetch still copying in would overwrite this
-                    unit.device_flat[span.start : span.end].copy_(master)
+                    unit.write_device_copy(master, span.start)
                 writes[i % len(slots)] = handles
             for handles in writes.values():
                 wait_all(handles)
@@ -276,8 +275,6 @@ class ChunkedRewrite:
             unit.master.read(master).wait()
             if not self.home_on_disk and unit.home is not unit.master:
                 unit.home[:n].copy_(master)
-            if unit.materialized and unit.device_flat is not unit.home:
-                unit.wait_ready()  # a fetch still copying in would overwrite this
-                unit.device_flat[:n].copy_(master)
+            unit.write_device_copy(master)
         finally:
             unit.tiers.host.free(scratch)

@@ -377,9 +377,7 @@ class Unit:
                 self.param_stager.forget(self)
             with torch.no_grad():
                 write_from(self.home, tail, start)
-                if self.materialized and self.device_flat is not self.home:
-                    self.wait_ready()  # a fetch still copying in would overwrite this
-                    self.device_flat[start : self.numel].copy_(tail)
+                self.write_device_copy(tail, start)
         finally:
             self.tiers.host.free(staged)
 
@@ -437,9 +435,8 @@ class Unit:
                 self.home[:n].copy_(master)
             if self.materialized and self.shards is not None:
                 self.release()  # the next fetch gathers every rank's new shard
-            elif self.materialized and self.device_flat is not self.home:
-                self.wait_ready()  # a fetch still copying in would overwrite this
-                self.device_flat[:n].copy_(master)
+            else:
+                self.write_device_copy(master)
 
     def _write_home(self, master: torch.Tensor) -> None:
         """Write ``master`` cast to the compute dtype into the disk ``home``. The whole
@@ -598,7 +595,7 @@ class Unit:
 
     def release(self) -> None:
         """Free the device copy unless the parameters live on the device."""
-        if not self.materialized or self.device_flat is self.home:
+        if not self.has_device_copy:
             return
         self.wait_ready()
         # allocated on the compute stream and freed there (see fetch): the allocator
@@ -607,6 +604,21 @@ class Unit:
         self.tiers.device_tier.release(self.device_bytes, self.label("params"))
         self.residency = Residency.RELEASED
         self.conceal_params()
+
+    @property
+    def has_device_copy(self) -> bool:
+        """The device holds a copy of the parameters apart from ``home`` (materialized,
+        and ``home`` is not on the device itself)."""
+        return self.materialized and self.device_flat is not self.home
+
+    def write_device_copy(self, values: torch.Tensor, start: int = 0) -> None:
+        """Write ``values`` (compute dtype or castable) into the device copy from element
+        ``start``, if there is one. A fetch still copying in on a CUDA stream would land
+        over them: the write waits for it first."""
+        if not self.has_device_copy:
+            return
+        self.wait_ready()
+        self.device_flat[start : start + values.numel()].copy_(values)
 
     def refresh_after_step(self) -> None:
         """After the optimizer changed an in-memory master: refresh the compute-dtype

@@ -41,7 +41,7 @@ class DeviceTier:
                     capacity = total
                 # Why: memory hetstore does not allocate itself (the user's activations,
                 # cuBLAS workspaces) must fail inside the same budget.
-                self._fraction = _FractionSet(device, capacity / total)
+                self._fraction = _FractionSet(device, capacity, total)
             else:
                 capacity = total
         self.account = MemoryAccount(Tier.DEVICE, capacity, context=context)
@@ -97,23 +97,25 @@ class _FractionSet:
     so the newest setting wins and is never undone by an older model going away.
     """
 
-    def __init__(self, device: torch.device, fraction: float):
-        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        self.previous = getter(device) if getter is not None else 1.0
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
-        self._finalizer = weakref.finalize(self, _restore_fraction, device, fraction, self.previous)
-        self._finalizer.atexit = False
-
-    def restore(self) -> None:
-        self._finalizer()
+    def __init__(self, device: torch.device, capacity: int, total: int):
+        previous = _fraction_of(device)
+        torch.cuda.set_per_process_memory_fraction(capacity / total, device)
+        self.restore = weakref.finalize(
+            self, _restore_fraction, device, capacity, total, 1.0 if previous is None else previous
+        )
+        self.restore.atexit = False
 
 
-def _restore_fraction(device: torch.device, ours: float, previous: float) -> None:
+def _fraction_of(device: torch.device) -> float | None:
+    """The fraction in force (None on a torch too old to tell)."""
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if getter is not None:
-        # the allocator keeps the fraction as whole bytes (fraction x total, truncated),
-        # so reading it back differs from what was set by up to a byte's worth
-        total = torch.cuda.get_device_properties(device).total_memory
-        if abs(getter(device) - ours) * total > 2:
-            return  # set again since: not ours to undo
+    return None if getter is None else getter(device)
+
+
+def _restore_fraction(device: torch.device, capacity: int, total: int, previous: float) -> None:
+    now = _fraction_of(device)
+    # the allocator keeps the fraction as whole bytes (fraction x total, truncated), so
+    # compare in bytes, within the truncation
+    if now is not None and abs(now * total - capacity) > 2:
+        return  # set again since: not ours to undo
     torch.cuda.set_per_process_memory_fraction(previous, device)
