@@ -116,13 +116,13 @@ class GradSink:
     ) -> None:
         """Start copying a device gradient into host ``target`` on ``stream`` and return:
         backward goes on computing while it crosses (into pinned memory the copy is
-        truly asynchronous). The cast to fp32 runs on ``stream`` too, and ``source`` is
-        recorded there so the allocator does not hand its memory to a later kernel
-        before the copy has read it."""
+        truly asynchronous). The cast to fp32 runs on ``stream`` too (its result is
+        allocated there, so that stream's order protects it), and autograd's ``source``,
+        allocated on the compute stream, is recorded on ``stream`` so the allocator does
+        not hand its memory to a later kernel before the cast or copy has read it."""
         stream.wait_stream(torch.cuda.current_stream(source.device))
         with torch.cuda.stream(stream):
-            source = source.to(target.dtype)
-            target.copy_(source, non_blocking=True)
+            target.copy_(source.to(target.dtype), non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         source.record_stream(stream)
