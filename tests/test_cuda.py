@@ -71,6 +71,9 @@ def test_cuda_parity_with_plain_pytorch(tmp_path, param, optim):
         if ref is not None:
             assert loss.item() == ref_loss.item()
         torch.testing.assert_close(loss.item(), gpu_loss.item(), **TIGHT)
+    if optim == "cpu":  # overlap_step='auto': on a GPU the host steps beside backward
+        stats = opt.speculation_stats
+        assert stats["committed"] == stats["started"] == 4 * 4, stats  # 4 blocks, not the root
     for key, value in gpu.state_dict().items():
         got = mine.state_dict()[key].cuda()
         if ref is not None:

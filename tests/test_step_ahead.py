@@ -26,10 +26,15 @@ WIDTH = 48  # blocks of ~28K parameters: several 8192-element chunks each
 
 
 def config(path, overlap: bool, grad: str = "cpu", **kwargs) -> OffloadConfig:
+    """Units with master and states on disk, gradients in memory (``grad='cpu'``: read
+    there) or on disk (read back by the worker); ``grad='host'``: everything in host
+    memory instead, stepped into host shadows (optim.in_memory; ``overlap_step=True``,
+    as 'auto' does so on a GPU only)."""
+    tier = "cpu" if grad == "host" else "disk"
     return OffloadConfig(
-        offload_param="disk",
-        offload_optimizer="disk",
-        offload_grad=grad,  # in memory: read there; on disk: read back by the worker
+        offload_param=tier,
+        offload_optimizer=tier,
+        offload_grad="cpu" if grad == "host" else grad,
         offload_path=str(path),
         optimizer_chunk_size=8192 * 4,
         overlap_step=overlap,
@@ -112,6 +117,14 @@ def both(
     assert on_losses == off_losses
     assert_bitwise(on, off)
     assert off_opt.speculation_stats is None
+    # every shadow committed or discarded went back: the tiers hold what they held (with
+    # Adam's states, made in the tiers by both; SGD's first momentum is torch's own in the
+    # ordinary step, a shadow in the host tier when stepped ahead)
+    if make_opt is adamw:
+        assert (
+            hetstore.memory_stats(on)["host"]["current"]
+            == hetstore.memory_stats(off)["host"]["current"]
+        )
     return on, on_opt, on_losses, data
 
 
@@ -119,14 +132,21 @@ def block_units(model):
     return len(hetstore.state_of(model).runtime.units) - 1  # the root holds the embeddings
 
 
-GRADS = pytest.mark.parametrize("grad", ["cpu", "disk"])
+def ahead_units(model, grad: str) -> int:
+    """Units a step ahead takes: every one on disk; in host memory, all but the root (its
+    gradients are final only when backward ends: nothing would hide its step)."""
+    return block_units(model) if grad == "host" else len(hetstore.state_of(model).runtime.units)
+
+
+GRADS = pytest.mark.parametrize("grad", ["cpu", "disk", "host"])
+PLACES = pytest.mark.parametrize("grad", ["cpu", "host"])  # disk units; host-memory units
 
 
 @GRADS
 def test_stepped_ahead_units_commit_and_train_like_plain_pytorch(tmp_path, grad):
     model, opt, losses, data = both(tmp_path, steps=3, grad=grad)
     stats = opt.speculation_stats
-    units = len(hetstore.state_of(model).runtime.units)
+    units = ahead_units(model, grad)
     assert stats["started"] == stats["committed"] == 3 * units
     assert stats["rolled_back"] == stats["cancelled"] == 0
     ref, ref_opt = fresh()
@@ -147,7 +167,7 @@ def test_clipping_that_bites_rolls_back_and_steps_again(tmp_path, grad):
     too: they are held back (the ordinary step runs, with no wasted traffic)."""
     model, opt, _, _ = both(tmp_path, clip=1e-3, grad=grad)
     stats = opt.speculation_stats
-    units = len(hetstore.state_of(model).runtime.units)
+    units = ahead_units(model, grad)
     assert stats["committed"] == 0 and stats["rolled_back"] == stats["started"] == units
     assert stats["held_back"] == 2 * units
 
@@ -166,7 +186,7 @@ def test_speculation_resumes_after_a_step_whose_clip_did_not_bite(tmp_path, grad
 
     model, opt, _, _ = both(tmp_path, steps=4, grad=grad, setup=setup, between=clip)
     stats = opt.speculation_stats
-    units = len(hetstore.state_of(model).runtime.units)
+    units = ahead_units(model, grad)
     assert stats["held_back"] == 2 * units
     assert stats["rolled_back"] == units  # step 1
     assert stats["committed"] == units  # step 4
@@ -213,10 +233,14 @@ def test_the_clip_reads_no_gradient_back_from_disk(tmp_path):
         ref_opt.zero_grad()
 
 
-def test_a_scheduler_changing_the_lr_every_step(tmp_path):
+@PLACES
+def test_a_scheduler_changing_the_lr_every_step(tmp_path, grad):
     """scheduler.step() after optimizer.step(): the next backward already sees the new lr."""
     _, opt, _, _ = both(
-        tmp_path, steps=4, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)
+        tmp_path,
+        steps=4,
+        grad=grad,
+        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5),
     )
     assert opt.speculation_stats["rolled_back"] == 0 < opt.speculation_stats["committed"]
 
@@ -232,10 +256,11 @@ def test_an_lr_changed_between_backward_and_step_rolls_back(tmp_path, grad):
     assert stats["committed"] == 0 and stats["rolled_back"] > 0
 
 
-def test_model_zero_grad_between_backward_and_step_discards(tmp_path):
+@PLACES
+def test_model_zero_grad_between_backward_and_step_discards(tmp_path, grad):
     """No gradient left: the ordinary step skips every unit, and so must the speculation.
     (Gradients on disk refuse ``model.zero_grad()``: ``p.grad`` cannot be read there.)"""
-    _, opt, _, _ = both(tmp_path, between=lambda model, opt: model.zero_grad())
+    _, opt, _, _ = both(tmp_path, grad=grad, between=lambda model, opt: model.zero_grad())
     assert opt.speculation_stats["committed"] == 0
 
 
@@ -247,7 +272,7 @@ def test_accumulating_four_micro_batches(tmp_path, no_sync, grad):
     and the later steps speculate once per unit."""
     model, opt, _, _ = both(tmp_path, steps=3, accumulate=4, no_sync=no_sync, grad=grad)
     stats = opt.speculation_stats
-    units = len(hetstore.state_of(model).runtime.units)
+    units = ahead_units(model, grad)
     assert stats["committed"] == 3 * units and stats["rolled_back"] == 0
     if no_sync:
         assert stats["started"] == 3 * units and stats["cancelled"] == 0
@@ -256,17 +281,19 @@ def test_accumulating_four_micro_batches(tmp_path, no_sync, grad):
         assert stats["started"] == 6 * units
 
 
-def test_sgd_with_momentum(tmp_path):
+@PLACES
+def test_sgd_with_momentum(tmp_path, grad):
     def sgd(params):
         return torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.01)
 
-    _, opt, _, _ = both(tmp_path, make_opt=sgd)
+    _, opt, _, _ = both(tmp_path, make_opt=sgd, grad=grad)
     assert opt.speculation_stats["rolled_back"] == 0 < opt.speculation_stats["committed"]
 
 
-def test_an_optimizer_state_load_between_backward_and_step_is_not_overwritten(tmp_path):
+@PLACES
+def test_an_optimizer_state_load_between_backward_and_step_is_not_overwritten(tmp_path, grad):
     """A speculation made from the states before a load must not be committed over it."""
-    donor, donor_opt = offloaded(tmp_path / "donor", False)
+    donor, donor_opt = offloaded(tmp_path / "donor", False, grad=grad)
     data = batches(2, vocab=64)
     train(donor, donor_opt, data[:1])
     saved = donor_opt.state_dict()
@@ -274,24 +301,102 @@ def test_an_optimizer_state_load_between_backward_and_step_is_not_overwritten(tm
     def load(model, opt):
         opt.load_state_dict(saved)
 
-    _, opt, _, _ = both(tmp_path, steps=2, between=load)
+    _, opt, _, _ = both(tmp_path, steps=2, between=load, grad=grad)
     assert opt.speculation_stats["committed"] == 0
 
 
-def test_not_used_without_a_disk_step(tmp_path):
-    for kwargs in (
-        dict(offload_optimizer="cpu"),  # no streamed step to move
-    ):
+@pytest.mark.parametrize(
+    ("overlap", "host_units_ahead"), [("auto", False), (True, True), (False, False)]
+)
+def test_which_units_overlap_step_steps_ahead(tmp_path, overlap, host_units_ahead):
+    """'auto' (the default) steps host-memory units ahead on a GPU only: on this CPU
+    device the worker's copies and arithmetic would take backward's cores. True steps
+    them on any device; False none. Disk units are stepped ahead unless False."""
+    for grad in ("host", "cpu"):
         model, opt = fresh()
-        cfg = config(tmp_path / str(len(kwargs)), True)
-        cfg = OffloadConfig(**{**{k: getattr(cfg, k) for k in OffloadConfig.keys()}, **kwargs})
+        cfg = config(tmp_path / f"{grad}{overlap}", True, grad)
+        cfg = OffloadConfig(
+            **{**{k: getattr(cfg, k) for k in OffloadConfig.keys()}, "overlap_step": overlap}
+        )
         model, opt = hetstore.offload(model, opt, cfg)
-        assert opt.speculation_stats is None
+        x, y = batches(1, vocab=64)[0]
+        model(x, y).backward()
+        stats = opt.speculation_stats
+        if grad == "host" and not host_units_ahead or grad == "cpu" and overlap is False:
+            assert stats is None
+        else:
+            assert stats["started"] == ahead_units(model, grad)
+        opt.step()
         hetstore.release(model)
 
 
-def test_release_with_a_speculation_pending(tmp_path):
-    model, opt = offloaded(tmp_path, True)
+def test_overlap_step_takes_auto_true_or_false_only():
+    with pytest.raises(
+        hetstore.ConfigError, match="overlap_step='yes': must be 'auto', True or False"
+    ):
+        OffloadConfig(overlap_step="yes")
+
+
+def test_host_too_small_for_every_shadow_steps_ahead_a_window_of_units(tmp_path):
+    """Host-memory units' shadows (one more master and states each) are taken only where
+    the host tier has room: with room for about two, the first units backward finishes
+    are stepped ahead and the others after backward, with no error, bit for bit."""
+    data = batches(3, vocab=64)
+    probe, probe_opt = offloaded(tmp_path / "probe", False, grad="host")
+    losses = train(probe, probe_opt, data)
+    peak = hetstore.memory_stats(probe)["host"]["peak"]
+    shadow = probe_opt._unit_steps[0].shadow_bytes
+    weights = {k: v.clone() for k, v in probe.state_dict().items()}
+    hetstore.release(probe)
+    model, opt = offloaded(tmp_path, True, grad="host", offload_cpu_size=peak + shadow * 5 // 2)
+    assert train(model, opt, data) == losses
+    stats = opt.speculation_stats
+    units = block_units(model)
+    assert stats["committed"] == stats["started"] > 0
+    assert stats["started"] + stats["not_started"] == 3 * units
+    assert stats["not_started"] >= 3 * (units - 2)
+    assert hetstore.memory_stats(model)["host"]["peak"] <= peak + shadow * 5 // 2
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, weights[key]), key
+
+
+def test_host_and_disk_units_in_one_model(tmp_path, monkeypatch):
+    """A placement with states on disk for some units and in host memory for others:
+    both kinds stepped ahead by the one worker, committed, bit for bit the ordinary step,
+    and plain PyTorch's within fp32 round-off."""
+    import hetstore.api
+    from hetstore.planner.cost import UnitChoice
+
+    plan_for = hetstore.api._plan_for
+
+    def alternating(*args, **kwargs):
+        trace, plan = plan_for(*args, **kwargs)
+
+        class Mixed:
+            def __getattr__(self, name):
+                return getattr(plan, name)
+
+            def choice_of(self, name):
+                tier = "disk" if name.endswith(("0", "2")) else "cpu"
+                return UnitChoice(tier, tier, plan.choice_of(name).activations)
+
+        return trace, Mixed()
+
+    monkeypatch.setattr(hetstore.api, "_plan_for", alternating)
+    model, opt, losses, data = both(tmp_path, grad="host")
+    units = hetstore.state_of(model).runtime.units
+    tiers = [u.placement.optimizer.value for u in units]
+    assert tiers.count("disk") == 2 and tiers.count("cpu") == 2, tiers
+    stats = opt.speculation_stats
+    assert stats["started"] == stats["committed"] == 3 * (len(units) - 1)
+    ref, ref_opt = fresh()
+    assert train(ref, ref_opt, data) == pytest.approx(losses, rel=1e-6)
+    assert_same_weights(ref, model, **TIGHT)
+
+
+@PLACES
+def test_release_with_a_speculation_pending(tmp_path, grad):
+    model, opt = offloaded(tmp_path, True, grad=grad)
     x, y = batches(1, vocab=64)[0]
     model(x, y).backward()
     assert opt.speculation_stats["started"] > 0
@@ -300,10 +405,11 @@ def test_release_with_a_speculation_pending(tmp_path):
         opt.step()
 
 
-def test_a_copy_of_the_model_is_not_touched(tmp_path):
+@PLACES
+def test_a_copy_of_the_model_is_not_touched(tmp_path, grad):
     """Speculation writes shadows only: between backward and step the parameters a
     forward reads are the old ones (an eval forward there sees what plain PyTorch sees)."""
-    model, opt = offloaded(tmp_path, True)
+    model, opt = offloaded(tmp_path, True, grad=grad)
     ref = copy.deepcopy(fresh()[0])
     x, y = batches(1, vocab=64)[0]
     model(x, y).backward()
@@ -335,7 +441,8 @@ def test_a_disk_too_small_for_every_shadow_steps_ahead_a_window_of_units(tmp_pat
         assert torch.equal(value, weights[key]), key
 
 
-def test_gradients_changed_through_data_or_assigned_roll_back(tmp_path):
+@PLACES
+def test_gradients_changed_through_data_or_assigned_roll_back(tmp_path, grad):
     """``p.grad.data`` has a version counter of its own, and ``p.grad = t`` writes the
     buffer: handing out ``p.grad`` at all counts as a change."""
 
@@ -348,7 +455,7 @@ def test_gradients_changed_through_data_or_assigned_roll_back(tmp_path):
             p.grad = torch.full_like(p, 1e-3)
 
     for between in (halve_through_data, assign):
-        _, opt, _, _ = both(tmp_path / between.__name__, between=between)
+        _, opt, _, _ = both(tmp_path / between.__name__, between=between, grad=grad)
         stats = opt.speculation_stats
         assert stats["committed"] == 0 and stats["rolled_back"] == stats["started"] > 0
 
@@ -393,10 +500,11 @@ def test_a_step_that_fails_and_is_resumed_steps_each_unit_once(tmp_path, monkeyp
     assert on_opt.speculation_stats["committed"] > 0
 
 
-def test_a_checkpoint_loaded_between_backward_and_step(tmp_path):
+@PLACES
+def test_a_checkpoint_loaded_between_backward_and_step(tmp_path, grad):
     """hetstore.load between backward and step rewrites master and states: the step
     then steps the loaded state with the gradients, exactly as without the overlap."""
-    donor, donor_opt = offloaded(tmp_path / "donor", False)
+    donor, donor_opt = offloaded(tmp_path / "donor", False, grad=grad)
     data = batches(3, vocab=64)
     train(donor, donor_opt, data[:1])
     hetstore.save(tmp_path / "ckpt", donor, donor_opt)
@@ -404,7 +512,7 @@ def test_a_checkpoint_loaded_between_backward_and_step(tmp_path):
     def load(model, opt):
         hetstore.load(tmp_path / "ckpt", model, opt)
 
-    _, opt, _, _ = both(tmp_path, steps=2, between=load)
+    _, opt, _, _ = both(tmp_path, steps=2, between=load, grad=grad)
     stats = opt.speculation_stats
     assert stats["committed"] == 0 and stats["cancelled"] == stats["started"] > 0
 
@@ -422,7 +530,7 @@ def test_fp16_with_overflow_steps_and_clipping(tmp_path, grad):
     assert all(math.isfinite(loss) for loss in losses)
     skipped = round(math.log2(2.0**16 / opt.loss_scaler.scale))  # halved once per overflow
     stats = opt.speculation_stats
-    units = len(hetstore.state_of(model).runtime.units)
+    units = ahead_units(model, grad)
     assert 1 <= skipped < 4
     assert stats["cancelled"] == skipped * units
     assert stats["committed"] == (4 - skipped) * units and stats["rolled_back"] == 0

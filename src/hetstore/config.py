@@ -237,16 +237,19 @@ class OffloadConfig:
             "decoded fp32 chunks. Compact formats need Adam, AdamW or SGD, one process."
         ),
     )
-    overlap_step: bool = field(
-        default=True,
+    overlap_step: bool | str = field(
+        default="auto",
         metadata=_doc(
-            "Step units whose optimizer states are on disk as soon as backward has their "
-            "gradients, beside the rest of backward, into shadow copies that "
-            "optimizer.step() commits, or discards and steps again, when clipping, a "
-            "changed hyper-parameter or another micro-batch changed what the step would "
-            "read: exact either way. Applies to units with states and parameters on "
-            "disk (not sharded); holds one more copy of their states on disk until the "
-            "step, within the disk's room."
+            "Step units as soon as backward has their gradients, beside the rest of "
+            "backward, into shadow copies that optimizer.step() commits, or discards and "
+            "steps again, when clipping, a changed hyper-parameter or another micro-batch "
+            "changed what the step would read: exact either way. 'auto': units whose "
+            "states and parameters are on disk (their step is disk IO), and units whose "
+            "states are in host memory when the compute device is a GPU (the host steps "
+            "beside the GPU's backward; on a CPU device the two would share cores). True: "
+            "both kinds on any device; False: neither. Not sharded units. A shadow holds "
+            "one more copy of a unit's master and states (on disk, or in host memory) "
+            "until the step, within the tier's room."
         ),
     )
 
@@ -272,10 +275,13 @@ class OffloadConfig:
             "auto_offload",
             "enable_pinned_mem",
             "enable_aio",
-            "overlap_step",
             "step_in_backward",
         ):
             _check_bool(key, getattr(self, key))
+        if not (isinstance(self.overlap_step, bool) or self.overlap_step == "auto"):
+            raise ConfigError(
+                f"overlap_step={short_repr(self.overlap_step)}: must be 'auto', True or False"
+            )
         for key in ("max_device_memory", "offload_cpu_size", "offload_disk_size"):
             value = getattr(self, key)
             if value is not None:
@@ -350,6 +356,19 @@ class OffloadConfig:
     @property
     def torch_compute_dtype(self) -> torch.dtype:
         return COMPUTE_DTYPES[self.compute_dtype]
+
+    @property
+    def overlaps_disk_steps(self) -> bool:
+        """``overlap_step``: units with states and parameters on disk step in backward."""
+        return self.overlap_step is not False
+
+    def overlaps_memory_steps(self, device: torch.device | str | None = None) -> bool:
+        """``overlap_step``: units with states in host memory step in backward (on the
+        compute ``device``, the resolved one by default)."""
+        if self.overlap_step == "auto":
+            device = torch.device(device) if device is not None else self.resolved_device()
+            return device.type == "cuda"
+        return self.overlap_step
 
     def resolved_device(self) -> torch.device:
         """The compute device: 'auto' becomes cuda when available, else cpu."""

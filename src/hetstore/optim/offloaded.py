@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from hetstore.errors import ConfigError
 from hetstore.optim.compact import CompactUnitStep
 from hetstore.optim.grad_norms import RecordedNorms
+from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.registry import FLAT_NAMES, flat_spec, flat_steppable
 from hetstore.optim.state_format import StateFormat
@@ -41,16 +42,6 @@ from hetstore.runtime.unit import ParamEntry, Unit
 from hetstore.tiers.flat import DiskArray, DiskSlice
 
 __all__ = ["OffloadedOptimizer"]
-
-
-class _UnitStep:
-    """The inner optimizer of one unit and the tensors it steps."""
-
-    def __init__(self, unit: Unit, optimizer: Optimizer, tensors: list[torch.Tensor], groups):
-        self.unit = unit
-        self.optimizer = optimizer
-        self.tensors = tensors  # stepped tensors (segments or per-parameter views)
-        self.groups = groups  # outer group index of each inner group
 
 
 class OffloadedOptimizer(Optimizer):
@@ -68,6 +59,8 @@ class OffloadedOptimizer(Optimizer):
         param_order: list | None = None,
         shards: ShardGroup | None = None,
         overlap_step: bool = False,
+        overlap_memory_step: bool = False,
+        root: Unit | None = None,
         step_in_backward: bool = False,
         state_format: StateFormat | None = None,
     ):
@@ -105,10 +98,23 @@ class OffloadedOptimizer(Optimizer):
         self._released = False  # hetstore.release(model) freed the units' buffers
         # disk units stepped speculatively during backward (optim.step_ahead); not sharded
         ahead = [s for s in self._unit_steps if eligible(s, s.unit)]
+        if overlap_memory_step and not step_in_backward:
+            # the root's gradients are final when backward ends: nothing would hide it
+            ahead += [
+                s
+                for s in self._unit_steps
+                if isinstance(s, InMemoryUnitStep)
+                and s.unit is not root
+                and s.can_speculate(self._flat)
+            ]
         self.step_ahead: StepAhead | None = None
         self._stepped_ahead: set[int] = set()  # ids of the units this step committed
         self.step_in_backward = step_in_backward and shards is None
-        if (overlap_step or self.step_in_backward) and ahead and shards is None:
+        if (
+            (overlap_step or overlap_memory_step or self.step_in_backward)
+            and ahead
+            and shards is None
+        ):
             self.step_ahead = StepAhead(
                 ahead, self._hyper, loss_scaler, consume=self.step_in_backward
             )
@@ -152,7 +158,7 @@ class OffloadedOptimizer(Optimizer):
             hyper.update(foreach=False, fused=True)
         return hyper
 
-    def _build_unit_step(self, unit: Unit) -> _UnitStep | UnitStates:
+    def _build_unit_step(self, unit: Unit) -> InMemoryUnitStep | UnitStates:
         on_disk = isinstance(unit.master, DiskArray)
         if on_disk and not self._flat:
             raise TypeError(
@@ -185,12 +191,12 @@ class OffloadedOptimizer(Optimizer):
                 inner_groups.append({**self._hyper(group_index), "params": views})
                 owners.append(group_index)
         inner = self.optimizer_class(inner_groups)
-        step = _UnitStep(unit, inner, tensors, owners)
+        step = InMemoryUnitStep(unit, inner, tensors, owners)
         if self._flat and self._spec.preallocate_states:
             self._preallocate_states(step)
         return step
 
-    def _preallocate_states(self, step: _UnitStep) -> None:
+    def _preallocate_states(self, step: InMemoryUnitStep) -> None:
         """Allocate the states (Adam's moments) in the unit's optimizer tier now, so a
         placement that cannot hold them is refused before training starts, not at the
         first step."""
@@ -521,7 +527,7 @@ class OffloadedOptimizer(Optimizer):
             unit.grads.clear()
 
     # ------------------------------------------------------------------ state dict
-    def _locate(self, param) -> tuple[_UnitStep, int, torch.Tensor, ParamEntry]:
+    def _locate(self, param) -> tuple[InMemoryUnitStep, int, torch.Tensor, ParamEntry]:
         unit, entry = self._entry_of[id(param)]
         for unit_step in self._unit_steps:
             if unit_step.unit is unit and isinstance(unit_step, UnitStates):
@@ -749,6 +755,7 @@ class OffloadedOptimizer(Optimizer):
         for unit_step in self._unit_steps:
             if unit_step.unit is not unit or isinstance(unit_step, UnitStates):
                 continue
+            unit.before_state_change()  # a step taken ahead from these states goes first
             for tensor in unit_step.tensors:
                 state = unit_step.optimizer.state.get(tensor)
                 if not state:
@@ -766,6 +773,7 @@ class OffloadedOptimizer(Optimizer):
     @torch.no_grad()
     def _import_param_state(self, param, values: dict) -> None:
         unit_step, start, tensor, entry = self._locate(param)
+        unit_step.unit.before_state_change()  # a step taken ahead from these goes first
         inner = unit_step.optimizer.state.setdefault(tensor, {})
         for key, value in values.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:

@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetstore.errors import OutOfTierMemory
+from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
 from hetstore.runtime.staging import GradStager, stagers_of
@@ -101,8 +102,8 @@ class SpeculationStats:
 
 @dataclass
 class _Speculation:
-    unit_step: StreamedUnitStep
-    rewrite: ChunkedRewrite
+    unit_step: StreamedUnitStep | InMemoryUnitStep
+    shadows: ChunkedRewrite | MemoryShadows  # where it steps into; discard() drops it
     grad_state: GradState
     hyper: dict[int, dict]
     state_version: int
@@ -113,6 +114,8 @@ class _Speculation:
 
 
 def eligible(unit_step, unit: Unit) -> bool:
+    """A disk unit the step ahead can step into shadows (memory units:
+    :meth:`InMemoryUnitStep.can_speculate`, chosen by ``overlap_step``)."""
     return (
         isinstance(unit_step, StreamedUnitStep)
         and unit.shards is None
@@ -157,12 +160,13 @@ class StepAhead:
 
     def __init__(
         self,
-        unit_steps: list[StreamedUnitStep],
+        unit_steps: list[StreamedUnitStep | InMemoryUnitStep],
         hyper: Callable[[int], dict],
         loss_scaler=None,
         consume: bool = False,
     ):
         self._steps = {id(s.unit): s for s in unit_steps}
+        self._streamed = [s for s in unit_steps if isinstance(s, StreamedUnitStep)]
         self._hyper = hyper
         self._loss_scaler = loss_scaler  # fp16: gradients are unscaled before the step
         self._pending: dict[int, _Speculation] = {}
@@ -174,7 +178,7 @@ class StepAhead:
         self._stagers = stagers_of([s.unit for s in unit_steps])
         self._disk = unit_steps[0].unit.tiers.disk
         # kept free on disk while speculations hold their shadows: one ordinary step's
-        self._disk_reserve = max(s.shadow_bytes for s in unit_steps)
+        self._disk_reserve = max((s.shadow_bytes for s in self._streamed), default=0)
         self.suspended = 0  # depth of hetstore.no_sync
         self.backwards = 0  # backward passes since the last step
         self.expected = 1  # backward passes the last step had
@@ -203,11 +207,20 @@ class StepAhead:
         if self.consume:
             self._collect(block=True)
 
+    @property
+    def reads_grads_when_final(self) -> bool:
+        """Whether this thread must wait for a unit's gradient copies when its backward
+        is done: a disk unit's step reads the stager's buffer from here. (A memory unit's
+        step waits for them on the worker, so that backward goes on queueing work.)"""
+        return bool(self._streamed)
+
     def consume_grads(self, unit: Unit) -> bool:
         """step_in_backward: backward produced ``unit``'s last gradient; step it now from
         them. True when the step took the gradients (nothing is to be written to disk)."""
         if not self.consume or self.suspended:
             return False
+        if not isinstance(self._steps.get(id(unit)), StreamedUnitStep):
+            return False  # memory units are stepped ahead only speculatively
         self._collect(block=False)
         spec = self._start(unit)
         if spec is None:
@@ -235,6 +248,8 @@ class StepAhead:
         unit_step = self._steps.get(id(unit))
         if unit_step is None:
             return None
+        if isinstance(unit_step, InMemoryUnitStep):
+            return self._start_in_memory(unit, unit_step)
         room = unit_step.shadow_bytes + self._disk_reserve
         if not self._disk.would_fit(room) and self.consume and self._pending:
             # in backward: the steps before hold their shadows until committed; their
@@ -252,15 +267,7 @@ class StepAhead:
         except OutOfTierMemory:
             self.stats.not_started += 1  # the ordinary step will say so if it cannot run
             return None
-        segments = unit.segments
-        spec = _Speculation(
-            unit_step,
-            rewrite,
-            grad_state=unit.grads.state(),
-            hyper={s.group: _snapshot(self._hyper(s.group)) for s in segments},
-            state_version=unit.state_version,
-            factor=1.0 / self._loss_scaler.scale if self._loss_scaler is not None else None,
-        )
+        spec = self._speculation(unit_step, rewrite)
         try:
             slots = self._worker_slots()
         except BaseException:
@@ -285,6 +292,47 @@ class StepAhead:
             if spec.lent:
                 unit.grad_stager.give_back(unit)
             rewrite.discard()
+            raise
+        self.stats.started += 1
+        return spec
+
+    def _speculation(self, unit_step, shadows) -> _Speculation:
+        """What a speculation of ``unit_step`` into ``shadows`` assumes, taken now."""
+        unit = unit_step.unit
+        return _Speculation(
+            unit_step,
+            shadows,
+            grad_state=unit.grads.state(),
+            hyper={s.group: _snapshot(self._hyper(s.group)) for s in unit.segments},
+            state_version=unit.state_version,
+            factor=1.0 / self._loss_scaler.scale if self._loss_scaler is not None else None,
+        )
+
+    def _start_in_memory(self, unit: Unit, unit_step: InMemoryUnitStep) -> _Speculation | None:
+        """A step of a unit whose master and states are in host memory, into host
+        shadows (:mod:`hetstore.optim.in_memory`), or None when the host tier has no
+        room for them beside what the rest of backward will still allocate."""
+        unscale = self._loss_scaler is not None
+        need = unit_step.shadow_bytes + (unit.trainable_numel * 4 if unscale else 0)
+        if not self._host.account.would_fit(need + self._staging_to_come()):
+            self.stats.not_started += 1
+            return None
+        try:
+            shadows = unit_step.begin_speculation(unscale)
+        except OutOfTierMemory:  # the pool could not grow (fragmentation): not now
+            self.stats.not_started += 1
+            return None
+        spec = self._speculation(unit_step, shadows)
+        try:
+            spec.future = self._pool().submit(
+                unit_step.run_speculation,
+                shadows,
+                spec.hyper,
+                spec.factor,
+                unit.grads.copies_event(),
+            )
+        except BaseException:
+            shadows.discard()
             raise
         self.stats.started += 1
         return spec
@@ -318,11 +366,11 @@ class StepAhead:
                 finished = self._finished(spec)  # always: never discard under the worker
                 took = [spec.factor] if spec.factor is not None else []
                 if finished and (factors == took or not on_disk) and self._holds(spec):
-                    spec.unit_step.commit_speculation(spec.rewrite)
+                    spec.unit_step.commit_speculation(spec.shadows)
                     committed.add(key)
                     self.stats.committed += 1
                 else:
-                    spec.rewrite.discard()
+                    spec.shadows.discard()
                     self.stats.rolled_back += 1
         finally:
             self.discard_all()  # after an error: nothing may stay pending
@@ -417,10 +465,10 @@ class StepAhead:
             self._finished(spec, keep_failed_grads=True)
             del self._pending[key]
             if not spec.ok:
-                spec.rewrite.discard()
+                spec.shadows.discard()
                 self.stats.rolled_back += 1
                 continue
-            spec.unit_step.commit_speculation(spec.rewrite)
+            spec.unit_step.commit_speculation(spec.shadows)
             unit.grads.consumed = True
             self._consumed[key] = spec
             self.stats.committed += 1
@@ -455,7 +503,7 @@ class StepAhead:
         if spec is None:
             return
         self._finished(spec)
-        spec.rewrite.discard()
+        spec.shadows.discard()
         self.stats.cancelled += 1
 
     @staticmethod
@@ -501,12 +549,12 @@ class StepAhead:
         if self._slots is not None:
             return self._slots
         names: dict[str, torch.dtype] = {}
-        for unit_step in self._steps.values():
+        for unit_step in self._streamed:
             names.update(unit_step.slot_names())
-        numel = max(s.longest_chunk for s in self._steps.values())
+        numel = max(s.longest_chunk for s in self._streamed)
         # one set per chunk in flight: a unit of one chunk steps from one set (the
         # planner counts the same, footprints.streamed_step_bytes)
-        sets = max(s.slot_sets for s in self._steps.values())
+        sets = max(s.slot_sets for s in self._streamed)
         need = sets * sum(round_up(numel * dtype.itemsize, PAGE_SIZE) for dtype in names.values())
         if not self._host.account.would_fit(need + self._staging_to_come()):
             # the rest of backward must still find its staging buffers: never take

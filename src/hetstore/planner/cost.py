@@ -92,6 +92,10 @@ class Estimate:
     # where compute_s comes from: "flops", "probed", "partly probed" or "measured" (the
     # profiled steps); see Trace.compute_basis and the plan's confidence line
     basis: str = "flops"
+    # host bytes the shadows of units stepped ahead in host memory take at the end of
+    # backward, if all fit; not in ``host``: the runtime starts one only where the host
+    # tier has room for it beside everything else, so they never make a plan fail
+    host_shadows: int = 0
 
     @property
     def step_s(self) -> float:
@@ -298,28 +302,61 @@ def _stepped_ahead(u: UnitTrace, c: UnitChoice) -> bool:
     return c.optimizer == Tier.DISK and (c.param == Tier.DISK or _aliases_master(u, c))
 
 
-def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
-    """Seconds of the steps of units stepped ahead that backward hides (module doc)."""
+def _memory_stepped_ahead(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
+    """Units whose states are in host memory, stepped during backward into host shadows
+    (``overlap_step``; optim.in_memory): not the root, whose gradients come last."""
+    return (
+        trace.step_overlap_memory
+        and not trace.step_in_backward
+        and c.optimizer == Tier.HOST
+        and not u.is_root
+        and u.trainable_numel > 0
+    )
+
+
+def _shadow_copy_s(u: UnitTrace, m) -> float:
+    """Seconds of a memory unit's copy into its shadows: the master and each state read
+    and written once, at the rate the fused step moves its arrays (which reads master,
+    gradient and states and writes master and states: 3 + 2 x states arrays)."""
+    arrays = 1 + u.state_count
+    return _host_step_s(u, m) * 2 * arrays / (3 + 2 * u.state_count)
+
+
+def _hidden_behind_backward(
+    trace: Trace, choices, steps: list[float], memory_steps: list[float]
+) -> float:
+    """Seconds of the steps of units stepped ahead that backward hides (module doc).
+    ``memory_steps``: the host arithmetic of each unit stepped into host shadows (0 for
+    the others), which the worker runs after copying into them. May be negative: on a
+    CPU device those copies cost backward's cores and hide nothing."""
     units = trace.units
-    ahead = [
+    m = trace.machine
+    disk = [
         _stepped_ahead(u, c) and u.trainable_numel > 0 for u, c in zip(units, choices, strict=True)
     ]
-    if not any(ahead):
+    disk = [d and (trace.step_overlap or trace.step_in_backward) for d in disk]
+    memory = [s > 0 for s in memory_steps]
+    if not any(disk) and not any(memory):
         return 0.0
+    work = [
+        steps[k] if disk[k] else memory_steps[k] + _shadow_copy_s(u, m) if memory[k] else 0.0
+        for k, u in enumerate(units)
+    ]
+    saved = [steps[k] if disk[k] else memory_steps[k] for k in range(len(units))]
     backward = [_backward_s(u, trace) for u in units]
     order = [k for k in reversed(range(len(units))) if not units[k].is_root]
     order += [k for k, u in enumerate(units) if u.is_root]  # its gradients come last
     clock = worker = 0.0
     for k in order:
         clock += backward[k]
-        if ahead[k]:
-            worker = max(clock, worker) + steps[k]
-    hidden = sum(s for s, a in zip(steps, ahead, strict=True) if a) - max(0.0, worker - clock)
-    if trace.machine.device == "cpu":  # the worker's arithmetic shares backward's cores
-        hidden -= sum(
-            _host_step_s(u, trace.machine) for u, a in zip(units, ahead, strict=True) if a
-        )
-    return max(0.0, hidden)
+        if work[k]:
+            worker = max(clock, worker) + work[k]
+    hidden = sum(saved) - max(0.0, worker - clock)
+    copies = sum(_shadow_copy_s(u, m) for u, a in zip(units, memory, strict=True) if a)
+    if m.device == "cpu":  # the worker's arithmetic shares backward's cores
+        hidden -= sum(_host_step_s(u, m) for u, a in zip(units, disk, strict=True) if a)
+        hidden -= sum(memory_steps) + copies
+    return max(-copies, hidden)
 
 
 def times(
@@ -328,13 +365,16 @@ def times(
     """(compute, stall, exposed, optimizer left after backward, optimizer hidden behind
     it) seconds of ``choices`` (see module doc); ``overlap`` (``overlap_step``) defaults
     to the trace's."""
-    overlap = (trace.step_overlap or trace.step_in_backward) if overlap is None else overlap
+    if overlap is None:
+        overlap = trace.step_overlap or trace.step_in_backward or trace.step_overlap_memory
     m = trace.machine
     compute = stall = overlappable = 0.0
     fill = 0.0
     steps: list[float] = []
+    memory_steps: list[float] = []  # host arithmetic of units stepped into host shadows
     for u, c in zip(trace.units, choices, strict=True):
         steps.append(0.0)
+        memory_steps.append(0.0)
         compute += _compute_s(u, trace)
         fetches = 1 if u.is_root else 2  # the root stays from forward through backward
         unit_transfer = 0.0
@@ -381,7 +421,9 @@ def times(
             steps[-1] += n / m.device_step
         elif c.optimizer == Tier.HOST:
             steps[-1] += _host_step_s(u, m)
-            if c.param == Tier.DEVICE:
+            if _memory_stepped_ahead(trace, u, c):
+                memory_steps[-1] = _host_step_s(u, m)
+            if c.param == Tier.DEVICE:  # (at the commit too: not hidden)
                 steps[-1] += u.param_bytes / m.to_device  # updated weights back
         else:
             read = _master_bytes(u, c) + u.state_bytes
@@ -394,7 +436,7 @@ def times(
             if c.param == Tier.DEVICE:
                 steps[-1] += u.param_bytes / m.to_device
     exposed = max(0.0, overlappable - compute) + (fill / depth if depth else 0.0)
-    hidden = _hidden_behind_backward(trace, choices, steps) if overlap else 0.0
+    hidden = _hidden_behind_backward(trace, choices, steps, memory_steps) if overlap else 0.0
     return compute, stall, exposed, sum(steps) - hidden, hidden
 
 
@@ -408,6 +450,23 @@ def estimate(
     device, host, disk = memory(trace, choices, depth, chunk_bytes)
     compute, stall, exposed, optimizer, hidden = times(trace, choices, depth, overlap)
     basis = "measured" if trace.measured else trace.compute_basis
+    shadows = 0
+    if overlap is not False:
+        shadows = sum(
+            _paged(_master_bytes(u, c)) + _paged(u.state_bytes, u.state_arrays)
+            for u, c in zip(trace.units, choices, strict=True)
+            if _memory_stepped_ahead(trace, u, c)
+        )
     return Estimate(
-        device, host, disk, compute, stall, exposed, optimizer, trace.overhead_s, hidden, basis
+        device,
+        host,
+        disk,
+        compute,
+        stall,
+        exposed,
+        optimizer,
+        trace.overhead_s,
+        hidden,
+        basis,
+        host_shadows=shadows,
     )

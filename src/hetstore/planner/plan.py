@@ -171,11 +171,23 @@ class Plan:
             f" {self.source} plan)"
         )
         lines.append(confidence(e))
-        if e.optimizer_hidden_s:
+        if e.optimizer_hidden_s > 0:
             lines.append(
-                f"stepping disk units during backward (overlap_step) hides "
+                f"stepping units during backward (overlap_step) hides "
                 f"{e.optimizer_hidden_s * 1e3:.1f} ms of the optimizer step; without it the "
                 f"step would take {e.step_without_overlap_s * 1e3:.1f} ms"
+            )
+        elif e.optimizer_hidden_s < 0:
+            lines.append(
+                f"stepping host-memory units during backward (overlap_step=True) costs "
+                f"{-e.optimizer_hidden_s * 1e3:.1f} ms here: the host computes backward too "
+                f"(their shadow copies share its cores); without it the step would take "
+                f"{e.step_without_overlap_s * 1e3:.1f} ms"
+            )
+        if e.host_shadows:
+            lines.append(
+                f"their host shadows take up to {format_size(e.host_shadows)} beside the "
+                "peak above, where the host has room (a unit without room steps after backward)"
             )
         return "\n".join(lines)
 

@@ -119,6 +119,9 @@ class Trace:
     # the runtime steps disk units during backward (``overlap_step``): the cost model
     # hides what it can of their steps behind backward
     step_overlap: bool = True
+    # units whose states are in host memory are stepped during backward as well
+    # (``overlap_step``: 'auto' on a GPU, or True)
+    step_overlap_memory: bool = False
     # ``step_in_backward``: those units are stepped inside backward from gradients in
     # memory, which never reach the disk (no gradient bytes there, nor their traffic)
     step_in_backward: bool = False
@@ -156,6 +159,7 @@ class Trace:
             "overhead_s",
             "measured",
             "step_overlap",
+            "step_overlap_memory",
             "step_in_backward",
             "compute_basis",
         )

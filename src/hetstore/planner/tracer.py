@@ -82,7 +82,8 @@ def model_data_trace(
         units=tuple(traced),
         machine=machine,
         buffer_bytes=buffers,
-        step_overlap=config.overlap_step,
+        step_overlap=config.overlaps_disk_steps,
+        step_overlap_memory=config.overlaps_memory_steps(machine.device if machine else "cpu"),
         step_in_backward=config.step_in_backward,
     )
 

@@ -369,7 +369,7 @@ class OffloadRuntime:
         return (
             self.grad_stager is not None
             or self.grad_norms is not None
-            or self.step_ahead is not None
+            or (self.step_ahead is not None and self.step_ahead.reads_grads_when_final)
         )
 
     def _end_of_backward(self) -> None:

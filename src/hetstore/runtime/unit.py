@@ -197,9 +197,34 @@ class Unit:
     def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         """A flat buffer on ``tier`` (a tensor; a ``DiskArray`` on disk) owned by this
         unit and freed by ``close()``; the optimizer keeps its states here too."""
-        owned = self.tiers.of(Tier(tier)).allocate_flat(numel, dtype, self.label(what))
+        owned = self.new_buffer(tier, numel, dtype, what)
         self._owned.append(owned)
         return owned.data
+
+    def new_buffer(self, tier: Tier, numel: int, dtype: torch.dtype, what: str) -> FlatAllocation:
+        """A flat buffer on ``tier`` labelled for this unit but not yet owned by it: the
+        caller frees it, or hands it to :meth:`adopt` (a speculative step's shadows)."""
+        return self.tiers.of(Tier(tier)).allocate_flat(numel, dtype, self.label(what))
+
+    def adopt(self, new: FlatAllocation, replacing: object | None) -> None:
+        """Make ``new`` one of the unit's buffers in place of ``replacing`` (freed now if
+        the unit owns it; a tensor torch made itself, SGD's first momentum, just goes)."""
+        if replacing is not None:
+            old = next((o for o in self._owned if o.data is replacing), None)
+            if old is not None:
+                self._owned.remove(old)
+                old.free()
+        self._owned.append(new)
+
+    def replace_master(self, new: FlatAllocation) -> None:
+        """Make ``new`` (an in-memory fp32 buffer of the whole master, a step taken ahead
+        into it) the master, and the home when the master is the home; the old one is
+        freed. The caller refreshes the compute-dtype copies (``refresh_after_step``)."""
+        old = self.master
+        if self.home is old:
+            self.home = new.data
+        self.master = new.data
+        self.adopt(new, old)
 
     def scratch(self, numel: int, dtype: torch.dtype, what: str) -> HostBuffer:
         """A temporary host buffer (free it with ``tiers.host.free``)."""

@@ -1,0 +1,205 @@
+"""The step of a unit whose master and states are in memory, and its speculative form.
+
+``InMemoryUnitStep`` is one unit's inner optimizer (the user's class) over the unit's
+fp32 master: one fused call per param-group segment for the flat families
+(:mod:`hetstore.optim.registry`), per-parameter views for any other class.
+
+Stepping ahead (:mod:`hetstore.optim.step_ahead`). A unit whose master and states are in
+host memory can be stepped while backward goes on with the units before it: on a GPU
+the host's arithmetic then runs beside the device's. It must not change anything the
+model or the user can see before ``optimizer.step()`` says the step is wanted, with these
+values, so it runs into *shadows* (double buffering): fresh host buffers for the master
+and each state, filled with the live values and stepped in place by the same fused
+kernel the ordinary step uses, with the same inputs, so the result is the same bits.
+``commit`` makes the shadows the unit's buffers (a swap of references: the inner
+optimizer is pointed at the new master's segments, the old buffers go back to the host
+pool) and refreshes the compute-dtype copies, as the ordinary step does after stepping.
+``discard`` frees them, and the ordinary step runs on the live buffers. Until one of the
+two, the shadows hold one more copy of the master and states (4 bytes per parameter per
+fp32 array): the step ahead starts one only when the host tier has room for it.
+
+The copy into the shadows is the price of exactness without rollback arithmetic: the
+worker reads and writes each array once more than the ordinary step. It pays where the
+host is otherwise idle during backward (a GPU computes), not where the host computes
+backward itself (a CPU device); see ``overlap_step``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.optim import Optimizer
+
+from hetstore.optim.registry import flat_spec
+from hetstore.optim.streamed import step_flat
+from hetstore.runtime.unit import Unit
+from hetstore.tier import Tier
+from hetstore.tiers.accounting import FlatAllocation
+from hetstore.tiers.host import own_version_counter
+
+__all__ = ["InMemoryUnitStep", "MemoryShadows"]
+
+
+@dataclass(eq=False)
+class MemoryShadows:
+    """A speculative step's buffers (host), until committed or discarded: the whole
+    master, each segment's per-element states, and (fp16) the unscaled gradients."""
+
+    master: FlatAllocation
+    states: list[dict[str, FlatAllocation]]
+    grad: FlatAllocation | None = None
+    fresh: list[bool] = field(default_factory=list)  # torch makes the states (SGD's first)
+
+    def allocations(self) -> list[FlatAllocation]:
+        out = [self.master] + [a for per in self.states for a in per.values()]
+        return out + ([self.grad] if self.grad is not None else [])
+
+    def discard(self) -> None:
+        for allocation in self.allocations():
+            allocation.free()
+        self.states = []
+        self.grad = None
+
+
+class InMemoryUnitStep:
+    """The inner optimizer of one unit and the tensors it steps (see module doc)."""
+
+    def __init__(self, unit: Unit, optimizer: Optimizer, tensors: list[torch.Tensor], groups):
+        self.unit = unit
+        self.optimizer = optimizer
+        self.tensors = tensors  # stepped tensors (segments or per-parameter views)
+        self.groups = groups  # outer group index of each inner group
+        self._spec = flat_spec(type(optimizer))
+        self._placeholders: list[Optimizer] | None = None  # the worker's, per segment
+
+    # ------------------------------------------------------------------ step ahead
+    def can_speculate(self, flat: bool) -> bool:
+        """A flat step of a master in host memory, not sharded, whose states are torch's
+        own fp32 tensors (``flat``: the segments are stepped by one fused call each)."""
+        unit = self.unit
+        return (
+            flat
+            and unit.shards is None
+            and unit.placement.optimizer is Tier.HOST
+            and isinstance(unit.master, torch.Tensor)
+            and isinstance(unit.grad, torch.Tensor)
+            and unit.grad.device.type == "cpu"
+        )
+
+    def _state_keys(self, segment: int) -> tuple[str, ...]:
+        group = self.optimizer.param_groups[segment]
+        return self._spec.state_keys([group])
+
+    @property
+    def shadow_bytes(self) -> int:
+        """Host bytes a speculation holds until it is committed or discarded."""
+        per_element = sum(
+            seg.end - seg.start
+            for i, seg in enumerate(self.unit.segments)
+            for _ in self._state_keys(i)
+        )
+        return (self.unit.master_numel + per_element) * 4
+
+    def begin_speculation(self, unscale: bool) -> MemoryShadows:
+        """Main thread: allocate the shadows (raises ``OutOfTierMemory`` when the host
+        tier cannot hold them). ``unscale``: a buffer for fp16's unscaled gradients."""
+        unit = self.unit
+        made: list[FlatAllocation] = []
+
+        def new(numel: int, what: str) -> FlatAllocation:
+            allocation = unit.new_buffer(Tier.HOST, numel, torch.float32, what)
+            made.append(allocation)
+            return allocation
+
+        try:
+            master = new(unit.master_numel, "master params")
+            states = [
+                {key: new(seg.end - seg.start, key) for key in self._state_keys(i)}
+                for i, seg in enumerate(unit.segments)
+            ]
+            grad = new(unit.trainable_numel, "unscaled grads") if unscale else None
+        except BaseException:
+            for allocation in made:
+                allocation.free()
+            raise
+        fresh = [
+            not any(key in self.optimizer.state.get(t, {}) for key in self._state_keys(i))
+            and not self._spec.preallocate_states
+            for i, t in enumerate(self.tensors)
+        ]
+        return MemoryShadows(master, states, grad, fresh)
+
+    @torch.no_grad()
+    def run_speculation(
+        self,
+        shadows: MemoryShadows,
+        hyper: dict[int, dict],
+        factor: float | None,
+        copies=None,
+    ) -> None:
+        """Any thread: the live master and states into the shadows, then each segment
+        stepped there with the group values ``hyper`` and the gradients as they are
+        (multiplied by ``factor``, fp16's unscale, into the shadows' own buffer).
+        ``copies``: a CUDA event the gradients' copies to the host end with."""
+        if copies is not None:
+            copies.synchronize()  # on this thread: backward's never waits for them
+        unit = self.unit
+        master = shadows.master.data
+        master.copy_(unit.master)
+        if self._placeholders is None:
+            placeholder = torch.zeros(1)
+            self._placeholders = [
+                type(self.optimizer)([{**g, "params": [placeholder]}])
+                for g in self.optimizer.param_groups
+            ]
+        for i, (seg, tensor) in enumerate(zip(unit.segments, self.tensors, strict=True)):
+            live = self.optimizer.state.get(tensor, {})
+            states = {key: a.data for key, a in shadows.states[i].items()}
+            if not shadows.fresh[i]:
+                for key, value in states.items():
+                    value.copy_(live[key])
+            grad = unit.grad[seg.start : seg.end]
+            if factor is not None:
+                grad = torch.mul(grad, factor, out=shadows.grad.data[seg.start : seg.end])
+            # torch's fused kernel declares the gradient mutable and moves its version
+            # counter: the step ahead reads that counter to see the user's changes
+            grad = own_version_counter(grad)
+            step_flat(
+                self._placeholders[i],
+                hyper[self.groups[i]],
+                master[seg.start : seg.end],
+                grad,
+                states,
+                live.get("step"),
+                shadows.fresh[i],
+            )
+
+    @torch.no_grad()
+    def commit_speculation(self, shadows: MemoryShadows) -> None:
+        """Main thread: the shadows become the unit's master and states; the step
+        counters move as the ordinary step moves them; the copies are refreshed."""
+        unit = self.unit
+        unit.param_version += 1
+        unit.replace_master(shadows.master)
+        for i, seg in enumerate(unit.segments):
+            old_view = self.tensors[i]
+            state = self.optimizer.state.pop(old_view, {})
+            for key, allocation in shadows.states[i].items():
+                unit.adopt(allocation, state.get(key))
+                state[key] = allocation.data
+            if "step" in state:
+                state["step"] += 1
+            elif self._spec.has_step:
+                state["step"] = torch.ones((), dtype=torch.float32)
+            view = unit.master[seg.start : seg.end]
+            view.grad = unit.grad[seg.start : seg.end]
+            self.tensors[i] = view
+            self.optimizer.param_groups[i]["params"] = [view]
+            if state:
+                self.optimizer.state[view] = state
+        if shadows.grad is not None:
+            shadows.grad.free()
+        shadows.states = []
+        shadows.grad = None
+        unit.refresh_after_step()
