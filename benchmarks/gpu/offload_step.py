@@ -3,9 +3,12 @@
 One command on a machine with CUDA:
 
     python benchmarks/gpu/offload_step.py [--width 1024 --depth 12 --steps 6]
-        [--variants cpu-cpu,none-cpu,disk-disk]
+        [--variants cpu-cpu,cpu-cpu:no-overlap,none-cpu,disk-disk]
 
-Each variant ``PARAM-OPTIM`` is ``offload_param``-``offload_optimizer``. Prints, per
+Each variant ``PARAM-OPTIM`` is ``offload_param``-``offload_optimizer``, with
+``overlap_step='auto'`` (on a GPU: units with states in host memory or on disk are
+stepped during backward); ``PARAM-OPTIM:no-overlap`` sets ``overlap_step=False`` (every
+unit stepped in ``optimizer.step()``), the comparison for the overlap. Prints, per
 row: the median step time and its ratio to plain PyTorch (measured in the same run, the
 steps interleaved so that machine noise hits all alike), the time in forward, backward
 and the optimizer step, the CUDA allocator's peak (the model's own: what it holds between steps plus the most its
@@ -92,7 +95,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--variants", default="cpu-cpu,none-cpu,disk-disk")
+    parser.add_argument("--variants", default="cpu-cpu,cpu-cpu:no-overlap,none-cpu,disk-disk")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu needs CUDA; run it on a machine with a GPU")
@@ -107,10 +110,17 @@ def main() -> None:
     allocated_at_build["plain"] = settled_allocated() - before
     offload_dir = tempfile.mkdtemp(prefix="hetstore-gpu-bench-")
     for variant in args.variants.split(","):
-        param, optim = variant.split("-")
+        placement, _, flag = variant.partition(":")
+        if flag not in ("", "no-overlap"):
+            raise SystemExit(f"variant {variant!r}: the only suffix is ':no-overlap'")
+        param, optim = placement.split("-")
         model = copy.deepcopy(base)
         config = hetstore.OffloadConfig(
-            offload_param=param, offload_optimizer=optim, device="cuda", offload_path=offload_dir
+            offload_param=param,
+            offload_optimizer=optim,
+            device="cuda",
+            offload_path=offload_dir,
+            overlap_step=False if flag else "auto",
         )
         before = settled_allocated()
         runs[variant] = hetstore.offload(
@@ -166,6 +176,10 @@ def main() -> None:
             f"{opt:.3f} | {peaks[name] / 2**30:.2f} GiB | {busy[name]:.0%} |"
         )
     print(f"max |loss difference| from plain = {diff:.2e}")
+    for name, (_, opt) in runs.items():
+        stats = getattr(opt, "speculation_stats", None)
+        if stats:
+            print(f"{name}: steps taken during backward {stats}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Step a disk unit as soon as its gradients are final, beside the rest of backward: exact.
+"""Step a unit as soon as its gradients are final, beside the rest of backward: exact.
 
 Without this, every unit's streamed step (read master and moments from disk, step, write
 them back) waits for ``optimizer.step()``, after backward; it is the phase users of
@@ -33,7 +33,10 @@ every backward and a loop accumulating N micro-batches learns N after its first 
 the last (the DDP/FSDP convention) says it at once.
 
 Eligible units: master and states on disk (the streamed step), parameters homed on disk
-or in the master itself (so every copy is shadowed), not sharded. With fp16 loss
+or in the master itself (so every copy is shadowed), not sharded. And, chosen by
+``overlap_step`` (on a GPU by default), units whose master and states are in host memory:
+their shadows are host buffers, filled by a copy and committed by a swap of references
+(:mod:`hetstore.optim.in_memory`); one starts only where the host tier has room for it. With fp16 loss
 scaling a speculation unscales by the current scale itself (into its own buffer); the
 optimizer's unscale of gradients in memory, in place, is then the one change it expects
 (:meth:`StepAhead.unscaling`), and an overflow skips the step and drops them all. Gradients in memory are read where they
