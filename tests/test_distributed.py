@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.distributed.launch import start_ranks, torchrun
-from tests.distributed.worker import make_model
+from tests.distributed.worker import STEPS, make_model
 
 SCENARIOS = ("cpu", "disk", "none", "mixed")
 WEIGHTS = dict(rtol=1e-5, atol=1e-5)
@@ -74,6 +74,29 @@ def test_two_ranks_train_like_one_process_with_the_combined_batch(results, scena
     # hetstore in one process (process_group=False) is plain PyTorch, bitwise
     assert rank0["single_losses"] == rank0["plain_losses"]
     assert_weights_close(rank0["single_weights"], rank0["plain_weights"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_two_ranks_step_their_host_shards_during_backward_exactly(results, rank):
+    """``overlap_step=True`` on host placement, sharded: each rank steps its shard of a
+    unit as soon as the unit's gradients are reduce-scattered, into shadows. Bitwise the
+    ordinary step on the commit path (a clip that never bites) and the rollback path
+    (one that bites every step: the first step's speculations roll back, the next are
+    held back). 2 micro-batches a step: the first step learns the count, its first
+    backward's speculations are superseded."""
+    got = results("cpu", rank)
+    blocks = 3  # the tests' GPT: 3 blocks stepped ahead, the root after backward
+    assert got["ahead_losses"] == got["sharded_losses"]
+    assert got["ahead_norms"] == got["sharded_norms"]
+    assert_same(got["ahead_weights"], got["sharded_weights"])
+    rolled = got["ahead_speculation"]
+    assert rolled["committed"] == 0 and rolled["rolled_back"] == blocks, rolled
+    assert rolled["held_back"] == (STEPS - 1) * blocks, rolled
+    assert got["ahead_unclipped_losses"] == got["unclipped_losses"]
+    assert_same(got["ahead_unclipped_weights"], got["unclipped_weights"])
+    committed = got["ahead_unclipped_speculation"]
+    assert committed["committed"] == STEPS * blocks and committed["rolled_back"] == 0, committed
+    assert got["unclipped_speculation"] is None
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -40,7 +40,7 @@ ACCUMULATE = 2
 CLIP = 0.05  # small enough that every step clips (tests the all-reduced norm)
 
 
-def scenario_config(name: str, path: str) -> hetstore.OffloadConfig:
+def scenario_config(name: str, path: str, **kwargs) -> hetstore.OffloadConfig:
     placements = {
         "cpu": ("cpu", "cpu"),
         "disk": ("disk", "disk"),
@@ -55,7 +55,29 @@ def scenario_config(name: str, path: str) -> hetstore.OffloadConfig:
         enable_pinned_mem=False,
         device="cpu",
         optimizer_chunk_size="64KB",  # several chunks per unit on disk
+        **kwargs,
     )
+
+
+def stepped_ahead(name: str, path: str, mine, result: dict) -> None:
+    """Host-memory units stepped during backward (``overlap_step=True``), sharded: each
+    rank steps its own shard into shadows. With the clip that bites every step (the
+    rollback path), and with one that never bites against the same without the overlap
+    (the commit path); the test compares bitwise."""
+    for key, clip, overlap in (
+        ("ahead", CLIP, True),
+        ("ahead_unclipped", 1e9, True),
+        ("unclipped", 1e9, False),
+    ):
+        model = make_model()
+        model, optimizer = hetstore.offload(
+            model, adamw(model.parameters()), scenario_config(name, path, overlap_step=overlap)
+        )
+        losses, norms = train(model, optimizer, mine, clip=clip, world_mean=True)
+        result[f"{key}_losses"], result[f"{key}_norms"] = losses, norms
+        result[f"{key}_weights"] = weights(model)
+        result[f"{key}_speculation"] = optimizer.speculation_stats
+        hetstore.release(model)
 
 
 def make_model() -> GPT:
@@ -123,6 +145,8 @@ def run_scenario(name: str, out: str, path: str) -> None:
     disk = hetstore.state_of(model).tiers._disk
     result["disk_dir"] = disk.path if disk is not None else ""
     result["sharded_weights"] = weights(model)  # a collective: full weights on every rank
+    if name == "cpu":
+        stepped_ahead(name, path, mine, result)
 
     # DDP, the data-parallel reference
     ddp_model = make_model()

@@ -75,12 +75,12 @@ class InMemoryUnitStep:
 
     # ------------------------------------------------------------------ step ahead
     def can_speculate(self, flat: bool) -> bool:
-        """A flat step of a master in host memory, not sharded, whose states are torch's
-        own fp32 tensors (``flat``: the segments are stepped by one fused call each)."""
+        """A flat step of a master in host memory whose states are torch's own fp32
+        tensors (``flat``: the segments are stepped by one fused call each). Sharded
+        too: a rank steps its own shard, with nothing collective in it."""
         unit = self.unit
         return (
             flat
-            and unit.shards is None
             and unit.placement.optimizer is Tier.HOST
             and isinstance(unit.master, torch.Tensor)
             and isinstance(unit.grad, torch.Tensor)

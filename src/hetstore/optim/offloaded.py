@@ -110,11 +110,9 @@ class OffloadedOptimizer(Optimizer):
         self.step_ahead: StepAhead | None = None
         self._stepped_ahead: set[int] = set()  # ids of the units this step committed
         self.step_in_backward = step_in_backward and shards is None
-        if (
-            (overlap_step or overlap_memory_step or self.step_in_backward)
-            and ahead
-            and shards is None
-        ):
+        # (disk units are stepped ahead unsharded only; memory units sharded too: a rank
+        # steps its own shard, with nothing collective in it)
+        if ahead and (overlap_step or overlap_memory_step or self.step_in_backward):
             self.step_ahead = StepAhead(
                 ahead, self._hyper, loss_scaler, consume=self.step_in_backward
             )
@@ -410,7 +408,8 @@ class OffloadedOptimizer(Optimizer):
         total = (local if infinite else local ** (1.0 / norm_type)).float().cpu()
         self._check_finite(total, norm_type, error_if_nonfinite)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if flats:
+        if flats and float(coef) != 1.0:  # (x * 1.0 is x: a step taken ahead holds)
+            self._clipped = True
             torch._foreach_mul_(flats, coef.to(flats[0].device))
         self._disk_grad_factors.append(coef)
         return total
