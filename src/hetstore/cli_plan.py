@@ -147,10 +147,10 @@ def _hf_max_model(args, tokens, config, machine) -> int:
     (``num_hidden_layers`` scaled) that fits."""
     import hetstore
 
-    def plan_at(depth: int):
+    def plan_at(depth: int, probe: bool = False):  # the search compares fits: no timing
         model = _hf_model(args.hf_config, depth)
         numel = sum(p.numel() for p in model.parameters())
-        return numel, hetstore.plan(model, (tokens,), config, machine=machine, probe=False)
+        return numel, hetstore.plan(model, (tokens,), config, machine=machine, probe=probe)
 
     start = json.loads(_config_path(args.hf_config).read_text()).get("num_hidden_layers", 1)
     print(f"{'':>6} {'depth':>5} {'params':>9}  result")
@@ -160,6 +160,8 @@ def _hf_max_model(args, tokens, config, machine) -> int:
         print("not even one layer of this architecture fits these capacities")
         return 1
     depth, numel, plan = found
+    if not args.no_probe:  # the answer's step time: one block timed, not FLOPs
+        numel, plan = plan_at(depth, probe=True)
     print(f"\nlargest: {args.hf_config} with {depth} layers, {numel / 1e9:.2f}B parameters\n")
     print(plan)
     if args.json:
@@ -300,6 +302,8 @@ def run_plan(args) -> int:
             if found is not None and found[1] > largest[2]:
                 largest = (width, *found)
         width, depth, numel, plan = largest
+        if not args.no_probe:  # the answer's step time: one block timed, not FLOPs
+            numel, plan = plan_for(width, depth, probe=True)
         print(f"\nlargest: width {width}, depth {depth}, {numel / 1e9:.2f}B parameters\n")
         print(plan)
     else:
