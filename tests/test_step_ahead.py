@@ -116,6 +116,7 @@ def both(
     (on, on_opt, on_losses), (off, off_opt, off_losses) = results
     assert on_losses == off_losses
     assert_bitwise(on, off)
+    assert_same_optimizer_state(on_opt, off_opt)
     assert off_opt.speculation_stats is None
     # every shadow committed or discarded went back: the tiers hold what they held (with
     # Adam's states, made in the tiers by both; SGD's first momentum is torch's own in the
@@ -126,6 +127,16 @@ def both(
             == hetstore.memory_stats(off)["host"]["current"]
         )
     return on, on_opt, on_losses, data
+
+
+def assert_same_optimizer_state(a, b):
+    """Step counters and every state tensor, bit for bit (torch's format)."""
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for index in sa:
+        assert sa[index].keys() == sb[index].keys(), index
+        for key, value in sa[index].items():
+            assert torch.equal(value, sb[index][key]), (index, key)
 
 
 def block_units(model):
@@ -345,7 +356,8 @@ def test_host_too_small_for_every_shadow_steps_ahead_a_window_of_units(tmp_path)
     probe, probe_opt = offloaded(tmp_path / "probe", False, grad="host")
     losses = train(probe, probe_opt, data)
     peak = hetstore.memory_stats(probe)["host"]["peak"]
-    shadow = probe_opt._unit_steps[0].shadow_bytes
+    step = probe_opt._unit_steps[0]
+    shadow = step.shadow_bytes({g: probe_opt._hyper(g) for g in range(len(probe_opt.param_groups))})
     weights = {k: v.clone() for k, v in probe.state_dict().items()}
     hetstore.release(probe)
     model, opt = offloaded(tmp_path, True, grad="host", offload_cpu_size=peak + shadow * 5 // 2)
@@ -534,3 +546,106 @@ def test_fp16_with_overflow_steps_and_clipping(tmp_path, grad):
     assert 1 <= skipped < 4
     assert stats["cancelled"] == skipped * units
     assert stats["committed"] == (4 - skipped) * units and stats["rolled_back"] == 0
+
+
+def test_host_shadows_give_way_to_what_training_needs(tmp_path):
+    """Shadows are memory held only to save time. Activations on host, two micro-batches
+    a step, a host tier exactly as large as the ordinary run's peak: the first step's
+    early speculations would hold their shadows through the second micro-batch's
+    forward, and backward restores activations into host staging. Each allocation that
+    finds no room drops the oldest speculation instead of failing: it trains, bit for bit."""
+    data = batches(6, vocab=64)
+    kwargs = dict(offload_activations="cpu", activation_min_bytes=0)
+    probe, probe_opt = offloaded(tmp_path / "probe", False, grad="host", **kwargs)
+    losses = train(probe, probe_opt, data, accumulate=2)
+    peak = hetstore.memory_stats(probe)["host"]["peak"]
+    weights = {k: v.clone() for k, v in probe.state_dict().items()}
+    hetstore.release(probe)
+    model, opt = offloaded(tmp_path, True, grad="host", offload_cpu_size=peak, **kwargs)
+    assert train(model, opt, data, accumulate=2) == losses
+    stats = opt.speculation_stats
+    assert stats["started"] > 0 and stats["cancelled"] > 0, stats
+    assert hetstore.memory_stats(model)["host"]["peak"] <= peak
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, weights[key]), key
+
+
+def test_momentum_turned_on_between_steps(tmp_path):
+    """SGD without momentum keeps no state; turned on after the first step, the next
+    steps make and keep a momentum buffer (the speculation reads which states to keep
+    from the group values it steps with, not the last step's). States in host memory;
+    on disk their arrays are laid out at offload(): refused, next test."""
+    grad = "host"
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.0)
+
+    def setup(model, opt):
+        steps[id(opt)] = 0
+
+    def momentum_after_the_first_step(model, opt):
+        steps[id(opt)] += 1
+        if steps[id(opt)] == 2:
+            for group in opt.param_groups:
+                group["momentum"] = 0.9
+
+    steps: dict[int, int] = {}
+    _, opt, _, _ = both(
+        tmp_path,
+        steps=4,
+        make_opt=sgd,
+        grad=grad,
+        setup=setup,
+        between=momentum_after_the_first_step,
+    )
+    assert opt.speculation_stats["committed"] > 0
+    assert any("momentum_buffer" in s for s in opt.state_dict()["state"].values())
+
+
+def test_loading_a_checkpoint_does_not_leak_host_shadows(tmp_path):
+    """SGD's momentum made by a step taken ahead is a host buffer of the unit's; loading
+    a checkpoint resets the states: the buffer goes back to the host tier."""
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+
+    model, opt = offloaded(tmp_path, True, make_opt=sgd, grad="host")
+    data = batches(1, vocab=64)
+    train(model, opt, data)
+    hetstore.save(tmp_path / "ckpt", model, opt)
+    held = []
+    for _ in range(3):
+        hetstore.load(tmp_path / "ckpt", model, opt)
+        train(model, opt, data)
+        held.append(hetstore.memory_stats(model)["host"]["current"])
+    assert held[0] == held[1] == held[2], held
+    assert opt.speculation_stats["committed"] > 0
+
+
+def test_units_whose_gradients_change_every_step_back_off(tmp_path):
+    """torch's own clip_grad_norm_ through p.grad rewrites every gradient, so every step
+    taken ahead rolls back. After a rollback a unit waits 1, then 2, then 4 steps before
+    it is stepped ahead again: 3 tries in 8 steps, not 8. Exact throughout."""
+    model, opt, _, _ = both(tmp_path, steps=8, grad="host", torch_clip=1e9)
+    stats = opt.speculation_stats
+    units = block_units(model)
+    assert stats["committed"] == 0
+    assert stats["started"] == stats["rolled_back"] == 3 * units, stats
+    assert stats["held_back"] == 5 * units, stats
+
+
+def test_states_on_disk_refuse_a_momentum_turned_on_later(tmp_path):
+    """Disk states are arrays laid out at offload() for the states asked for then: a
+    step that would need SGD's momentum, turned on since, is refused by name instead of
+    stepping without it (it used to, silently)."""
+    model, opt = offloaded(
+        tmp_path, True, make_opt=lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.0)
+    )
+    data = batches(2, vocab=64)
+    train(model, opt, data[:1])
+    for group in opt.param_groups:
+        group["momentum"] = 0.9
+    x, y = data[1]
+    model(x, y).backward()
+    with pytest.raises(hetstore.ConfigError, match="momentum_buffer.*before\n?.*offload"):
+        opt.step()

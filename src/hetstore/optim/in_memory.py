@@ -46,20 +46,22 @@ class MemoryShadows:
     """A speculative step's buffers (host), until committed or discarded: the whole
     master, each segment's per-element states, and (fp16) the unscaled gradients."""
 
-    master: FlatAllocation
+    master: FlatAllocation | None
     states: list[dict[str, FlatAllocation]]
     grad: FlatAllocation | None = None
     fresh: list[bool] = field(default_factory=list)  # torch makes the states (SGD's first)
+    hyper: dict[int, dict] = field(default_factory=dict)  # the group values it steps with
 
     def allocations(self) -> list[FlatAllocation]:
-        out = [self.master] + [a for per in self.states for a in per.values()]
+        out = [self.master] if self.master is not None else []
+        out += [a for per in self.states for a in per.values()]
         return out + ([self.grad] if self.grad is not None else [])
 
     def discard(self) -> None:
+        """Free what is still the shadows' own (after a commit: nothing)."""
         for allocation in self.allocations():
             allocation.free()
-        self.states = []
-        self.grad = None
+        self.master, self.states, self.grad = None, [], None
 
 
 class InMemoryUnitStep:
@@ -87,23 +89,24 @@ class InMemoryUnitStep:
             and unit.grad.device.type == "cpu"
         )
 
-    def _state_keys(self, segment: int) -> tuple[str, ...]:
-        group = self.optimizer.param_groups[segment]
-        return self._spec.state_keys([group])
+    def _state_keys(self, segment: int, hyper: dict[int, dict]) -> tuple[str, ...]:
+        """The states segment ``segment`` keeps when stepped with the group values
+        ``hyper`` (the user may have turned SGD's momentum on since the last step)."""
+        return self._spec.state_keys([hyper[self.groups[segment]]])
 
-    @property
-    def shadow_bytes(self) -> int:
-        """Host bytes a speculation holds until it is committed or discarded."""
+    def shadow_bytes(self, hyper: dict[int, dict]) -> int:
+        """Host bytes a speculation with the group values ``hyper`` holds until it is
+        committed or discarded."""
         per_element = sum(
-            seg.end - seg.start
+            (seg.end - seg.start) * len(self._state_keys(i, hyper))
             for i, seg in enumerate(self.unit.segments)
-            for _ in self._state_keys(i)
         )
         return (self.unit.master_numel + per_element) * 4
 
-    def begin_speculation(self, unscale: bool) -> MemoryShadows:
-        """Main thread: allocate the shadows (raises ``OutOfTierMemory`` when the host
-        tier cannot hold them). ``unscale``: a buffer for fp16's unscaled gradients."""
+    def begin_speculation(self, hyper: dict[int, dict], unscale: bool) -> MemoryShadows:
+        """Main thread: allocate the shadows of a step with the group values ``hyper``
+        (raises ``OutOfTierMemory`` when the host tier cannot hold them). ``unscale``: a
+        buffer for fp16's unscaled gradients."""
         unit = self.unit
         made: list[FlatAllocation] = []
 
@@ -115,7 +118,7 @@ class InMemoryUnitStep:
         try:
             master = new(unit.master_numel, "master params")
             states = [
-                {key: new(seg.end - seg.start, key) for key in self._state_keys(i)}
+                {key: new(seg.end - seg.start, key) for key in self._state_keys(i, hyper)}
                 for i, seg in enumerate(unit.segments)
             ]
             grad = new(unit.trainable_numel, "unscaled grads") if unscale else None
@@ -124,11 +127,11 @@ class InMemoryUnitStep:
                 allocation.free()
             raise
         fresh = [
-            not any(key in self.optimizer.state.get(t, {}) for key in self._state_keys(i))
+            not any(key in self.optimizer.state.get(t, {}) for key in self._state_keys(i, hyper))
             and not self._spec.preallocate_states
             for i, t in enumerate(self.tensors)
         ]
-        return MemoryShadows(master, states, grad, fresh)
+        return MemoryShadows(master, states, grad, fresh, hyper)
 
     @torch.no_grad()
     def run_speculation(
@@ -195,11 +198,11 @@ class InMemoryUnitStep:
             view = unit.master[seg.start : seg.end]
             view.grad = unit.grad[seg.start : seg.end]
             self.tensors[i] = view
-            self.optimizer.param_groups[i]["params"] = [view]
+            group = self.optimizer.param_groups[i]
+            group.update(shadows.hyper[self.groups[i]])  # as the ordinary step leaves it
+            group["params"] = [view]
             if state:
                 self.optimizer.state[view] = state
-        if shadows.grad is not None:
-            shadows.grad.free()
-        shadows.states = []
-        shadows.grad = None
+        shadows.master, shadows.states = None, []  # the unit's now
+        shadows.discard()  # fp16's unscaled gradients
         unit.refresh_after_step()

@@ -422,6 +422,7 @@ class OffloadedOptimizer(Optimizer):
             raise ValueError("OffloadedOptimizer.step does not take a closure")
         if self._on_step_begin is not None:
             self._on_step_begin()
+        self._check_chunked_state_keys()
         if self._resume_at == 0:
             found_inf = self._unscale()
             if self.loss_scaler is not None:
@@ -474,6 +475,25 @@ class OffloadedOptimizer(Optimizer):
         if self._on_step is not None:
             self._on_step()
         return None
+
+    def _check_chunked_state_keys(self) -> None:
+        """States streamed chunk by chunk (on disk, or compact) are arrays laid out at
+        ``offload()`` for the states the param groups asked for then; refuse a step that
+        would need others (SGD's momentum or Adam's amsgrad turned on since) rather than
+        step without them."""
+        if not self._flat:
+            return
+        keys = set(self._spec.state_keys(self.param_groups))
+        for unit_step in self._unit_steps:
+            if isinstance(unit_step, UnitStates) and set(unit_step.states) != keys:
+                raise ConfigError(
+                    f"optimizer.step(): the param groups now ask for the states "
+                    f"{sorted(keys)}, but unit {unit_step.unit.name!r} keeps "
+                    f"{sorted(unit_step.states)} chunk by chunk (laid out at offload(); "
+                    "SGD's momentum or Adam's amsgrad was changed since). Set them before "
+                    "hetstore.offload(), or keep these states in memory "
+                    "(offload_optimizer='cpu', optimizer_state_format='fp32')"
+                )
 
     def _forget_this_step(self) -> None:
         """What one step's gradients carried (after the step, or dropped by zero_grad)."""
@@ -763,6 +783,8 @@ class OffloadedOptimizer(Optimizer):
                     for value in state.values():  # preallocated: keep the buffers
                         value.zero_()
                 else:
+                    for value in state.values():  # (a step taken ahead made it the unit's)
+                        unit.free_buffer(value)
                     state.clear()
 
     def import_param_state(self, param, values: dict) -> None:

@@ -189,6 +189,16 @@ class StepAhead:
         # the last step scaled the gradients (a clip that bit): a speculation assumes
         # they are not scaled, so it would roll back; hold back until a step that does not
         self.hold_back = False
+        # a unit rolled back for another reason (its p.grad handed out, torch's own clip,
+        # a changed lr): it is not stepped ahead for the next 1, 2, 4, ... 64 steps, so a
+        # loop that changes gradients every step does not pay for speculations it never
+        # uses; a commit resets it. unit id -> (steps to wait next time, steps left)
+        self._backoff: dict[int, tuple[int, int]] = {}
+        # host memory held only to save time: given back when an allocation needs it
+        # (activations restored in backward, a later micro-batch's forward)
+        self._reclaiming_allowed = True
+        if any(isinstance(s, InMemoryUnitStep) for s in unit_steps):
+            self._host.reclaim = self._reclaim_host
         # step_in_backward: steps taken in backward and committed, until optimizer.step()
         self.consume = consume
         self._consumed: dict[int, _Speculation] = {}
@@ -238,10 +248,11 @@ class StepAhead:
         self._cancel(id(unit))  # one from an earlier micro-batch: superseded
         if id(unit) not in self._steps:
             return  # not stepped ahead (e.g. gradients in memory of a unit not on disk)
-        if self.hold_back:
+        if self.hold_back or self._backoff.get(id(unit), (0, 0))[1] > 0:
             self.stats.held_back += 1
             return
-        spec = self._start(unit)
+        with self._own_allocations():
+            spec = self._start(unit)
         if spec is not None:
             self._pending[id(unit)] = spec
 
@@ -270,8 +281,8 @@ class StepAhead:
         except OutOfTierMemory:
             self.stats.not_started += 1  # the ordinary step will say so if it cannot run
             return None
-        spec = self._speculation(unit_step, rewrite)
         try:
+            spec = self._speculation(unit_step, rewrite)
             slots = self._worker_slots()
         except BaseException:
             rewrite.discard()
@@ -299,14 +310,18 @@ class StepAhead:
         self.stats.started += 1
         return spec
 
-    def _speculation(self, unit_step, shadows) -> _Speculation:
+    def _hyper_now(self, unit: Unit) -> dict[int, dict]:
+        """A snapshot of the values of every param group ``unit`` has a segment in."""
+        return {s.group: _snapshot(self._hyper(s.group)) for s in unit.segments}
+
+    def _speculation(self, unit_step, shadows, hyper: dict | None = None) -> _Speculation:
         """What a speculation of ``unit_step`` into ``shadows`` assumes, taken now."""
         unit = unit_step.unit
         return _Speculation(
             unit_step,
             shadows,
             grad_state=unit.grads.state(),
-            hyper={s.group: _snapshot(self._hyper(s.group)) for s in unit.segments},
+            hyper=hyper if hyper is not None else self._hyper_now(unit),
             state_version=unit.state_version,
             factor=1.0 / self._loss_scaler.scale if self._loss_scaler is not None else None,
         )
@@ -316,17 +331,18 @@ class StepAhead:
         shadows (:mod:`hetstore.optim.in_memory`), or None when the host tier has no
         room for them beside what the rest of backward will still allocate."""
         unscale = self._loss_scaler is not None
-        need = unit_step.shadow_bytes + (unit.trainable_numel * 4 if unscale else 0)
+        hyper = self._hyper_now(unit)
+        need = unit_step.shadow_bytes(hyper) + (unit.trainable_numel * 4 if unscale else 0)
         if not self._host.account.would_fit(need + self._staging_to_come()):
             self.stats.not_started += 1
             return None
         try:
-            shadows = unit_step.begin_speculation(unscale)
+            shadows = unit_step.begin_speculation(hyper, unscale)
         except OutOfTierMemory:  # the pool could not grow (fragmentation): not now
             self.stats.not_started += 1
             return None
-        spec = self._speculation(unit_step, shadows)
         try:
+            spec = self._speculation(unit_step, shadows, hyper)
             spec.future = self._pool().submit(
                 unit_step.run_speculation,
                 shadows,
@@ -358,26 +374,45 @@ class StepAhead:
                 self.discard_all()
                 self.step_ended()
             return
+        outcomes: dict[int, bool] = {}
         try:
-            # gradient writes of backward: their errors now, not at a later backward
-            for stager in self._stagers:
-                if isinstance(stager, GradStager):
-                    stager.finish()
-            for key, spec in list(self._pending.items()):
-                del self._pending[key]
-                on_disk = not isinstance(spec.unit_step.unit.grad, torch.Tensor)
-                finished = self._finished(spec)  # always: never discard under the worker
-                took = [spec.factor] if spec.factor is not None else []
-                if finished and (factors == took or not on_disk) and self._holds(spec):
-                    spec.unit_step.commit_speculation(spec.shadows)
-                    committed.add(key)
-                    self.stats.committed += 1
-                else:
-                    spec.shadows.discard()
-                    self.stats.rolled_back += 1
+            with self._own_allocations():
+                # gradient writes of backward: their errors now, not at a later backward
+                for stager in self._stagers:
+                    if isinstance(stager, GradStager):
+                        stager.finish()
+                for key, spec in list(self._pending.items()):
+                    del self._pending[key]
+                    on_disk = not isinstance(spec.unit_step.unit.grad, torch.Tensor)
+                    finished = self._finished(spec)  # always: never discard under the worker
+                    took = [spec.factor] if spec.factor is not None else []
+                    if finished and (factors == took or not on_disk) and self._holds(spec):
+                        spec.unit_step.commit_speculation(spec.shadows)
+                        committed.add(key)
+                        self.stats.committed += 1
+                        outcomes[key] = True
+                    else:
+                        spec.shadows.discard()
+                        self.stats.rolled_back += 1
+                        outcomes[key] = False
         finally:
             self.discard_all()  # after an error: nothing may stay pending
             self.step_ended()
+            self._back_off(outcomes, clipped)
+
+    def _back_off(self, outcomes: dict[int, bool], clipped: bool) -> None:
+        """After a step: units that rolled back (for a reason other than a clip that
+        bit, which ``hold_back`` answers) wait twice as long as last time before they
+        are stepped ahead again; a commit forgets it; the others count a step down."""
+        for key, (wait, left) in list(self._backoff.items()):
+            if key not in outcomes and left > 0:
+                self._backoff[key] = (wait, left - 1)
+        for key, ok in outcomes.items():
+            if ok:
+                self._backoff.pop(key, None)
+            elif not clipped:
+                wait = min(2 * self._backoff.get(key, (0, 0))[0] or 1, 64)
+                self._backoff[key] = (wait, wait)
 
     def step_ended(self) -> None:
         """A step was taken or skipped (fp16 overflow): count micro-batches anew."""
@@ -417,8 +452,33 @@ class StepAhead:
 
     def close(self) -> None:
         self.discard_all()
+        if self._host.reclaim == self._reclaim_host:
+            self._host.reclaim = None
         for unit_step in self._steps.values():
             unit_step.unit.before_rewrite = None
+
+    @contextlib.contextmanager
+    def _own_allocations(self):
+        """Host allocations made for the speculations themselves, or while they are being
+        settled, do not reclaim other speculations' shadows."""
+        before, self._reclaiming_allowed = self._reclaiming_allowed, False
+        try:
+            yield
+        finally:
+            self._reclaiming_allowed = before
+
+    def _reclaim_host(self) -> bool:
+        """The host tier is out of room: drop the oldest speculation holding host shadows
+        (its unit is stepped the ordinary way at ``optimizer.step()``). True when one
+        was dropped; False leaves the allocation to fail as it would without the step
+        ahead."""
+        if not self._reclaiming_allowed:
+            return False
+        for key, spec in self._pending.items():
+            if isinstance(spec.shadows, MemoryShadows):
+                self._cancel(key)
+                return True
+        return False
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -502,10 +562,11 @@ class StepAhead:
         self._cancel(id(unit))
 
     def _cancel(self, key: int) -> None:
-        spec = self._pending.pop(key, None)
+        spec = self._pending.get(key)
         if spec is None:
             return
-        self._finished(spec)
+        self._finished(spec)  # (interrupted here, it stays pending: the worker may write)
+        del self._pending[key]
         spec.shadows.discard()
         self.stats.cancelled += 1
 

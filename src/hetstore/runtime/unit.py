@@ -210,11 +210,15 @@ class Unit:
         """Make ``new`` one of the unit's buffers in place of ``replacing`` (freed now if
         the unit owns it; a tensor torch made itself, SGD's first momentum, just goes)."""
         if replacing is not None:
-            old = next((o for o in self._owned if o.data is replacing), None)
-            if old is not None:
-                self._owned.remove(old)
-                old.free()
+            self.free_buffer(replacing)
         self._owned.append(new)
+
+    def free_buffer(self, data: object) -> None:
+        """Free the unit's buffer ``data`` now (nothing if the unit does not own it)."""
+        old = next((o for o in self._owned if o.data is data), None)
+        if old is not None:
+            self._owned.remove(old)
+            old.free()
 
     def replace_master(self, new: FlatAllocation) -> None:
         """Make ``new`` (an in-memory fp32 buffer of the whole master, a step taken ahead

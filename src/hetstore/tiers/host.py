@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hetstore._sizes import format_size
+from hetstore.errors import OutOfTierMemory
 from hetstore.tier import Tier
 from hetstore.tiers._hostmem import PAGE_SIZE, MappedBlock, round_up
 from hetstore.tiers.accounting import FlatAllocation, MemoryAccount, TierUsage
@@ -136,6 +137,9 @@ class HostTier:
                 stacklevel=3,
             )
         self.pinned = self._pin
+        # set by the optimizer's step ahead: gives back host memory held only to save
+        # time (speculative steps' shadows); True when it freed some
+        self.reclaim: Callable[[], bool] | None = None
 
     @property
     def capacity(self) -> int | None:
@@ -151,7 +155,16 @@ class HostTier:
         return {**usage.as_dict(), "reserved": self._reserved, "blocks": len(self._blocks)}
 
     def allocate(self, nbytes: int, label: str, dtype: torch.dtype = torch.uint8) -> HostBuffer:
-        """A page-aligned slice of at least ``nbytes``, viewed as ``nbytes // itemsize`` dtype."""
+        """A page-aligned slice of at least ``nbytes``, viewed as ``nbytes // itemsize`` dtype.
+        Out of room, memory held only to save time is given back first (``reclaim``)."""
+        while True:
+            try:
+                return self._allocate(nbytes, label, dtype)
+            except OutOfTierMemory:
+                if self.reclaim is None or not self.reclaim():
+                    raise
+
+    def _allocate(self, nbytes: int, label: str, dtype: torch.dtype) -> HostBuffer:
         if nbytes % dtype.itemsize:
             raise ValueError(f"{nbytes} bytes is not a whole number of {dtype} elements")
         size = round_up(max(nbytes, 1), PAGE_SIZE)
