@@ -233,3 +233,31 @@ def test_activations_on_host_and_the_disk_staging_peak_at_different_moments():
     e = estimate(replace(trace, step_overlap=False), choices, 1)
     states = sum(u.master_bytes + u.grad_bytes + u.state_bytes for u in trace.units[:4])
     assert e.disk == states + 4 * 16 * MiB  # the shadow (one unit's) is smaller
+
+
+ON_HOST = UnitChoice(param="cpu", optimizer="cpu")
+
+
+def test_host_units_hide_behind_backward_on_a_gpu_and_cost_on_a_cpu():
+    """Units with states in host memory stepped during backward (``overlap_step``): on
+    a GPU a long backward hides their steps (every block's; the root's never), their
+    copies into the shadows included; on a CPU device the worker's copies and arithmetic
+    take backward's cores, so the overlap is a cost: the copies, as a negative hidden
+    time, which the plan prints. Their shadows are predicted apart from the host peak."""
+    n = 4 * MiB  # trainable elements of each block (unit() makes them all trainable)
+    on_gpu = replace(disk_trace(forward_s=10.0), step_overlap_memory=True)
+    serial = estimate(on_gpu, [ON_HOST] * 5, 1, overlap=False)
+    e = estimate(on_gpu, [ON_HOST] * 5, 1)
+    blocks = 4 * n / GPU.host_step
+    assert e.optimizer_hidden_s == pytest.approx(blocks)
+    assert e.optimizer_s == pytest.approx(serial.optimizer_s - blocks)
+    assert e.host == serial.host  # the shadows take room only where there is some
+    assert e.host_shadows == 4 * (n * 4 + 2 * n * 4)  # a master and two moments a block
+    assert estimate(disk_trace(forward_s=10.0), [ON_HOST] * 5, 1).optimizer_hidden_s == 0
+
+    on_cpu = replace(disk_trace(10.0, CPU), step_overlap_memory=True)
+    cost = estimate(on_cpu, [ON_HOST] * 5, 1)
+    copies = 4 * (n / CPU.host_step) * 2 * 3 / 7  # master + 2 states, read and written
+    assert cost.optimizer_hidden_s == pytest.approx(-copies)
+    plan = Plan.build(on_cpu, [ON_HOST] * 5, 1, Capacities(None, None, None), "manual")
+    assert "costs" in plan.table() and "host shadows take up to" in plan.table()

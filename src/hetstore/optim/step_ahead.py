@@ -177,6 +177,7 @@ class StepAhead:
         self._slots: list[dict[str, torch.Tensor]] | None = None
         self._slot_buffers: list = []
         self._host = unit_steps[0].unit.tiers.host
+        self._host_device = unit_steps[0].unit.device  # the compute device
         # attached by offload() before the optimizer is built; fixed from here on
         self._stagers = stagers_of([s.unit for s in unit_steps])
         self._disk = unit_steps[0].unit.tiers.disk
@@ -381,6 +382,7 @@ class StepAhead:
                 for stager in self._stagers:
                     if isinstance(stager, GradStager):
                         stager.finish()
+                self._quiesce_device_reads()
                 for key, spec in list(self._pending.items()):
                     del self._pending[key]
                     on_disk = not isinstance(spec.unit_step.unit.grad, torch.Tensor)
@@ -399,6 +401,18 @@ class StepAhead:
             self.discard_all()  # after an error: nothing may stay pending
             self.step_ended()
             self._back_off(outcomes, clipped)
+
+    def _quiesce_device_reads(self) -> None:
+        """CUDA: a commit gives the old master back to the host pool, and a fetch of it
+        (an eval forward between backward and step) may still be copying it to the GPU
+        asynchronously; the pool must not hand it out before that copy has read it. At
+        ``optimizer.step()`` the GPU has usually finished backward already, so waiting
+        for it costs little, and only when a host-memory speculation will commit."""
+        if not any(isinstance(s.shadows, MemoryShadows) for s in self._pending.values()):
+            return
+        device = self._host_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def _back_off(self, outcomes: dict[int, bool], clipped: bool) -> None:
         """After a step: units that rolled back (for a reason other than a clip that

@@ -310,6 +310,7 @@ def _memory_stepped_ahead(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
         and not trace.step_in_backward
         and c.optimizer == Tier.HOST
         and not u.is_root
+        and not u.compact_states  # (stepped chunk by chunk: not stepped ahead in memory)
         and u.trainable_numel > 0
     )
 

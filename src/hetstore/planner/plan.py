@@ -179,10 +179,10 @@ class Plan:
             )
         elif e.optimizer_hidden_s < 0:
             lines.append(
-                f"stepping host-memory units during backward (overlap_step=True) costs "
-                f"{-e.optimizer_hidden_s * 1e3:.1f} ms here: the host computes backward too "
-                f"(their shadow copies share its cores); without it the step would take "
-                f"{e.step_without_overlap_s * 1e3:.1f} ms"
+                f"stepping host-memory units during backward (overlap_step) costs "
+                f"{-e.optimizer_hidden_s * 1e3:.1f} ms here: their copies into the shadows "
+                "take more than backward hides (on a CPU device they share its cores); "
+                f"without it the step would take {e.step_without_overlap_s * 1e3:.1f} ms"
             )
         if e.host_shadows:
             lines.append(
