@@ -252,12 +252,12 @@ def test_host_units_hide_behind_backward_on_a_gpu_and_cost_on_a_cpu():
     assert e.optimizer_hidden_s == pytest.approx(blocks)
     assert e.optimizer_s == pytest.approx(serial.optimizer_s - blocks)
     assert e.host == serial.host  # the shadows take room only where there is some
-    assert e.host_shadows == 4 * (n * 4 + 2 * n * 4)  # a master and two moments a block
+    assert e.host_shadows == 4 * (n * 4 + n * 4 + 2 * n * 4)  # master, grads, 2 moments
     assert estimate(disk_trace(forward_s=10.0), [ON_HOST] * 5, 1).optimizer_hidden_s == 0
 
     on_cpu = replace(disk_trace(10.0, CPU), step_overlap_memory=True)
     cost = estimate(on_cpu, [ON_HOST] * 5, 1)
-    copies = 4 * (n / CPU.host_step) * 2 * 3 / 7  # master + 2 states, read and written
+    copies = 4 * (n / CPU.host_step) * 2 * 4 / 7  # master, grad, 2 states: read, written
     assert cost.optimizer_hidden_s == pytest.approx(-copies)
     plan = Plan.build(on_cpu, [ON_HOST] * 5, 1, Capacities(None, None, None), "manual")
     assert "costs" in plan.table() and "host shadows take up to" in plan.table()

@@ -90,7 +90,10 @@ def test_two_ranks_step_their_host_shards_during_backward_exactly(results, rank)
     assert got["ahead_norms"] == got["sharded_norms"]
     assert_same(got["ahead_weights"], got["sharded_weights"])
     rolled = got["ahead_speculation"]
-    assert rolled["committed"] == 0 and rolled["rolled_back"] == blocks, rolled
+    # (a speculation that read the gradients after the clip read the clipped ones: it
+    # compares equal and commits, rightly; which one does depends on the worker's pace)
+    assert rolled["committed"] == rolled["verified"], rolled
+    assert rolled["rolled_back"] + rolled["verified"] == blocks, rolled
     assert rolled["held_back"] == (STEPS - 1) * blocks, rolled
     assert got["ahead_unclipped_losses"] == got["unclipped_losses"]
     assert_same(got["ahead_unclipped_weights"], got["unclipped_weights"])

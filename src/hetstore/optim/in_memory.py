@@ -36,7 +36,6 @@ from hetstore.optim.streamed import step_flat
 from hetstore.runtime.unit import Unit
 from hetstore.tier import Tier
 from hetstore.tiers.accounting import FlatAllocation
-from hetstore.tiers.host import own_version_counter
 
 __all__ = ["InMemoryUnitStep", "MemoryShadows"]
 
@@ -48,7 +47,7 @@ class MemoryShadows:
 
     master: FlatAllocation | None
     states: list[dict[str, FlatAllocation]]
-    grad: FlatAllocation | None = None
+    grad: FlatAllocation | None = None  # the gradients it stepped with (fp16: unscaled)
     fresh: list[bool] = field(default_factory=list)  # torch makes the states (SGD's first)
     hyper: dict[int, dict] = field(default_factory=dict)  # the group values it steps with
 
@@ -101,7 +100,7 @@ class InMemoryUnitStep:
             (seg.end - seg.start) * len(self._state_keys(i, hyper))
             for i, seg in enumerate(self.unit.segments)
         )
-        return (self.unit.master_numel + per_element) * 4
+        return (self.unit.master_numel + self.unit.trainable_numel + per_element) * 4
 
     def begin_speculation(self, hyper: dict[int, dict], unscale: bool) -> MemoryShadows:
         """Main thread: allocate the shadows of a step with the group values ``hyper``
@@ -121,7 +120,7 @@ class InMemoryUnitStep:
                 {key: new(seg.end - seg.start, key) for key in self._state_keys(i, hyper)}
                 for i, seg in enumerate(unit.segments)
             ]
-            grad = new(unit.trainable_numel, "unscaled grads") if unscale else None
+            grad = new(unit.trainable_numel, "grads read ahead")
         except BaseException:
             for allocation in made:
                 allocation.free()
@@ -162,12 +161,16 @@ class InMemoryUnitStep:
             if not shadows.fresh[i]:
                 for key, value in states.items():
                     value.copy_(live[key])
-            grad = unit.grad[seg.start : seg.end]
+            # the gradients it steps with, in its own buffer (unscaled by fp16's factor):
+            # the live ones' version counter stays the user's (torch's fused kernel
+            # declares its gradient mutable), and optimizer.step() can tell by value
+            # whether the live ones still are these (grads_unchanged)
+            live_grad = unit.grad[seg.start : seg.end]
+            grad = shadows.grad.data[seg.start : seg.end]
             if factor is not None:
-                grad = torch.mul(grad, factor, out=shadows.grad.data[seg.start : seg.end])
-            # torch's fused kernel declares the gradient mutable and moves its version
-            # counter: the step ahead reads that counter to see the user's changes
-            grad = own_version_counter(grad)
+                torch.mul(live_grad, factor, out=grad)
+            else:
+                grad.copy_(live_grad)
             step_flat(
                 self._placeholders[i],
                 hyper[self.groups[i]],
@@ -177,6 +180,18 @@ class InMemoryUnitStep:
                 live.get("step"),
                 shadows.fresh[i],
             )
+
+    def grads_unchanged(self, shadows: MemoryShadows) -> bool:
+        """Whether the live gradients are, bit for bit, the ones the speculation stepped
+        with (not under fp16, whose are unscaled): true after torch's clip_grad_norm_
+        that did not bite, or a read of p.grad, which version counters cannot tell from
+        a change. Reads the gradients once: far less than stepping again."""
+        unit = self.unit
+        for seg in unit.segments:
+            live = unit.grad[seg.start : seg.end].view(torch.int32)
+            if not torch.equal(live, shadows.grad.data[seg.start : seg.end].view(torch.int32)):
+                return False
+        return True
 
     @torch.no_grad()
     def commit_speculation(self, shadows: MemoryShadows) -> None:

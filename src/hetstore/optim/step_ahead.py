@@ -93,6 +93,9 @@ class SpeculationStats:
 
     started: int = 0
     committed: int = 0  # hits: the step was already done when optimizer.step() came
+    # of those, host-memory units whose gradients were handed out or rewritten in place
+    # (torch's clip_grad_norm_ that did not bite) but compared equal, bit for bit
+    verified: int = 0
     rolled_back: int = 0  # discarded at optimizer.step(), stepped again the ordinary way
     cancelled: int = 0  # superseded by a later backward, or dropped by zero_grad()/a load
     not_started: int = 0  # no disk room for the shadows, or host room for the chunks
@@ -333,7 +336,7 @@ class StepAhead:
         room for them beside what the rest of backward will still allocate."""
         unscale = self._loss_scaler is not None
         hyper = self._hyper_now(unit)
-        need = unit_step.shadow_bytes(hyper) + (unit.trainable_numel * 4 if unscale else 0)
+        need = unit_step.shadow_bytes(hyper)
         if not self._host.account.would_fit(need + self._staging_to_come()):
             self.stats.not_started += 1
             return None
@@ -388,10 +391,13 @@ class StepAhead:
                     on_disk = not isinstance(spec.unit_step.unit.grad, torch.Tensor)
                     finished = self._finished(spec)  # always: never discard under the worker
                     took = [spec.factor] if spec.factor is not None else []
-                    if finished and (factors == took or not on_disk) and self._holds(spec):
+                    holds = finished and (factors == took or not on_disk) and self._holds(spec)
+                    verified = not holds and finished and self._holds_by_value(spec)
+                    if holds or verified:
                         spec.unit_step.commit_speculation(spec.shadows)
                         committed.add(key)
                         self.stats.committed += 1
+                        self.stats.verified += verified
                         outcomes[key] = True
                     else:
                         spec.shadows.discard()
@@ -606,6 +612,20 @@ class StepAhead:
             else:
                 unit.grad_stager.flush_lent(unit)
         return spec.ok
+
+    def _holds_by_value(self, spec: _Speculation) -> bool:
+        """A host-memory unit's speculation that only the gradients' version counters
+        reject (handed out through p.grad, multiplied by torch's clip): it holds if the
+        gradients are still, bit for bit, the ones it stepped with."""
+        unit = spec.unit_step.unit
+        return (
+            isinstance(spec.shadows, MemoryShadows)
+            and spec.factor is None
+            and unit.grads.state().has_grad == spec.grad_state.has_grad
+            and unit.state_version == spec.state_version
+            and all(_same(self._hyper(group), hyper) for group, hyper in spec.hyper.items())
+            and spec.unit_step.grads_unchanged(spec.shadows)
+        )
 
     def _holds(self, spec: _Speculation) -> bool:
         unit = spec.unit_step.unit

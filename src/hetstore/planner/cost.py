@@ -316,10 +316,10 @@ def _memory_stepped_ahead(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
 
 
 def _shadow_copy_s(u: UnitTrace, m) -> float:
-    """Seconds of a memory unit's copy into its shadows: the master and each state read
-    and written once, at the rate the fused step moves its arrays (which reads master,
-    gradient and states and writes master and states: 3 + 2 x states arrays)."""
-    arrays = 1 + u.state_count
+    """Seconds of a memory unit's copy into its shadows: the master, the gradient and
+    each state read and written once, at the rate the fused step moves its arrays (which
+    reads master, gradient and states and writes master and states: 3 + 2 x states)."""
+    arrays = 2 + u.state_count  # master, gradient (read ahead into its own), states
     return _host_step_s(u, m) * 2 * arrays / (3 + 2 * u.state_count)
 
 
@@ -454,7 +454,9 @@ def estimate(
     shadows = 0
     if overlap is not False:
         shadows = sum(
-            _paged(_master_bytes(u, c)) + _paged(u.state_bytes, u.state_arrays)
+            _paged(_master_bytes(u, c))
+            + _paged(u.grad_bytes)
+            + _paged(u.state_bytes, u.state_arrays)
             for u, c in zip(trace.units, choices, strict=True)
             if _memory_stepped_ahead(trace, u, c)
         )
