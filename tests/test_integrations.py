@@ -92,6 +92,27 @@ def test_trainer_trains_like_plain_trainer(args, tmp_path):
         assert norms == ref_norms  # the true grad norm is logged (it was 0.0)
 
 
+def test_trainer_keeps_host_steps_taken_ahead(tmp_path):
+    """Host units stepped during backward (``overlap_step=True``; on a GPU 'auto' does
+    it) under Trainer, which passes every gradient through torch's clip_grad_norm_ to
+    log the norm, multiplying by 1.0 in place: the steps taken ahead are kept (compared
+    by value), and training is plain Trainer's."""
+    ref = tiny_llama()
+    mine = copy.deepcopy(ref)
+    ref_losses, _ = run_trainer(ref, adamw(ref), tmp_path / "ref", max_grad_norm=0.0)
+    base = config()
+    cfg = OffloadConfig(
+        **{**{k: getattr(base, k) for k in OffloadConfig.keys()}, "overlap_step": True}
+    )
+    mine, opt = hetstore.offload(mine, adamw(mine), cfg)
+    losses, _ = run_trainer(mine, opt, tmp_path / "mine", max_grad_norm=0.0)
+    torch.testing.assert_close(losses, ref_losses, **TIGHT)
+    assert_same_weights(ref, mine)
+    stats = opt.speculation_stats
+    assert stats["started"] > 0 and stats["committed"] == stats["started"], stats
+    assert stats["verified"] == stats["started"], stats  # Trainer touched every gradient
+
+
 # ---------------------------------------------------------------------- accelerate
 def accelerate_steps(model, optimizer, rows, clip=0.5):
     accelerator = accelerate.Accelerator(cpu=True)
