@@ -32,7 +32,7 @@ import torch
 from torch.optim import Optimizer
 
 from hetstore.optim.registry import flat_spec
-from hetstore.optim.streamed import step_flat
+from hetstore.optim.streamed import placeholder_optimizers, step_flat
 from hetstore.runtime.unit import Unit
 from hetstore.tier import Tier
 from hetstore.tiers.accounting import FlatAllocation
@@ -102,10 +102,9 @@ class InMemoryUnitStep:
         )
         return (self.unit.master_numel + self.unit.trainable_numel + per_element) * 4
 
-    def begin_speculation(self, hyper: dict[int, dict], unscale: bool) -> MemoryShadows:
+    def begin_speculation(self, hyper: dict[int, dict]) -> MemoryShadows:
         """Main thread: allocate the shadows of a step with the group values ``hyper``
-        (raises ``OutOfTierMemory`` when the host tier cannot hold them). ``unscale``: a
-        buffer for fp16's unscaled gradients."""
+        (raises ``OutOfTierMemory`` when the host tier cannot hold them)."""
         unit = self.unit
         made: list[FlatAllocation] = []
 
@@ -133,15 +132,9 @@ class InMemoryUnitStep:
         return MemoryShadows(master, states, grad, fresh, hyper)
 
     @torch.no_grad()
-    def run_speculation(
-        self,
-        shadows: MemoryShadows,
-        hyper: dict[int, dict],
-        factor: float | None,
-        copies=None,
-    ) -> None:
+    def run_speculation(self, shadows: MemoryShadows, factor: float | None, copies=None) -> None:
         """Any thread: the live master and states into the shadows, then each segment
-        stepped there with the group values ``hyper`` and the gradients as they are
+        stepped there with the shadows' group values and the gradients as they are
         (multiplied by ``factor``, fp16's unscale, into the shadows' own buffer).
         ``copies``: a CUDA event the gradients' copies to the host end with."""
         if copies is not None:
@@ -150,11 +143,9 @@ class InMemoryUnitStep:
         master = shadows.master.data
         master.copy_(unit.master)
         if self._placeholders is None:
-            placeholder = torch.zeros(1)
-            self._placeholders = [
-                type(self.optimizer)([{**g, "params": [placeholder]}])
-                for g in self.optimizer.param_groups
-            ]
+            self._placeholders = placeholder_optimizers(
+                type(self.optimizer), self.optimizer.param_groups
+            )
         for i, (seg, tensor) in enumerate(zip(unit.segments, self.tensors, strict=True)):
             live = self.optimizer.state.get(tensor, {})
             states = {key: a.data for key, a in shadows.states[i].items()}
@@ -173,7 +164,7 @@ class InMemoryUnitStep:
                 grad.copy_(live_grad)
             step_flat(
                 self._placeholders[i],
-                hyper[self.groups[i]],
+                shadows.hyper[self.groups[i]],
                 master[seg.start : seg.end],
                 grad,
                 states,
@@ -198,7 +189,6 @@ class InMemoryUnitStep:
         """Main thread: the shadows become the unit's master and states; the step
         counters move as the ordinary step moves them; the copies are refreshed."""
         unit = self.unit
-        unit.param_version += 1
         unit.replace_master(shadows.master)
         for i, seg in enumerate(unit.segments):
             old_view = self.tensors[i]
@@ -219,5 +209,5 @@ class InMemoryUnitStep:
             if state:
                 self.optimizer.state[view] = state
         shadows.master, shadows.states = None, []  # the unit's now
-        shadows.discard()  # fp16's unscaled gradients
-        unit.refresh_after_step()
+        shadows.discard()  # the gradients it read
+        unit.refresh_after_step()  # (moves param_version, as after the ordinary step)

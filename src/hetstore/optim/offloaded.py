@@ -96,8 +96,13 @@ class OffloadedOptimizer(Optimizer):
         self._clipped = False  # clip_grad_norm_ scaled this step's gradients
         self._resume_at = 0  # index into _unit_steps where an interrupted step goes on
         self._released = False  # hetstore.release(model) freed the units' buffers
-        # disk units stepped speculatively during backward (optim.step_ahead); not sharded
-        ahead = [s for s in self._unit_steps if eligible(s, s.unit)]
+        self.step_in_backward = step_in_backward and shards is None
+        # units stepped speculatively during backward (optim.step_ahead): disk units,
+        # unsharded; memory units sharded too (a rank steps its own shard, with nothing
+        # collective in it)
+        ahead = []
+        if overlap_step or self.step_in_backward:
+            ahead += [s for s in self._unit_steps if eligible(s, s.unit)]
         if overlap_memory_step and not step_in_backward:
             # the root's gradients are final when backward ends: nothing would hide it
             ahead += [
@@ -109,10 +114,7 @@ class OffloadedOptimizer(Optimizer):
             ]
         self.step_ahead: StepAhead | None = None
         self._stepped_ahead: set[int] = set()  # ids of the units this step committed
-        self.step_in_backward = step_in_backward and shards is None
-        # (disk units are stepped ahead unsharded only; memory units sharded too: a rank
-        # steps its own shard, with nothing collective in it)
-        if ahead and (overlap_step or overlap_memory_step or self.step_in_backward):
+        if ahead:
             self.step_ahead = StepAhead(
                 ahead, self._hyper, loss_scaler, consume=self.step_in_backward
             )

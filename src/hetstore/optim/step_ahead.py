@@ -180,7 +180,7 @@ class StepAhead:
         self._slots: list[dict[str, torch.Tensor]] | None = None
         self._slot_buffers: list = []
         self._host = unit_steps[0].unit.tiers.host
-        self._host_device = unit_steps[0].unit.device  # the compute device
+        self._device = unit_steps[0].unit.device  # the compute device
         # attached by offload() before the optimizer is built; fixed from here on
         self._stagers = stagers_of([s.unit for s in unit_steps])
         self._disk = unit_steps[0].unit.tiers.disk
@@ -334,25 +334,20 @@ class StepAhead:
         """A step of a unit whose master and states are in host memory, into host
         shadows (:mod:`hetstore.optim.in_memory`), or None when the host tier has no
         room for them beside what the rest of backward will still allocate."""
-        unscale = self._loss_scaler is not None
         hyper = self._hyper_now(unit)
         need = unit_step.shadow_bytes(hyper)
         if not self._host.account.would_fit(need + self._staging_to_come()):
             self.stats.not_started += 1
             return None
         try:
-            shadows = unit_step.begin_speculation(hyper, unscale)
+            shadows = unit_step.begin_speculation(hyper)
         except OutOfTierMemory:  # the pool could not grow (fragmentation): not now
             self.stats.not_started += 1
             return None
         try:
             spec = self._speculation(unit_step, shadows, hyper)
             spec.future = self._pool().submit(
-                unit_step.run_speculation,
-                shadows,
-                spec.hyper,
-                spec.factor,
-                unit.grads.copies_event(),
+                unit_step.run_speculation, shadows, spec.factor, unit.grads.copies_event()
             )
         except BaseException:
             shadows.discard()
@@ -388,11 +383,11 @@ class StepAhead:
                 self._quiesce_device_reads()
                 for key, spec in list(self._pending.items()):
                     del self._pending[key]
-                    on_disk = not isinstance(spec.unit_step.unit.grad, torch.Tensor)
                     finished = self._finished(spec)  # always: never discard under the worker
-                    took = [spec.factor] if spec.factor is not None else []
-                    holds = finished and (factors == took or not on_disk) and self._holds(spec)
-                    verified = not holds and finished and self._holds_by_value(spec)
+                    holds = verified = False
+                    if finished and self._inputs_hold(spec):
+                        holds = self._grads_hold(spec, factors)
+                        verified = not holds and self._grads_equal(spec)
                     if holds or verified:
                         spec.unit_step.commit_speculation(spec.shadows)
                         committed.add(key)
@@ -416,9 +411,8 @@ class StepAhead:
         for it costs little, and only when a host-memory speculation will commit."""
         if not any(isinstance(s.shadows, MemoryShadows) for s in self._pending.values()):
             return
-        device = self._host_device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
 
     def _back_off(self, outcomes: dict[int, bool], clipped: bool) -> None:
         """After a step: units that rolled back (for a reason other than a clip that
@@ -613,26 +607,30 @@ class StepAhead:
                 unit.grad_stager.flush_lent(unit)
         return spec.ok
 
-    def _holds_by_value(self, spec: _Speculation) -> bool:
+    def _inputs_hold(self, spec: _Speculation) -> bool:
+        """The master and states it stepped from, and the group values, are current."""
+        return spec.unit_step.unit.state_version == spec.state_version and all(
+            _same(self._hyper(group), hyper) for group, hyper in spec.hyper.items()
+        )
+
+    def _grads_hold(self, spec: _Speculation, factors: list[float]) -> bool:
+        """No gradient changed since it began, by the counters; gradients on disk carry
+        no factor (a clip that bit) but the one it applied itself."""
+        on_disk = not isinstance(spec.unit_step.unit.grad, torch.Tensor)
+        took = [spec.factor] if spec.factor is not None else []
+        return (factors == took or not on_disk) and spec.unit_step.unit.grads.state() == (
+            spec.grad_state
+        )
+
+    def _grads_equal(self, spec: _Speculation) -> bool:
         """A host-memory unit's speculation that only the gradients' version counters
         reject (handed out through p.grad, multiplied by torch's clip): it holds if the
         gradients are still, bit for bit, the ones it stepped with."""
-        unit = spec.unit_step.unit
         return (
             isinstance(spec.shadows, MemoryShadows)
             and spec.factor is None
-            and unit.grads.state().has_grad == spec.grad_state.has_grad
-            and unit.state_version == spec.state_version
-            and all(_same(self._hyper(group), hyper) for group, hyper in spec.hyper.items())
+            and spec.unit_step.unit.grads.state().has_grad == spec.grad_state.has_grad
             and spec.unit_step.grads_unchanged(spec.shadows)
-        )
-
-    def _holds(self, spec: _Speculation) -> bool:
-        unit = spec.unit_step.unit
-        return (
-            unit.grads.state() == spec.grad_state
-            and unit.state_version == spec.state_version
-            and all(_same(self._hyper(group), hyper) for group, hyper in spec.hyper.items())
         )
 
     def _pool(self) -> ThreadPoolExecutor:

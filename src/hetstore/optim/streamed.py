@@ -80,6 +80,15 @@ def step_flat(
     inner.state.clear()
 
 
+def placeholder_optimizers(
+    optimizer_class: type, groups: list[dict], device: torch.device | str = "cpu"
+) -> list[Optimizer]:
+    """One one-group optimizer of ``optimizer_class`` per group values in ``groups``,
+    over a placeholder: what :func:`step_flat` steps flat tensors through."""
+    placeholder = torch.zeros(1, device=device)
+    return [optimizer_class([{**group, "params": [placeholder]}]) for group in groups]
+
+
 def _scales_name(key: str) -> str:
     return f"{key} scales"
 
@@ -182,10 +191,9 @@ class UnitStates:
                 (self.scales if suffix else self.states)[key] = array
         self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in unit.segments]
         self.stepped = False  # states hold values (else: fresh, as torch starts them)
-        placeholder = torch.zeros(1, device=device)
-        self._inner: list[Optimizer] = [
-            optimizer_class([{**hyper(s.group), "params": [placeholder]}]) for s in unit.segments
-        ]
+        self._inner = placeholder_optimizers(
+            optimizer_class, [hyper(s.group) for s in unit.segments], device
+        )
 
     @property
     def _states_absent(self) -> bool:

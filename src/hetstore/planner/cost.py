@@ -323,27 +323,28 @@ def _shadow_copy_s(u: UnitTrace, m) -> float:
     return _host_step_s(u, m) * 2 * arrays / (3 + 2 * u.state_count)
 
 
-def _hidden_behind_backward(
-    trace: Trace, choices, steps: list[float], memory_steps: list[float]
-) -> float:
+def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
     """Seconds of the steps of units stepped ahead that backward hides (module doc).
-    ``memory_steps``: the host arithmetic of each unit stepped into host shadows (0 for
-    the others), which the worker runs after copying into them. May be negative: on a
-    CPU device those copies cost backward's cores and hide nothing."""
-    units = trace.units
-    m = trace.machine
-    disk = [
-        _stepped_ahead(u, c) and u.trainable_numel > 0 for u, c in zip(units, choices, strict=True)
-    ]
-    disk = [d and (trace.step_overlap or trace.step_in_backward) for d in disk]
-    memory = [s > 0 for s in memory_steps]
-    if not any(disk) and not any(memory):
+    A unit stepped into host shadows costs the worker its copy into them besides the
+    arithmetic it saves. May be negative: on a CPU device the worker's arithmetic and
+    copies take backward's cores and hide nothing."""
+    units, m = trace.units, trace.machine
+    disk_overlap = trace.step_overlap or trace.step_in_backward
+    saved = [0.0] * len(units)  # what it takes off the step after backward
+    work = [0.0] * len(units)  # what the worker spends on it
+    copies = arithmetic = 0.0  # the worker's shadow copies, and all it computes
+    for k, (u, c) in enumerate(zip(units, choices, strict=True)):
+        if disk_overlap and _stepped_ahead(u, c) and u.trainable_numel > 0:
+            saved[k] = work[k] = steps[k]
+            arithmetic += _host_step_s(u, m)
+        elif _memory_stepped_ahead(trace, u, c):
+            saved[k] = _host_step_s(u, m)
+            copy = _shadow_copy_s(u, m)
+            work[k] = saved[k] + copy
+            copies += copy
+            arithmetic += work[k]
+    if not any(work):
         return 0.0
-    work = [
-        steps[k] if disk[k] else memory_steps[k] + _shadow_copy_s(u, m) if memory[k] else 0.0
-        for k, u in enumerate(units)
-    ]
-    saved = [steps[k] if disk[k] else memory_steps[k] for k in range(len(units))]
     backward = [_backward_s(u, trace) for u in units]
     order = [k for k in reversed(range(len(units))) if not units[k].is_root]
     order += [k for k, u in enumerate(units) if u.is_root]  # its gradients come last
@@ -353,10 +354,8 @@ def _hidden_behind_backward(
         if work[k]:
             worker = max(clock, worker) + work[k]
     hidden = sum(saved) - max(0.0, worker - clock)
-    copies = sum(_shadow_copy_s(u, m) for u, a in zip(units, memory, strict=True) if a)
-    if m.device == "cpu":  # the worker's arithmetic shares backward's cores
-        hidden -= sum(_host_step_s(u, m) for u, a in zip(units, disk, strict=True) if a)
-        hidden -= sum(memory_steps) + copies
+    if m.device == "cpu":  # the worker's arithmetic and copies share backward's cores
+        hidden -= arithmetic
     return max(-copies, hidden)
 
 
@@ -372,10 +371,8 @@ def times(
     compute = stall = overlappable = 0.0
     fill = 0.0
     steps: list[float] = []
-    memory_steps: list[float] = []  # host arithmetic of units stepped into host shadows
     for u, c in zip(trace.units, choices, strict=True):
         steps.append(0.0)
-        memory_steps.append(0.0)
         compute += _compute_s(u, trace)
         fetches = 1 if u.is_root else 2  # the root stays from forward through backward
         unit_transfer = 0.0
@@ -422,8 +419,6 @@ def times(
             steps[-1] += n / m.device_step
         elif c.optimizer == Tier.HOST:
             steps[-1] += _host_step_s(u, m)
-            if _memory_stepped_ahead(trace, u, c):
-                memory_steps[-1] = _host_step_s(u, m)
             if c.param == Tier.DEVICE:  # (at the commit too: not hidden)
                 steps[-1] += u.param_bytes / m.to_device  # updated weights back
         else:
@@ -437,7 +432,7 @@ def times(
             if c.param == Tier.DEVICE:
                 steps[-1] += u.param_bytes / m.to_device
     exposed = max(0.0, overlappable - compute) + (fill / depth if depth else 0.0)
-    hidden = _hidden_behind_backward(trace, choices, steps, memory_steps) if overlap else 0.0
+    hidden = _hidden_behind_backward(trace, choices, steps) if overlap else 0.0
     return compute, stall, exposed, sum(steps) - hidden, hidden
 
 
