@@ -164,27 +164,37 @@ def lockstep(
     warmup: int = 0,
     timed_extra: Callable[[], None] | None = None,
     progress: bool = True,
+    chain: int = 1,
 ) -> dict[str, list[dict[str, Any]]]:
     """Step i of every worker (and, in timed rounds, one call of ``timed_extra``), in a
     fresh random order per round with ``SETTLE_S`` before each, then step i + 1. Returns
-    each worker's step replies."""
+    each worker's step replies. ``chain`` > 1: a round runs ``chain`` consecutive steps of
+    each worker back to back, and the first of them is marked ``after_gap`` (work a worker
+    left running after its last step, step_in_forward's, had the other workers' turns
+    to finish in; the next steps' forwards overlap it as in a training loop)."""
     results: dict[str, list[dict[str, Any]]] = {w.variant: [] for w in workers}
     order = random.Random(0)
-    for step in range(total):
+    starts = range(0, total, chain)
+    for number, first in enumerate(starts):
         t_round = time.perf_counter()
+        steps = range(first, min(first + chain, total))
         jobs: list[Worker | None] = list(workers)
-        if timed_extra is not None and step >= warmup:
+        if timed_extra is not None and steps[-1] >= warmup:
             jobs.append(None)
         for job in order.sample(jobs, len(jobs)):
             time.sleep(SETTLE_S)
             if job is None:
                 timed_extra()
-            else:
-                results[job.variant].append(job.request({"op": "step", "step": step}))
+                continue
+            for step in steps:
+                reply = job.request({"op": "step", "step": step})
+                reply["after_gap"] = chain > 1 and step == first
+                results[job.variant].append(reply)
         if progress:
-            kind = "warm-up" if step < warmup else "timed"
+            kind = "warm-up" if steps[-1] < warmup else "timed"
             print(
-                f"# round {step + 1}/{total} ({kind}) took {time.perf_counter() - t_round:.1f} s",
+                f"# round {number + 1}/{len(starts)} ({kind}) took "
+                f"{time.perf_counter() - t_round:.1f} s",
                 flush=True,
             )
     return results

@@ -17,6 +17,9 @@ Every variant trains ``hetstore.demo.gpt.GPT`` from the same seed on the same
   during backward (``overlap_step``, on by default, applies here).
 * ``disk (grad cpu; no overlap)``: the same with ``overlap_step=False``: every unit is
   stepped in ``optimizer.step()``.
+* ``disk (in forward)``, ``disk (grad cpu; in forward)``: as ``disk`` and ``disk (grad
+  cpu)`` with ``step_in_forward=True``: the steps ``optimizer.step()`` would still run
+  (after a clip that bit, the root's) run on during the next forward.
 
 hetstore runs use ``enable_pinned_mem=False, device="cpu"`` and an ``offload_path`` in a
 temporary directory under ``--dir`` (by default ``offload/`` in the repository: the same
@@ -86,15 +89,18 @@ from hetstore.demo.gpt import GPT, batches
 LR = 3e-4
 WEIGHT_DECAY = 0.1
 
-# variant -> (offload_param, offload_optimizer, offload_grad, overlap_step); None: plain
-VARIANTS: dict[str, tuple[str, str, str | None, bool | str] | None] = {
+# variant -> (offload_param, offload_optimizer, offload_grad, overlap_step,
+# step_in_forward); None: plain
+VARIANTS: dict[str, tuple[str, str, str | None, bool | str, bool] | None] = {
     "plain": None,
-    "cpu": ("cpu", "cpu", None, "auto"),  # on this CPU device: stepped after backward
-    "cpu (overlap)": ("cpu", "cpu", None, True),  # into host shadows during backward
-    "disk": ("disk", "disk", None, True),
-    "disk (no overlap)": ("disk", "disk", None, False),
-    "disk (grad cpu)": ("disk", "disk", "cpu", True),
-    "disk (grad cpu; no overlap)": ("disk", "disk", "cpu", False),
+    "cpu": ("cpu", "cpu", None, "auto", False),  # on this CPU device: stepped after backward
+    "cpu (overlap)": ("cpu", "cpu", None, True, False),  # into host shadows during backward
+    "disk": ("disk", "disk", None, True, False),
+    "disk (no overlap)": ("disk", "disk", None, False, False),
+    "disk (in forward)": ("disk", "disk", None, True, True),
+    "disk (grad cpu)": ("disk", "disk", "cpu", True, False),
+    "disk (grad cpu; no overlap)": ("disk", "disk", "cpu", False, False),
+    "disk (grad cpu; in forward)": ("disk", "disk", "cpu", True, True),
 }
 # fio configurations tried each round: (ioengine, numjobs, iodepth), all bs 8M, O_DIRECT
 FIO_CONFIGS = [("libaio", 1, 16), ("libaio", 2, 8), ("psync", 4, 1)]
@@ -116,12 +122,13 @@ def build(variant: str, args: argparse.Namespace):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     placement = VARIANTS[variant]
     if placement is not None:
-        param, opt, grad, overlap = placement
+        param, opt, grad, overlap, in_forward = placement
         config = hetstore.OffloadConfig(
             offload_param=param,
             offload_optimizer=opt,
             offload_grad=grad,
             overlap_step=overlap,
+            step_in_forward=in_forward,
             offload_path=args.offload_path,
             enable_pinned_mem=False,
             device="cpu",
@@ -263,7 +270,7 @@ def summarize(
     engine_bw: dict[str, float],
 ) -> tuple[str, str]:
     """The main table (one row per variant) and the per-phase table of the disk variants."""
-    timed = {v: r[warmup:] for v, r in results.items()}
+    timed = {v: [s for s in r[warmup:] if not s.get("after_gap")] for v, r in results.items()}
     plain = [s["time"] for s in timed["plain"]]
     host = [s["time"] for s in timed["cpu"]] if "cpu" in timed else None
     rows, phase_rows = [], []
@@ -318,6 +325,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8, help="timed steps (after warm-up)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps")
+    parser.add_argument(
+        "--chain",
+        type=int,
+        default=1,
+        help="steps each variant runs back to back per round; the first of each chain is "
+        "not timed (with step_in_forward its forward would find the last steps already "
+        "done in the other variants' turns)",
+    )
     parser.add_argument(
         "--tiny",
         action="store_true",
@@ -405,11 +420,21 @@ def main() -> None:
         )
         print(
             f"# AdamW(fused=True) lr={LR} wd={WEIGHT_DECAY}, fp32; {args.warmup} warm-up + "
-            f"{args.steps} timed steps, lockstep; offload_path under {workdir}"
+            f"{args.steps} timed steps, lockstep"
+            + (
+                f" in chains of {args.chain} (the first of each not timed)"
+                if args.chain > 1
+                else ""
+            )
+            + f"; offload_path under {workdir}"
         )
         print("# build s: " + ", ".join(f"{w.variant} {w.build_s:.1f}" for w in workers))
         results = lockstep(
-            workers, args.warmup + args.steps, warmup=args.warmup, timed_extra=disk.round
+            workers,
+            args.warmup + args.steps,
+            warmup=args.warmup,
+            timed_extra=disk.round,
+            chain=args.chain,
         )
         stats = {w.variant: w.request({"op": "stats"}) for w in workers}
     finally:

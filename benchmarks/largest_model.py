@@ -118,6 +118,16 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _setting(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` from --set: VALUE as JSON where it is JSON (``false``, ``3``), else
+    the string (``512KB``)."""
+    key, value = text.split("=", 1)
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main() -> None:
     args = parse_args()
     Path(args.dir).mkdir(parents=True, exist_ok=True)
@@ -164,7 +174,7 @@ def main() -> None:
         enable_pinned_mem=False,
         device="cpu",
         compute_dtype="fp32",
-        **dict(kv.split("=", 1) for kv in args.set),
+        **dict(_setting(kv) for kv in args.set),
     )
     print(machine_line())
     print(f"model: {described}: {params:,} params")
@@ -290,6 +300,7 @@ def main() -> None:
         else f"w{args.width}_d{args.depth}"
     )
     name = f"largest_model_{shape}_{args.state_format}"
+    name += "_step_after_backward" if args.no_step_in_backward else ""
     name += "_auto.json" if args.auto else ".json"
     if not args.tiny:
         (out / name).write_text(

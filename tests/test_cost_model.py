@@ -261,3 +261,31 @@ def test_host_units_hide_behind_backward_on_a_gpu_and_cost_on_a_cpu():
     assert cost.optimizer_hidden_s == pytest.approx(-copies)
     plan = Plan.build(on_cpu, [ON_HOST] * 5, 1, Capacities(None, None, None), "manual")
     assert "costs" in plan.table() and "host shadows take up to" in plan.table()
+
+
+def test_steps_left_after_backward_hide_behind_the_next_forward_except_the_roots():
+    """``step_in_forward`` without ``overlap_step``: every disk unit's step runs on
+    beside the next forward, which fetches the root first (its step hides behind
+    nothing) and then each block after its own step: a long forward hides the blocks'
+    steps, as a long backward does with ``overlap_step``. With both, backward hides the
+    blocks' and the forward nothing more. On a CPU device the worker's arithmetic counts
+    against it."""
+    choices = [ON_DISK] * 5
+    forward_only = replace(disk_trace(forward_s=10.0), step_overlap=False, step_in_forward=True)
+    serial = estimate(forward_only, choices, 1, overlap=False)
+    in_backward = estimate(disk_trace(forward_s=10.0), choices, 1)  # the root's is left
+    e = estimate(forward_only, choices, 1)
+    assert 0 < in_backward.optimizer_s < serial.optimizer_s
+    assert e.optimizer_s == pytest.approx(in_backward.optimizer_s)
+    assert e.optimizer_hidden_s == pytest.approx(serial.optimizer_s - in_backward.optimizer_s)
+    both = estimate(replace(forward_only, step_overlap=True), choices, 1)
+    assert both.optimizer_s == pytest.approx(in_backward.optimizer_s)
+    assert Trace.from_json(forward_only.to_json()).step_in_forward is True
+
+    on_cpu = replace(disk_trace(10.0, CPU), step_overlap=False, step_in_forward=True)
+    cpu_serial = estimate(on_cpu, choices, 1, overlap=False)
+    cpu = estimate(on_cpu, choices, 1)
+    arithmetic = (4 * 4 * MiB + 2 * MiB) / CPU.host_step  # every unit's, root's too
+    root = Trace(units=(on_cpu.units[-1],), machine=CPU)
+    root_step = estimate(root, [ON_DISK], 1, overlap=False).optimizer_s
+    assert cpu.optimizer_hidden_s == pytest.approx(cpu_serial.optimizer_s - root_step - arithmetic)

@@ -290,6 +290,7 @@ def offload(
             overlap_memory_step=config.overlaps_memory_steps(device),
             root=root,
             step_in_backward=config.step_in_backward,
+            step_in_forward=config.step_in_forward,
             state_format=state_format(config.optimizer_state_format),
             on_step_begin=lambda: profiler.switch("optimizer"),
             on_step=profiler.step_ends,
@@ -298,6 +299,9 @@ def offload(
         optimizer.state.clear()
         runtime.optimizer = weakref.ref(wrapped)  # hetstore.release(model) releases it too
         runtime.step_ahead = wrapped.step_ahead  # told when a unit's gradients are final
+        if wrapped.step_ahead is not None:  # steps in the next forward go in its order
+            use_order = weakref.WeakMethod(runtime.use_order)
+            wrapped.step_ahead.use_order = lambda: use_order()() if use_order() else []
         runtime.grad_norms = wrapped.grad_norms
     return model, wrapped
 

@@ -266,6 +266,20 @@ class OffloadConfig:
         ),
     )
 
+    step_in_forward: bool = field(
+        default=False,
+        metadata=_doc(
+            "Let optimizer.step() return before the steps of units whose optimizer states "
+            "and parameters are on disk are done, and finish them during the next forward: "
+            "each unit's step lands before its next use (forward, a read of its weights, "
+            "state_dict(), p.grad, a checkpoint), so every reader sees the stepped values "
+            "and the result is bitwise the ordinary step's. It hides the steps that "
+            "overlap_step cannot hide in backward: after a clip that bit, the root unit's, "
+            "rollbacks. A step that fails on its thread runs again at that use, and raises "
+            "there if it fails again (not at optimizer.step())."
+        ),
+    )
+
     def __post_init__(self) -> None:
         for key in ("offload_param", "offload_optimizer", "offload_activations"):
             _set(self, key, _tier(key, getattr(self, key)))
@@ -276,6 +290,7 @@ class OffloadConfig:
             "enable_pinned_mem",
             "enable_aio",
             "step_in_backward",
+            "step_in_forward",
         ):
             _check_bool(key, getattr(self, key))
         if not (isinstance(self.overlap_step, bool) or self.overlap_step == "auto"):

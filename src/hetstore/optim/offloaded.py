@@ -62,6 +62,7 @@ class OffloadedOptimizer(Optimizer):
         overlap_memory_step: bool = False,
         root: Unit | None = None,
         step_in_backward: bool = False,
+        step_in_forward: bool = False,
         state_format: StateFormat | None = None,
     ):
         # Optimizer.__init__ gives us live param_groups over the original parameters,
@@ -101,7 +102,7 @@ class OffloadedOptimizer(Optimizer):
         # unsharded; memory units sharded too (a rank steps its own shard, with nothing
         # collective in it)
         ahead = []
-        if overlap_step or self.step_in_backward:
+        if overlap_step or self.step_in_backward or step_in_forward:
             ahead += [s for s in self._unit_steps if eligible(s, s.unit)]
         if overlap_memory_step and not step_in_backward:
             # the root's gradients are final when backward ends: nothing would hide it
@@ -116,7 +117,12 @@ class OffloadedOptimizer(Optimizer):
         self._stepped_ahead: set[int] = set()  # ids of the units this step committed
         if ahead:
             self.step_ahead = StepAhead(
-                ahead, self._hyper, loss_scaler, consume=self.step_in_backward
+                ahead,
+                self._hyper,
+                loss_scaler,
+                consume=self.step_in_backward,
+                speculate=overlap_step or overlap_memory_step,
+                in_forward=step_in_forward,
             )
         # the clip's norms of disk gradients, taken in backward (the runtime tells it
         # when a unit's gradients are final); with or without the step ahead
@@ -334,6 +340,7 @@ class OffloadedOptimizer(Optimizer):
         scaled as the step reads them.
         """
         self._check_alive("clip_grad_norm_")
+        self.finish_steps_in_forward()
         if self.step_in_backward:
             raise ConfigError(
                 "optimizer.clip_grad_norm_(): with step_in_backward=True each unit is stepped "
@@ -424,6 +431,7 @@ class OffloadedOptimizer(Optimizer):
             raise ValueError("OffloadedOptimizer.step does not take a closure")
         if self._on_step_begin is not None:
             self._on_step_begin()
+        self.finish_steps_in_forward()  # the last step's, if no forward came between
         self._check_chunked_state_keys()
         if self._resume_at == 0:
             found_inf = self._unscale()
@@ -446,6 +454,19 @@ class OffloadedOptimizer(Optimizer):
                 self.step_ahead.discard_all()
         if self._resume_at == 0:
             self._refuse_consumed_again()
+        if self.step_ahead is not None:
+            # the rest of the disk units' steps run on during the next forward
+            later = [
+                s
+                for s in self._unit_steps[self._resume_at :]
+                if id(s.unit) not in self._stepped_ahead and isinstance(s, UnitStates)
+            ]
+            for unit_step in later:
+                if unit_step.unit.grads.any():
+                    self._warn_missing(
+                        [e.name for e in unit_step.unit.trainable_entries if not e.has_grad]
+                    )
+            self._stepped_ahead |= self.step_ahead.defer(later, self._factors_for)
         for index in range(self._resume_at, len(self._unit_steps)):
             self._resume_at = index
             unit_step = self._unit_steps[index]
@@ -462,7 +483,7 @@ class OffloadedOptimizer(Optimizer):
             # forward sees move from here, even if the step then fails
             unit.param_version += 1
             if isinstance(unit_step, UnitStates):
-                unit_step.step(self._disk_grad_factors if isinstance(unit.grad, DiskArray) else [])
+                unit_step.step(self._factors_for(unit))
                 continue
             unit.grads.fill_missing()
             for inner, outer in zip(
@@ -477,6 +498,18 @@ class OffloadedOptimizer(Optimizer):
         if self._on_step is not None:
             self._on_step()
         return None
+
+    def _factors_for(self, unit: Unit) -> list:
+        """What the step multiplies ``unit``'s gradients by as it reads them: the clip's
+        and fp16's factors for gradients on disk (in memory they were applied in place)."""
+        return list(self._disk_grad_factors) if isinstance(unit.grad, DiskArray) else []
+
+    def finish_steps_in_forward(self) -> None:
+        """Commit the unit steps still running on from the last ``optimizer.step()``
+        (``step_in_forward``); a no-op otherwise. Everything that reads the optimizer's
+        states, the master or the gradients as a whole calls it first."""
+        if self.step_ahead is not None:
+            self.step_ahead.finish_in_forward()
 
     def _check_chunked_state_keys(self) -> None:
         """States streamed chunk by chunk (on disk, or compact) are arrays laid out at
@@ -575,6 +608,7 @@ class OffloadedOptimizer(Optimizer):
     def state_dict(self) -> dict:
         """Torch's format over the original parameters (indices in param_groups order)."""
         self._check_alive("state_dict")
+        self.finish_steps_in_forward()
         self._refuse_sharded("state_dict")
         state: dict[int, dict] = {}
         groups = []
@@ -633,6 +667,7 @@ class OffloadedOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_alive("load_state_dict")
+        self.finish_steps_in_forward()
         self._refuse_sharded("load_state_dict")
         saved_format = state_dict.get("state_format", "fp32")
         if saved_format != self.state_format.name:
@@ -683,6 +718,7 @@ class OffloadedOptimizer(Optimizer):
     # copies state_dict() makes (see hetstore.checkpoint.training).
     def check_between_steps(self) -> None:
         """Refuse to checkpoint in the middle of a step that failed part-way."""
+        self.finish_steps_in_forward()
         if self._resume_at:
             raise RuntimeError(
                 "a step() failed part-way (some units are stepped, others not): call step() "
@@ -692,6 +728,7 @@ class OffloadedOptimizer(Optimizer):
     def streamed_step_of(self, unit: Unit) -> UnitStates | None:
         """The step that owns ``unit``'s states chunk by chunk (on disk, or in a compact
         format in memory), else None."""
+        self.finish_steps_in_forward()
         for unit_step in self._unit_steps:
             if unit_step.unit is unit:
                 return unit_step if isinstance(unit_step, UnitStates) else None
@@ -701,6 +738,7 @@ class OffloadedOptimizer(Optimizer):
         """``param``'s state without copies: per-element states as views of the flat
         buffers (memory) or :class:`DiskSlice` (disk), the rest as torch keeps it. Empty
         before the parameter's first step, as in torch."""
+        self.finish_steps_in_forward()
         unit_step, start, tensor, entry = self._locate(param)
         if isinstance(unit_step, UnitStates):
             if not unit_step.stepped:
@@ -734,6 +772,7 @@ class OffloadedOptimizer(Optimizer):
         ``step`` the segment's counter (None for SGD). ``create``: per-element keys made
         as zeros where torch has not made them yet (SGD's momentum before its first step).
         Flat optimizers only (the ones sharding allows)."""
+        self.finish_steps_in_forward()
         for unit_step in self._unit_steps:
             if unit_step.unit is not unit:
                 continue

@@ -65,6 +65,7 @@ on the caller's thread.
 from __future__ import annotations
 
 import contextlib
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -77,6 +78,7 @@ from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
 from hetstore.runtime.staging import GradStager, stagers_of
 from hetstore.tiers._hostmem import PAGE_SIZE, round_up
+from hetstore.tiers.flat import DiskArray
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -101,6 +103,8 @@ class SpeculationStats:
     not_started: int = 0  # no disk room for the shadows, or host room for the chunks
     # not tried: the last step's clip bit, so this one's would most likely roll back too
     held_back: int = 0
+    # step_in_forward: unit steps optimizer.step() left to run during the next forward
+    in_forward: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -117,6 +121,20 @@ class _Speculation:
     future: Future | None = field(default=None)
     lent: bool = False  # it reads the gradient stager's buffer: give it back when done
     ok: bool | None = None  # the worker's outcome, once waited for
+
+
+@dataclass
+class _InForward:
+    """A unit's step that ``optimizer.step()`` handed to the worker, committed before the
+    unit's next use (``step_in_forward``): what it steps with, taken at that call."""
+
+    unit_step: StreamedUnitStep
+    hyper: dict[int, dict]
+    multipliers: list  # the ordinary step's factors for gradients on disk (clip, unscale)
+    has_grad: tuple[bool, ...]
+    shadows: ChunkedRewrite | None  # None: run again on the caller's thread
+    future: Future | None = None
+    ok: bool | None = None
 
 
 def eligible(unit_step, unit: Unit) -> bool:
@@ -170,8 +188,19 @@ class StepAhead:
         hyper: Callable[[int], dict],
         loss_scaler=None,
         consume: bool = False,
+        *,
+        speculate: bool = True,
+        in_forward: bool = False,
     ):
         self._steps = {id(s.unit): s for s in unit_steps}
+        # step units during backward (overlap_step, step_in_backward); and finish the
+        # ordinary step of disk units during the next forward (step_in_forward)
+        self.speculate = speculate or consume
+        self.in_forward = in_forward
+        self._in_forward: dict[int, _InForward] = {}  # in the order the worker runs them
+        # the units in the order the next forward uses them (the runtime's), else None
+        self.use_order: Callable[[], list[Unit]] | None = None
+        self._worker_ident: int | None = None
         self._streamed = [s for s in unit_steps if isinstance(s, StreamedUnitStep)]
         self._hyper = hyper
         self._loss_scaler = loss_scaler  # fp16: gradients are unscaled before the step
@@ -201,7 +230,7 @@ class StepAhead:
         # host memory held only to save time: given back when an allocation needs it
         # (activations restored in backward, a later micro-batch's forward)
         self._reclaiming_allowed = True
-        if any(isinstance(s, InMemoryUnitStep) for s in unit_steps):
+        if in_forward or any(isinstance(s, InMemoryUnitStep) for s in unit_steps):
             self._host.reclaim = self._reclaim_host
         # step_in_backward: steps taken in backward and committed, until optimizer.step()
         self.consume = consume
@@ -215,6 +244,7 @@ class StepAhead:
 
     # ------------------------------------------------------------------ runtime events
     def backward_started(self) -> None:
+        self.finish_in_forward()  # the gradients they read are about to be written
         self.backwards += 1
         if self.consume:
             self._check_fresh_backward()
@@ -247,7 +277,9 @@ class StepAhead:
 
     def grads_final(self, unit: Unit) -> None:
         """Backward produced ``unit``'s last gradient: start its speculative step."""
-        if self.consume or self.suspended or self.backwards < self.expected:
+        if not self.speculate or self.consume or self.suspended:
+            return
+        if self.backwards < self.expected:
             return
         self._cancel(id(unit))  # one from an earlier micro-batch: superseded
         if id(unit) not in self._steps:
@@ -459,13 +491,27 @@ class StepAhead:
         (a model dropped between steps leaves no thread behind)."""
         for key in list(self._pending):
             self._cancel(key)
+        self._stop_worker_if_idle()
+
+    def _stop_worker_if_idle(self) -> None:
+        """No speculation and no step in the next forward left: the worker and its
+        buffers go."""
+        if self._pending or self._in_forward:
+            return
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
         self._free_slots()  # the worker is gone: nothing reads them
 
     def close(self) -> None:
-        self.discard_all()
+        try:
+            self.finish_in_forward()
+        except Exception:  # noqa: BLE001 - the model is being released: nothing reads it
+            pass
+        finally:
+            for key in list(self._in_forward):
+                self._forget_in_forward(key)
+            self.discard_all()
         if self._host.reclaim == self._reclaim_host:
             self._host.reclaim = None
         for unit_step in self._steps.values():
@@ -492,6 +538,13 @@ class StepAhead:
             if isinstance(spec.shadows, MemoryShadows):
                 self._cancel(key)
                 return True
+        if self._in_forward and self._slots is not None and not self._pending:
+            # the next forward needs the worker's chunk buffers back: let its steps
+            # finish (they are committed at each unit's use, as always)
+            for record in self._in_forward.values():
+                self._outcome(record)
+            self._free_slots()
+            return True
         return False
 
     @contextlib.contextmanager
@@ -570,6 +623,152 @@ class StepAhead:
                         "the next backward, or set step_in_backward=False"
                     )
 
+    # ------------------------------------------------------------------ in the next forward
+    # step_in_forward: the units optimizer.step() would step after the speculations were
+    # settled (a clip that bit, the root, rollbacks) are stepped by the worker while the
+    # caller goes on to the next forward; each commits before its unit's next use. The
+    # ordinary step's arithmetic and inputs exactly (the group values, flags and factors
+    # of that call), into shadows; nothing anyone reads changes before the commit.
+    def defer(self, unit_steps: list, multipliers: Callable[[Unit], list]) -> set[int]:
+        """At ``optimizer.step()``: hand the steps of ``unit_steps`` that can run during
+        the next forward to the worker, in the order that forward uses them; the ids of
+        their units (the others are the caller's to step now)."""
+        if not self.in_forward:
+            return set()
+        order = {id(u): i for i, u in enumerate(self.use_order() if self.use_order else [])}
+        candidates = [s for s in unit_steps if self._can_defer(s)]
+        candidates.sort(key=lambda s: order.get(id(s.unit), len(order)))
+        started: set[int] = set()
+        with self._own_allocations():
+            for unit_step in candidates:
+                if self._start_in_forward(unit_step, multipliers(unit_step.unit)):
+                    started.add(id(unit_step.unit))
+        return started
+
+    def _can_defer(self, unit_step) -> bool:
+        unit = unit_step.unit
+        return (
+            id(unit) in self._steps
+            and eligible(unit_step, unit)
+            and not unit.materialized  # a device copy would be stale until the commit
+            and not unit.home_stale
+            and unit.grads.any()
+        )
+
+    def _start_in_forward(self, unit_step: StreamedUnitStep, multipliers: list) -> bool:
+        unit = unit_step.unit
+        if not self._disk.would_fit(unit_step.shadow_bytes + self._disk_reserve):
+            return False  # (the ordinary step needs one shadow's room: the reserve)
+        if unit.grad_stager is not None:
+            unit.grad_stager.finish()  # backward's gradient writes, and their errors
+        if isinstance(unit.grad, torch.Tensor):
+            unit.grads.fill_missing()  # what the ordinary step does to the live buffer
+        slots = self._worker_slots()
+        if slots is None:
+            return False
+        try:
+            rewrite = unit_step.begin_speculation()
+        except OutOfTierMemory:
+            return False
+        record = _InForward(
+            unit_step,
+            self._hyper_now(unit),
+            list(multipliers),
+            unit.grads.state().has_grad,
+            rewrite,
+        )
+        try:
+            record.future = self._pool().submit(
+                unit_step.run_in_forward,
+                rewrite,
+                slots,
+                record.hyper,
+                record.multipliers,
+                record.has_grad,
+            )
+        except BaseException:
+            rewrite.discard()
+            raise
+        self._in_forward[id(unit)] = record
+        self._gate(unit_step, lambda: self._finish_from_reader(unit))
+        unit.pending_step = self.finish_unit_in_forward
+        self.stats.in_forward += 1
+        return True
+
+    @staticmethod
+    def _arrays_of(unit_step: StreamedUnitStep) -> list:
+        unit = unit_step.unit
+        arrays = [unit.master, *unit_step.states.values(), *unit_step.scales.values()]
+        arrays += [a for a in (unit.home, unit.grad) if isinstance(a, DiskArray)]
+        return arrays
+
+    def _gate(self, unit_step: StreamedUnitStep, gate: Callable[[], None] | None) -> None:
+        for array in self._arrays_of(unit_step):
+            array.before_read = gate
+
+    def _finish_from_reader(self, unit: Unit) -> None:
+        """A disk read of one of ``unit``'s arrays: its step lands first, unless the
+        read is the worker's own (the step reading its inputs)."""
+        if threading.get_ident() != self._worker_ident:
+            self.finish_unit_in_forward(unit)
+
+    def finish_in_forward(self) -> None:
+        """Commit every step running in the next forward (waiting for the worker)."""
+        for record in list(self._in_forward.values()):
+            self.finish_unit_in_forward(record.unit_step.unit)
+
+    def finish_unit_in_forward(self, unit: Unit) -> None:
+        """Wait for ``unit``'s step in the next forward and commit it. One the worker
+        could not finish is run again here, the ordinary way, with the same inputs; if
+        that fails too the error is raised and the step stays pending (every later use
+        of the unit tries it again: nothing sees the unit as stepped until it is)."""
+        record = self._in_forward.get(id(unit))
+        if record is None:
+            return
+        unit_step = record.unit_step
+        # this thread's own reads and rewrites below go through
+        self._gate(unit_step, None)
+        unit.pending_step = None
+        try:
+            ok = self._outcome(record)
+            if ok and record.shadows is not None:
+                unit_step.commit_speculation(record.shadows)
+                record.shadows = None
+            else:
+                if record.shadows is not None:
+                    record.shadows.discard()
+                    record.shadows = None
+                unit_step.step(record.multipliers, hyper=record.hyper, has_grad=record.has_grad)
+        except BaseException as exc:
+            self._gate(unit_step, lambda: self._finish_from_reader(unit))
+            unit.pending_step = self.finish_unit_in_forward
+            exc.add_note(
+                f"hetstore: the optimizer step of unit {unit.name!r}, run on during the next "
+                "forward (step_in_forward=True), failed; the unit keeps its weights from "
+                "before that step, and its next use runs the step again"
+            )
+            raise
+        self._forget_in_forward(id(unit))
+        self._stop_worker_if_idle()
+
+    def _forget_in_forward(self, key: int) -> None:
+        record = self._in_forward.pop(key)
+        if record.shadows is not None:
+            self._outcome(record)  # never discard under the worker
+            record.shadows.discard()
+        self._gate(record.unit_step, None)
+        record.unit_step.unit.pending_step = None
+
+    @staticmethod
+    def _outcome(record: _InForward) -> bool:
+        if record.ok is None:
+            try:
+                record.future.result()
+                record.ok = True
+            except Exception:  # noqa: BLE001 - run again on the caller's thread
+                record.ok = False
+        return record.ok
+
     # ------------------------------------------------------------------ internals
     def _drop(self, unit: Unit) -> None:
         """The unit's master or states are about to be rewritten outside a step."""
@@ -635,8 +834,13 @@ class StepAhead:
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="hetstore-step-ahead")
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix="hetstore-step-ahead", initializer=self._mark_worker
+            )
         return self._executor
+
+    def _mark_worker(self) -> None:
+        self._worker_ident = threading.get_ident()
 
     def _worker_slots(self) -> list[dict[str, torch.Tensor]] | None:
         """The worker's chunk buffers (one worker: one set of sets for every unit), made

@@ -286,8 +286,17 @@ class StreamedUnitStep(UnitStates):
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, grad_multipliers: list) -> None:
-        """Step every segment of the unit; all-or-nothing (see module doc)."""
+    def step(
+        self,
+        grad_multipliers: list,
+        *,
+        hyper: dict | None = None,
+        has_grad: tuple[bool, ...] | None = None,
+    ) -> None:
+        """Step every segment of the unit; all-or-nothing (see module doc). ``hyper`` and
+        ``has_grad``: the group values and gradient flags taken when the step was called
+        (a step finished in the next forward that failed on the worker runs again here,
+        after ``zero_grad`` or a scheduler may have changed the live ones)."""
         unit = self.unit
         grad_on_disk = isinstance(unit.grad, DiskArray)
         if unit.grad_stager is not None:
@@ -295,14 +304,15 @@ class StreamedUnitStep(UnitStates):
         rewrite = self.new_rewrite()
         names = self.slot_names() if grad_on_disk else self.state_slot_names(rewrite)
         count = self.slot_sets
-        hyper = {s.group: self.hyper(s.group) for s in unit.segments}
+        if hyper is None:
+            hyper = {s.group: self.hyper(s.group) for s in unit.segments}
         try:
             sets, buffers = self._slot_sets(count, names, self.longest_chunk)
         except BaseException:
             rewrite.discard()
             raise
         try:
-            read, fill = self._pipeline(grad_multipliers, hyper, rewrite)
+            read, fill = self._pipeline(grad_multipliers, hyper, rewrite, has_grad=has_grad)
             rewrite.run(self._chunks, sets, fill, read)
         finally:
             for buffer in buffers:
@@ -423,6 +433,23 @@ class StreamedUnitStep(UnitStates):
         read, fill = self._pipeline(multipliers, hyper, rewrite, grads, speculative=True)
         rewrite.write(self._chunks, slots, fill, read)
 
+    @torch.no_grad()
+    def run_in_forward(
+        self,
+        rewrite: ChunkedRewrite,
+        slots: list,
+        hyper: dict,
+        multipliers: list,
+        has_grad: tuple[bool, ...],
+    ) -> None:
+        """Any thread: the step :meth:`step` would take now, into ``rewrite``'s shadows,
+        finished while the next forward runs (:meth:`StepAhead.defer`): the same group
+        values ``hyper``, gradient flags ``has_grad`` and ``multipliers`` (clip, unscale)
+        as that step, from the gradients where they are (missing ones in memory were
+        zeroed before, as the ordinary step zeroes them)."""
+        read, fill = self._pipeline(multipliers, hyper, rewrite, has_grad=has_grad, in_forward=True)
+        rewrite.write(self._chunks, slots, fill, read)
+
     def commit_speculation(self, rewrite: ChunkedRewrite) -> None:
         rewrite.commit()
         self._count_step()
@@ -434,6 +461,8 @@ class StreamedUnitStep(UnitStates):
         rewrite: ChunkedRewrite,
         grads: torch.Tensor | None = None,
         speculative: bool = False,
+        has_grad: tuple[bool, ...] | None = None,
+        in_forward: bool = False,
     ):
         unit = self.unit
         if grads is None and isinstance(unit.grad, torch.Tensor):
@@ -459,17 +488,34 @@ class StreamedUnitStep(UnitStates):
             if c.segment is not None and c.step_end > c.start:
                 master = slot["master"][: c.end - c.start]
                 grad = slot["grad"] if grad_on_disk else grads[c.start : c.step_end]
-                self._step_chunk(c, slot, master, grad, grad_multipliers, hyper, speculative)
+                if in_forward and not grad_on_disk:
+                    # the live buffer, zeroed where missing before: read only, and the
+                    # fused step must not move its version counter from this thread
+                    grad = own_version_counter(grad)
+                fill = not (in_forward and not grad_on_disk)
+                self._step_chunk(
+                    c, slot, master, grad, grad_multipliers, hyper, speculative, fill, has_grad
+                )
             if compact:
                 self.encode_chunk(rewrite, slot, c.start, n_state)
 
         return read, fill
 
     def _step_chunk(
-        self, c: _Chunk, slot, master, grad, multipliers, hyper: dict, speculative: bool
+        self,
+        c: _Chunk,
+        slot,
+        master,
+        grad,
+        multipliers,
+        hyper: dict,
+        speculative: bool,
+        fill: bool = True,
+        has_grad: tuple[bool, ...] | None = None,
     ) -> None:
         """Step elements ``[c.start, c.step_end)``: ``master`` and ``grad`` start at
-        ``c.start`` (the slot's buffers, or a view of gradients in memory)."""
+        ``c.start`` (the slot's buffers, or a view of gradients in memory). ``fill``: zero
+        the missing gradients, by the flags ``has_grad`` (None: the live ones)."""
         unit = self.unit
         n = c.step_end - c.start
         grad = grad[:n]
@@ -481,8 +527,8 @@ class StreamedUnitStep(UnitStates):
                 grad = torch.mul(grad, multipliers[0], out=slot["grad"][:n])
                 multipliers = multipliers[1:]
             grad = own_version_counter(grad)
-        else:
-            unit.grads.fill_missing(grad, c.start)  # like the in-memory step: zeros
+        elif fill:
+            unit.grads.fill_missing(grad, c.start, has_grad)  # like the in-memory step: zeros
         for m in multipliers:
             grad.mul_(m)
         fp32 = "" if self.format.exact else " fp32"  # the slot buffers stepped in fp32

@@ -41,6 +41,10 @@ Time (seconds per step)
   finishes it last). On a CPU device the worker's arithmetic takes cores from backward,
   so it is not counted as hidden. ``optimizer_s`` is what is left; ``optimizer_hidden_s``
   what the overlap took off the step.
+  With ``step_in_forward`` what is left of those units' steps (all of them without
+  ``overlap_step``, else the root's) runs on beside the next forward, in its order: each
+  unit's forward waits for its own step, so the root's (first) hides behind nothing.
+  On a CPU device the worker's arithmetic again counts against it.
 """
 
 from __future__ import annotations
@@ -359,6 +363,34 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
     return max(-copies, hidden)
 
 
+def _hidden_behind_forward(trace: Trace, choices, steps: list[float]) -> float:
+    """Seconds of the disk units' steps left after backward that the next forward hides
+    (``step_in_forward``; module doc). May be negative on a CPU device."""
+    units, m = trace.units, trace.machine
+    left = [0.0] * len(units)
+    arithmetic = 0.0
+    for k, (u, c) in enumerate(zip(units, choices, strict=True)):
+        if _stepped_ahead(u, c) and u.trainable_numel > 0 and not trace.step_in_backward:
+            if u.is_root or not trace.step_overlap:
+                left[k] = steps[k]
+                arithmetic += _host_step_s(u, m)
+    if not any(left):
+        return 0.0
+    order = [k for k, u in enumerate(units) if u.is_root]  # fetched first
+    order += [k for k, u in enumerate(units) if not u.is_root]
+    clock = worker = waited = 0.0
+    for k in order:
+        if left[k]:
+            worker += left[k]  # the worker starts when optimizer.step() returns
+            waited += max(0.0, worker - clock)
+            clock = max(clock, worker)
+        clock += _compute_s(units[k], trace) - _backward_s(units[k], trace)
+    hidden = sum(left) - waited
+    if m.device == "cpu":  # its arithmetic shares the forward's cores
+        hidden -= arithmetic
+    return hidden
+
+
 def times(
     trace: Trace, choices: list[UnitChoice], depth: int, overlap: bool | None = None
 ) -> tuple[float, ...]:
@@ -366,7 +398,12 @@ def times(
     it) seconds of ``choices`` (see module doc); ``overlap`` (``overlap_step``) defaults
     to the trace's."""
     if overlap is None:
-        overlap = trace.step_overlap or trace.step_in_backward or trace.step_overlap_memory
+        overlap = (
+            trace.step_overlap
+            or trace.step_in_backward
+            or trace.step_overlap_memory
+            or trace.step_in_forward
+        )
     m = trace.machine
     compute = stall = overlappable = 0.0
     fill = 0.0
@@ -432,7 +469,11 @@ def times(
             if c.param == Tier.DEVICE:
                 steps[-1] += u.param_bytes / m.to_device
     exposed = max(0.0, overlappable - compute) + (fill / depth if depth else 0.0)
-    hidden = _hidden_behind_backward(trace, choices, steps) if overlap else 0.0
+    hidden = 0.0
+    if overlap:
+        hidden = _hidden_behind_backward(trace, choices, steps)
+        if trace.step_in_forward:
+            hidden += _hidden_behind_forward(trace, choices, steps)
     return compute, stall, exposed, sum(steps) - hidden, hidden
 
 

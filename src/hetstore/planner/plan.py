@@ -173,7 +173,8 @@ class Plan:
         lines.append(confidence(e))
         if e.optimizer_hidden_s > 0:
             lines.append(
-                f"stepping units during backward (overlap_step) hides "
+                f"stepping units beside backward (overlap_step) or the next forward "
+                f"(step_in_forward) hides "
                 f"{e.optimizer_hidden_s * 1e3:.1f} ms of the optimizer step; without it the "
                 f"step would take {e.step_without_overlap_s * 1e3:.1f} ms"
             )

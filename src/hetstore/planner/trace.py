@@ -125,6 +125,9 @@ class Trace:
     # ``step_in_backward``: those units are stepped inside backward from gradients in
     # memory, which never reach the disk (no gradient bytes there, nor their traffic)
     step_in_backward: bool = False
+    # ``step_in_forward``: what is left of the disk units' steps after backward runs on
+    # beside the next forward (each before its unit's forward)
+    step_in_forward: bool = False
     # where the units' compute times come from: "flops" (counted FLOPs at the probed
     # matmul rate), "probed" / "partly probed" (planner.probe timed one unit of each
     # kind, or some kinds, for real); ``measured`` (the profiled steps) overrides it
@@ -161,6 +164,7 @@ class Trace:
             "step_overlap",
             "step_overlap_memory",
             "step_in_backward",
+            "step_in_forward",
             "compute_basis",
         )
         rest = {k: data[k] for k in keys if k in data}

@@ -83,6 +83,7 @@ def model_data_trace(
         machine=machine,
         buffer_bytes=buffers,
         step_overlap=config.overlaps_disk_steps,
+        step_in_forward=config.step_in_forward,
         step_overlap_memory=config.overlaps_memory_steps(machine.device if machine else "cpu"),
         step_in_backward=config.step_in_backward,
     )

@@ -189,16 +189,25 @@ class GradSink:
             entry.has_grad = False
         self.consumed = False
 
-    def fill_missing(self, grad: torch.Tensor | None = None, start: int = 0) -> list[str]:
+    def fill_missing(
+        self,
+        grad: torch.Tensor | None = None,
+        start: int = 0,
+        has_grad: tuple[bool, ...] | None = None,
+    ) -> list[str]:
         """Zero the slices of parameters that got no gradient; return their names.
 
         ``grad`` is the gradient buffer, or a chunk of it starting at element ``start``.
+        ``has_grad``: the flags as they were when a step was started (``state().has_grad``;
+        ``zero_grad`` may clear the live ones while a step in the next forward runs).
         """
         grad = self.buffer if grad is None else grad
         end = start + grad.numel()
+        entries = self._unit.trainable_entries
+        flags = has_grad if has_grad is not None else [e.has_grad for e in entries]
         missing = []
-        for entry in self._unit.trainable_entries:
-            if not entry.has_grad:
+        for entry, present in zip(entries, flags, strict=True):
+            if not present:
                 a, b = max(entry.offset, start), min(entry.offset + entry.numel, end)
                 if a < b:
                     grad[a - start : b - start].zero_()

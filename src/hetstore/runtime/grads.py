@@ -139,6 +139,7 @@ class GradContract:
         """A view of the gradient buffer. Handing one out counts as changing the
         gradients (``Unit.grads.version``): ``.data`` of it, or ``.numpy()``, changes them
         past its version counter, so a step taken ahead from them is not kept."""
+        unit.finish_pending_step()  # (step_in_forward) it reads them: a write must wait
         unit.grads.wait_copies()  # mid-backward, a gradient may still be crossing
         if unit.shards is not None:
             raise GradientAccessError(

@@ -387,6 +387,11 @@ class OffloadRuntime:
             self.step_ahead.backward_ended()  # commits the steps taken in backward
         self._mark("other")
 
+    def use_order(self) -> list[Unit]:
+        """The units in the order a forward fetches them: the root first, then the order
+        the first forward recorded."""
+        return ([self.root] if self.root is not None else []) + self.order
+
     # ------------------------------------------------------------------ prefetch
     def _fetch(self, unit: Unit) -> None:
         unit.fetch(self.copy_stream)

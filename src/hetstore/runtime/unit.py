@@ -132,7 +132,17 @@ class Unit:
         # called by before_state_change: the optimizer's step ahead drops a speculation
         # of this unit first, so that its worker never reads arrays being replaced
         self.before_rewrite: Callable[[Unit], None] | None = None
+        # set while the unit's optimizer step runs on during the next forward
+        # (``step_in_forward``): finishes and commits it. Every use of the unit's
+        # parameters, master, states or gradients calls it first (fetch, a released
+        # parameter's read, p.grad, a rewrite; disk reads through DiskArray.before_read)
+        self.pending_step: Callable[[Unit], None] | None = None
         self._build(defer_disk_grad)
+
+    def finish_pending_step(self) -> None:
+        """Let a step still running for this unit (``step_in_forward``) land first."""
+        if self.pending_step is not None:
+            self.pending_step(self)
 
     @property
     def closed(self) -> bool:
@@ -305,6 +315,7 @@ class Unit:
         """Before the master or the optimizer states are written: a step taken ahead
         from the old ones goes first (its worker must not read arrays being written),
         and the version moves even if the write then fails."""
+        self.finish_pending_step()
         self.state_version += 1
         if self.before_rewrite is not None:
             self.before_rewrite(self)
@@ -536,6 +547,7 @@ class Unit:
         With a CUDA ``stream`` the copy is issued there and ``ready_event`` records it;
         ``wait_ready`` makes the compute stream wait before use.
         """
+        self.finish_pending_step()
         if self.materialized:
             return
         if self.home_stale:  # a failed step left the disk copy behind the master
@@ -587,6 +599,7 @@ class Unit:
         """One parameter's current value as forward sees it (compute dtype, on the
         device, a fresh tensor), for a read while the unit is released: from ``home``
         (from the master while a disk home is behind it)."""
+        self.finish_pending_step()
         start, n = entry.offset, entry.numel
         source, dtype = self.home, self.compute_dtype
         if self.home_stale and start < self.master_numel:
@@ -613,7 +626,12 @@ class Unit:
 
     def prefetch(self) -> None:
         """Start bringing the parameters closer without waiting: a disk read into staging."""
-        if isinstance(self.home, DiskArray) and not self.materialized and not self.home_stale:
+        if (
+            isinstance(self.home, DiskArray)
+            and not self.materialized
+            and not self.home_stale
+            and self.pending_step is None  # its home is about to change: read it after
+        ):
             self.param_stager.prefetch(self)
 
     def wait_ready(self) -> None:

@@ -22,6 +22,7 @@ starts at such a multiple.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,11 @@ def wait_all_quiet(handles: list) -> None:
 class DiskArray:
     """``numel`` elements of ``dtype`` in one region of ``disk``."""
 
+    # called before every read while a step that will replace this array's contents
+    # runs on another thread (hetstore.optim.step_ahead, step_in_forward): it lets that
+    # step land first, so no reader sees the values it replaces
+    before_read: Callable[[], None] | None = None
+
     def __init__(self, disk: DiskTier, numel: int, dtype: torch.dtype, label: str):
         self.disk = disk
         self.numel = numel
@@ -116,6 +122,8 @@ class DiskArray:
         for first, so a read always sees the last write.
         """
         self._check(buffer, start)
+        if self.before_read is not None:
+            self.before_read()
         self.wait_writes()
         if not self.written:
             buffer.zero_()

@@ -1,0 +1,188 @@
+"""``step_in_forward``: the disk units' steps that ``optimizer.step()`` would run after
+backward run on during the next forward, each committed before its unit's next use.
+
+Reference: the same offloaded model without it (the ordinary streamed step), compared
+bitwise: the worker runs the same chunks through the same fused kernel with the group
+values, gradient flags and factors of the ``optimizer.step()`` call, so anything but
+equality is a bug. The ordinary step itself is checked against plain PyTorch elsewhere
+(tests/test_disk_offload.py, TIGHT).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hetstore
+from hetstore.errors import ConfigError
+from hetstore.optim.streamed import StreamedUnitStep
+from tests.models.gpt import batches
+from tests.test_step_ahead import (
+    assert_bitwise,
+    assert_same_optimizer_state,
+    config,
+    fresh,
+    train,
+)
+
+GRADS = pytest.mark.parametrize("grad", ["cpu", "disk"])
+
+
+def offloaded(tmp_path, name: str, grad: str, in_forward: bool, overlap=False, make=None):
+    model, opt = fresh(make) if make is not None else fresh()
+    where = tmp_path / name
+    cfg = config(where, overlap, grad, step_in_forward=in_forward)
+    return hetstore.offload(model, opt, cfg)
+
+
+def units_of(model) -> int:
+    return len(hetstore.state_of(model).runtime.units)
+
+
+@GRADS
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip-bites"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["alone", "with-overlap_step"])
+def test_steps_in_the_next_forward_train_bitwise_like_the_ordinary_step(
+    tmp_path, grad, clip, overlap
+):
+    data = batches(4, vocab=64)
+    on, on_opt = offloaded(tmp_path, "on", grad, True, overlap)
+    off, off_opt = offloaded(tmp_path, "off", grad, False, overlap)
+    on_losses = train(on, on_opt, data, clip=clip)
+    off_losses = train(off, off_opt, data, clip=clip)
+    assert on_losses == off_losses
+    assert_bitwise(on, off)
+    assert_same_optimizer_state(on_opt, off_opt)
+    stats = on_opt.speculation_stats
+    # every unit step that was not committed in backward ran in the next forward
+    assert stats["in_forward"] + stats["committed"] == units_of(on) * len(data)
+    if clip is not None or not overlap:  # a clip that bites: none is kept from backward
+        assert stats["committed"] == 0
+        assert stats["in_forward"] == units_of(on) * len(data)
+    assert not on_opt.step_ahead._in_forward  # state_dict() above committed the last ones
+
+
+@GRADS
+def test_every_reader_between_step_and_forward_sees_the_stepped_values(tmp_path, grad):
+    """Right after optimizer.step() (steps still pending): the model's and the
+    optimizer's state_dict(), a released parameter's value and, with gradients in
+    memory, p.grad read what the ordinary step left, and the next step trains on."""
+    data = batches(3, vocab=64)
+    on, on_opt = offloaded(tmp_path, "on", grad, True)
+    off, off_opt = offloaded(tmp_path, "off", grad, False)
+    for x, y in data:
+        for model, opt in ((on, on_opt), (off, off_opt)):
+            model(x, y).backward()
+            opt.clip_grad_norm_(0.05)
+            opt.step()
+        assert on_opt.step_ahead._in_forward, "nothing was left to the next forward"
+        weight = next(p for n, p in on.named_parameters() if "blocks.1" in n)
+        weight_off = dict(off.named_parameters())[
+            next(n for n, p in on.named_parameters() if p is weight)
+        ]
+        assert torch.equal(weight.detach().clone(), weight_off.detach().clone())
+        if grad == "cpu":
+            assert torch.equal(weight.grad, weight_off.grad)
+        assert_bitwise(on, off)
+        assert_same_optimizer_state(on_opt, off_opt)
+        for opt in (on_opt, off_opt):
+            opt.zero_grad()
+    assert on_opt.speculation_stats["in_forward"] == units_of(on) * len(data)
+
+
+def test_zero_grad_and_a_scheduler_right_after_step_do_not_reach_the_pending_steps(tmp_path):
+    """zero_grad() clears the flags and the scheduler changes the lr while the steps
+    still run: they step with the flags and values of the optimizer.step() call."""
+    data = batches(4, vocab=64)
+    results = []
+    for in_forward in (True, False):
+        model, opt = offloaded(tmp_path, f"{in_forward}", "cpu", in_forward)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        losses = []
+        for x, y in data:
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            model.zero_grad(set_to_none=False)  # torch's zero_() through p.grad
+            opt.zero_grad()
+            scheduler.step()
+        results.append((model, opt, losses))
+    (on, on_opt, on_losses), (off, off_opt, off_losses) = results
+    assert on_losses == off_losses
+    assert_bitwise(on, off)
+    assert_same_optimizer_state(on_opt, off_opt)
+
+
+def test_a_step_that_fails_on_the_worker_runs_again_at_the_units_use(tmp_path, monkeypatch):
+    data = batches(3, vocab=64)
+    failed = []
+    original = StreamedUnitStep.run_in_forward
+
+    def failing_once(self, *args, **kwargs):
+        if not failed:
+            failed.append(self.unit.name)
+            raise OSError("injected: the worker's write failed")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(StreamedUnitStep, "run_in_forward", failing_once)
+    on, on_opt = offloaded(tmp_path, "on", "disk", True)
+    off, off_opt = offloaded(tmp_path, "off", "disk", False)
+    assert train(on, on_opt, data, clip=0.05) == train(off, off_opt, data, clip=0.05)
+    assert failed
+    assert_bitwise(on, off)
+    assert_same_optimizer_state(on_opt, off_opt)
+
+
+def test_a_step_that_keeps_failing_raises_at_the_use_and_loses_nothing(tmp_path, monkeypatch):
+    """The worker's step and the retry both fail: the next forward raises, naming the
+    unit and step_in_forward; the unit keeps its weights from before the step; once the
+    fault is gone the next use steps it and training goes on exactly."""
+    data = batches(3, vocab=64)
+    on, on_opt = offloaded(tmp_path, "on", "disk", True)
+    off, off_opt = offloaded(tmp_path, "off", "disk", False)
+    runtime = hetstore.state_of(on).runtime
+    target = next(u for u in runtime.units if u is not runtime.root)
+
+    def master_on_disk() -> torch.Tensor:  # read past the gate: what is there now
+        out = torch.empty(target.master.numel)
+        target.master.disk.read(target.master.region, out).wait()
+        return out
+
+    fault = {"on": True}
+    run, step = StreamedUnitStep.run_in_forward, StreamedUnitStep.step
+
+    def guard(original):
+        def call(self, *args, **kwargs):
+            if self.unit is target and fault["on"]:
+                raise OSError("injected: no space left on device")
+            return original(self, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(StreamedUnitStep, "run_in_forward", guard(run))
+    monkeypatch.setattr(StreamedUnitStep, "step", guard(step))
+    before = master_on_disk()
+    x, y = data[0]
+    for model, opt in ((on, on_opt), (off, off_opt)):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises(OSError, match="no space left") as failure:
+        on(*data[1])
+    assert any(
+        "step_in_forward" in note and target.name in note for note in failure.value.__notes__
+    )
+    assert target.pending_step is not None  # still to be done
+    assert torch.equal(master_on_disk(), before)  # nothing half-written in its place
+    fault["on"] = False
+    losses_on = train(on, on_opt, data[1:])
+    losses_off = train(off, off_opt, data[1:])
+    assert losses_on == losses_off
+    assert_bitwise(on, off)
+    assert_same_optimizer_state(on_opt, off_opt)
+
+
+def test_step_in_forward_takes_true_or_false_only():
+    with pytest.raises(ConfigError, match="step_in_forward"):
+        hetstore.OffloadConfig(step_in_forward="yes")
