@@ -454,7 +454,7 @@ class OffloadedOptimizer(Optimizer):
                 self.step_ahead.discard_all()
         if self._resume_at == 0:
             self._refuse_consumed_again()
-        if self.step_ahead is not None:
+        if self.step_ahead is not None and self.step_ahead.in_forward:
             # the rest of the disk units' steps run on during the next forward
             later = [
                 s
@@ -466,7 +466,8 @@ class OffloadedOptimizer(Optimizer):
                     self._warn_missing(
                         [e.name for e in unit_step.unit.trainable_entries if not e.has_grad]
                     )
-            self._stepped_ahead |= self.step_ahead.defer(later, self._factors_for)
+            # (recorded as each starts: a step resumed after a failure here skips them)
+            self.step_ahead.defer(later, self._factors_for, self._stepped_ahead)
         for index in range(self._resume_at, len(self._unit_steps)):
             self._resume_at = index
             unit_step = self._unit_steps[index]

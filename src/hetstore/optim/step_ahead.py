@@ -629,21 +629,22 @@ class StepAhead:
     # caller goes on to the next forward; each commits before its unit's next use. The
     # ordinary step's arithmetic and inputs exactly (the group values, flags and factors
     # of that call), into shadows; nothing anyone reads changes before the commit.
-    def defer(self, unit_steps: list, multipliers: Callable[[Unit], list]) -> set[int]:
+    def defer(
+        self, unit_steps: list, multipliers: Callable[[Unit], list], started: set[int]
+    ) -> None:
         """At ``optimizer.step()``: hand the steps of ``unit_steps`` that can run during
-        the next forward to the worker, in the order that forward uses them; the ids of
-        their units (the others are the caller's to step now)."""
+        the next forward to the worker, in the order that forward uses them, adding the
+        id of each unit to ``started`` as it starts (the others are the caller's to step
+        now)."""
         if not self.in_forward:
-            return set()
+            return
         order = {id(u): i for i, u in enumerate(self.use_order() if self.use_order else [])}
         candidates = [s for s in unit_steps if self._can_defer(s)]
         candidates.sort(key=lambda s: order.get(id(s.unit), len(order)))
-        started: set[int] = set()
         with self._own_allocations():
             for unit_step in candidates:
                 if self._start_in_forward(unit_step, multipliers(unit_step.unit)):
                     started.add(id(unit_step.unit))
-        return started
 
     def _can_defer(self, unit_step) -> bool:
         unit = unit_step.unit
