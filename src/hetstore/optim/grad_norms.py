@@ -10,10 +10,10 @@ the disk scan reads (:class:`~hetstore.optim.streamed.ChunkNorms`) -- so the cli
 total is the same bits recorded or scanned, with or without ``overlap_step``.
 
 A record holds while the unit's gradients are unchanged since (``GradSink.state()``:
-gradients added, in-place changes, the has-grad flags): a later micro-batch, or a write through ``p.grad``, makes the clip scan
-the disk as before. The buffer holds the whole accumulated gradient (the stager reads
-earlier micro-batches' sums in before adding), so a record taken at any micro-batch is
-exact for it.
+gradients added, in-place changes, the has-grad flags): a later micro-batch, or a write
+through ``p.grad``, makes the clip scan the disk as before. The buffer holds the whole
+accumulated gradient (the stager reads earlier micro-batches' sums in before adding), so
+a record taken at any micro-batch is exact for it.
 """
 
 from __future__ import annotations

@@ -463,9 +463,7 @@ class OffloadedOptimizer(Optimizer):
             ]
             for unit_step in later:
                 if unit_step.unit.grads.any():
-                    self._warn_missing(
-                        [e.name for e in unit_step.unit.trainable_entries if not e.has_grad]
-                    )
+                    self._warn_missing(unit_step.unit)
             # (recorded as each starts: a step resumed after a failure here skips them)
             self.step_ahead.defer(later, self._factors_for, self._stepped_ahead)
         for index in range(self._resume_at, len(self._unit_steps)):
@@ -479,7 +477,7 @@ class OffloadedOptimizer(Optimizer):
                 continue
             if not unit.grads.any():
                 continue  # like torch: parameters without a gradient are not stepped
-            self._warn_missing([e.name for e in unit.trainable_entries if not e.has_grad])
+            self._warn_missing(unit)
             # an in-memory master that is also the home changes in place: the values
             # forward sees move from here, even if the step then fails
             unit.param_version += 1
@@ -553,7 +551,8 @@ class OffloadedOptimizer(Optimizer):
                 "zero_grad() and run a backward before the next step"
             )
 
-    def _warn_missing(self, names: list[str]) -> None:
+    def _warn_missing(self, unit: Unit) -> None:
+        names = [e.name for e in unit.trainable_entries if not e.has_grad]
         new = [n for n in names if n not in self._warned_missing]
         if new:
             self._warned_missing.update(new)

@@ -259,7 +259,7 @@ class StepAhead:
         """Whether this thread must wait for a unit's gradient copies when its backward
         is done: a disk unit's step reads the stager's buffer from here. (A memory unit's
         step waits for them on the worker, so that backward goes on queueing work.)"""
-        return bool(self._streamed)
+        return self.speculate and bool(self._streamed)
 
     def consume_grads(self, unit: Unit) -> bool:
         """step_in_backward: backward produced ``unit``'s last gradient; step it now from
@@ -277,9 +277,7 @@ class StepAhead:
 
     def grads_final(self, unit: Unit) -> None:
         """Backward produced ``unit``'s last gradient: start its speculative step."""
-        if not self.speculate or self.consume or self.suspended:
-            return
-        if self.backwards < self.expected:
+        if not self.speculate or self.consume or self.suspended or self.backwards < self.expected:
             return
         self._cancel(id(unit))  # one from an earlier micro-batch: superseded
         if id(unit) not in self._steps:
@@ -542,7 +540,7 @@ class StepAhead:
             # the next forward needs the worker's chunk buffers back: let its steps
             # finish (they are committed at each unit's use, as always)
             for record in self._in_forward.values():
-                self._outcome(record)
+                self._wait_worker(record)
             self._free_slots()
             return True
         return False
@@ -691,8 +689,7 @@ class StepAhead:
             rewrite.discard()
             raise
         self._in_forward[id(unit)] = record
-        self._gate(unit_step, lambda: self._finish_from_reader(unit))
-        unit.pending_step = self.finish_unit_in_forward
+        self._arm(unit_step, True)
         self.stats.in_forward += 1
         return True
 
@@ -703,9 +700,14 @@ class StepAhead:
         arrays += [a for a in (unit.home, unit.grad) if isinstance(a, DiskArray)]
         return arrays
 
-    def _gate(self, unit_step: StreamedUnitStep, gate: Callable[[], None] | None) -> None:
+    def _arm(self, unit_step: StreamedUnitStep, on: bool) -> None:
+        """Make every use of the unit (and every disk read of its arrays) land its step
+        in the next forward first; or, ``on=False``, stop."""
+        unit = unit_step.unit
+        gate = (lambda: self._finish_from_reader(unit)) if on else None
         for array in self._arrays_of(unit_step):
             array.before_read = gate
+        unit.pending_step = self.finish_unit_in_forward if on else None
 
     def _finish_from_reader(self, unit: Unit) -> None:
         """A disk read of one of ``unit``'s arrays: its step lands first, unless the
@@ -727,22 +729,18 @@ class StepAhead:
         if record is None:
             return
         unit_step = record.unit_step
-        # this thread's own reads and rewrites below go through
-        self._gate(unit_step, None)
-        unit.pending_step = None
+        self._arm(unit_step, False)  # this thread's own reads and rewrites below go through
         try:
-            ok = self._outcome(record)
-            if ok and record.shadows is not None:
+            if self._wait_worker(record) and record.shadows is not None:
                 unit_step.commit_speculation(record.shadows)
                 record.shadows = None
-            else:
+            else:  # failed on the worker (or here before): again, the ordinary way
                 if record.shadows is not None:
                     record.shadows.discard()
                     record.shadows = None
                 unit_step.step(record.multipliers, hyper=record.hyper, has_grad=record.has_grad)
         except BaseException as exc:
-            self._gate(unit_step, lambda: self._finish_from_reader(unit))
-            unit.pending_step = self.finish_unit_in_forward
+            self._arm(unit_step, True)
             exc.add_note(
                 f"hetstore: the optimizer step of unit {unit.name!r}, run on during the next "
                 "forward (step_in_forward=True), failed; the unit keeps its weights from "
@@ -755,20 +753,9 @@ class StepAhead:
     def _forget_in_forward(self, key: int) -> None:
         record = self._in_forward.pop(key)
         if record.shadows is not None:
-            self._outcome(record)  # never discard under the worker
+            self._wait_worker(record)  # never discard under the worker
             record.shadows.discard()
-        self._gate(record.unit_step, None)
-        record.unit_step.unit.pending_step = None
-
-    @staticmethod
-    def _outcome(record: _InForward) -> bool:
-        if record.ok is None:
-            try:
-                record.future.result()
-                record.ok = True
-            except Exception:  # noqa: BLE001 - run again on the caller's thread
-                record.ok = False
-        return record.ok
+        self._arm(record.unit_step, False)
 
     # ------------------------------------------------------------------ internals
     def _drop(self, unit: Unit) -> None:
@@ -790,12 +777,7 @@ class StepAhead:
         the gradient buffer it read; False when the step failed (the ordinary step then
         runs, and raises if the cause persists). ``keep_failed_grads``: a step in
         backward that failed writes its gradients to disk instead, for that step."""
-        if spec.ok is None:
-            try:
-                spec.future.result()
-                spec.ok = True
-            except Exception:  # noqa: BLE001 - the worker's error: the step is dropped
-                spec.ok = False
+        StepAhead._wait_worker(spec)
         # (an interrupt of this thread while it waits propagates, and the buffer stays
         # lent: the worker may still be reading it)
         if spec.lent:
@@ -806,6 +788,18 @@ class StepAhead:
             else:
                 unit.grad_stager.flush_lent(unit)
         return spec.ok
+
+    @staticmethod
+    def _wait_worker(job: _Speculation | _InForward) -> bool:
+        """Wait for the worker's run of ``job`` (once: the outcome is kept in ``job.ok``);
+        False when it raised (the caller steps the unit the ordinary way instead)."""
+        if job.ok is None:
+            try:
+                job.future.result()
+                job.ok = True
+            except Exception:  # noqa: BLE001 - the worker's error: the step is dropped
+                job.ok = False
+        return job.ok
 
     def _inputs_hold(self, spec: _Speculation) -> bool:
         """The master and states it stepped from, and the group values, are current."""

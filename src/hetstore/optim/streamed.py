@@ -430,7 +430,7 @@ class StreamedUnitStep(UnitStates):
         ``grads`` (a host copy of gradients on disk), or else read back from disk;
         multiplied by ``factor`` (fp16's unscale) into the slot's own buffer."""
         multipliers = [factor] if factor is not None else []
-        read, fill = self._pipeline(multipliers, hyper, rewrite, grads, speculative=True)
+        read, fill = self._pipeline(multipliers, hyper, rewrite, grads, live_grads=True)
         rewrite.write(self._chunks, slots, fill, read)
 
     @torch.no_grad()
@@ -447,7 +447,10 @@ class StreamedUnitStep(UnitStates):
         values ``hyper``, gradient flags ``has_grad`` and ``multipliers`` (clip, unscale)
         as that step, from the gradients where they are (missing ones in memory were
         zeroed before, as the ordinary step zeroes them)."""
-        read, fill = self._pipeline(multipliers, hyper, rewrite, has_grad=has_grad, in_forward=True)
+        in_memory = isinstance(self.unit.grad, torch.Tensor)
+        read, fill = self._pipeline(
+            multipliers, hyper, rewrite, live_grads=in_memory, has_grad=has_grad
+        )
         rewrite.write(self._chunks, slots, fill, read)
 
     def commit_speculation(self, rewrite: ChunkedRewrite) -> None:
@@ -460,9 +463,8 @@ class StreamedUnitStep(UnitStates):
         hyper: dict,
         rewrite: ChunkedRewrite,
         grads: torch.Tensor | None = None,
-        speculative: bool = False,
+        live_grads: bool = False,
         has_grad: tuple[bool, ...] | None = None,
-        in_forward: bool = False,
     ):
         unit = self.unit
         if grads is None and isinstance(unit.grad, torch.Tensor):
@@ -488,13 +490,8 @@ class StreamedUnitStep(UnitStates):
             if c.segment is not None and c.step_end > c.start:
                 master = slot["master"][: c.end - c.start]
                 grad = slot["grad"] if grad_on_disk else grads[c.start : c.step_end]
-                if in_forward and not grad_on_disk:
-                    # the live buffer, zeroed where missing before: read only, and the
-                    # fused step must not move its version counter from this thread
-                    grad = own_version_counter(grad)
-                fill = not (in_forward and not grad_on_disk)
                 self._step_chunk(
-                    c, slot, master, grad, grad_multipliers, hyper, speculative, fill, has_grad
+                    c, slot, master, grad, grad_multipliers, hyper, live_grads, has_grad
                 )
             if compact:
                 self.encode_chunk(rewrite, slot, c.start, n_state)
@@ -509,25 +506,27 @@ class StreamedUnitStep(UnitStates):
         grad,
         multipliers,
         hyper: dict,
-        speculative: bool,
-        fill: bool = True,
+        live_grads: bool,
         has_grad: tuple[bool, ...] | None = None,
     ) -> None:
         """Step elements ``[c.start, c.step_end)``: ``master`` and ``grad`` start at
-        ``c.start`` (the slot's buffers, or a view of gradients in memory). ``fill``: zero
-        the missing gradients, by the flags ``has_grad`` (None: the live ones)."""
+        ``c.start`` (the slot's buffers, or a view of gradients in memory). ``live_grads``:
+        a worker's step (ahead, or in the next forward), which reads gradients others
+        own and writes nothing but its slot; else missing gradients are zeroed, by the
+        flags ``has_grad`` (None: the live ones)."""
         unit = self.unit
         n = c.step_end - c.start
         grad = grad[:n]
-        if speculative:
-            # every parameter had its gradient when it began (nothing to fill), and the
-            # worker must never write the live buffer: a factor goes into the slot's own;
+        if live_grads:
+            # nothing to fill (every parameter had its gradient when a speculation began;
+            # a step in the next forward had the missing ones zeroed first), and the
+            # worker must never write the gradients: a factor goes into the slot's own;
             # its fused step must not move the buffer's version counter either
             if multipliers and grad.data_ptr() != slot["grad"].data_ptr():
                 grad = torch.mul(grad, multipliers[0], out=slot["grad"][:n])
                 multipliers = multipliers[1:]
             grad = own_version_counter(grad)
-        elif fill:
+        else:
             unit.grads.fill_missing(grad, c.start, has_grad)  # like the in-memory step: zeros
         for m in multipliers:
             grad.mul_(m)
