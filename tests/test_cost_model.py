@@ -63,6 +63,20 @@ def test_copies_stall_a_cpu_device_and_hide_behind_gpu_compute():
             assert e.stall_s == 0 and e.exposed_s < copies
 
 
+def test_a_host_home_costs_no_fetch_copy_on_a_cpu_device_and_a_copy_on_a_gpu():
+    """On a CPU device a fetch uses a home in host memory in place (Unit.fetch); an
+    accelerator copies it in: two fetches a block (forward, backward), one for the root."""
+    for machine in (CPU, replace(GPU, copies_overlap=False)):  # a GPU copy that stalls
+        trace = gpt_like(machine=machine)
+        kept = estimate(trace, [UnitChoice(optimizer="cpu") for _ in trace.units], 1)
+        fetched = estimate(trace, [UnitChoice("cpu", "cpu") for _ in trace.units], 1)
+        copies = sum(
+            (1 if u.is_root else 2) * u.param_bytes / machine.to_device for u in trace.units
+        )
+        expected = 0.0 if machine.device == "cpu" else copies
+        assert abs((fetched.stall_s - kept.stall_s) - expected) < 1e-12
+
+
 def test_slower_tiers_predict_slower_steps():
     trace = gpt_like(machine=GPU)
     n = len(trace.units)

@@ -25,7 +25,8 @@ Memory (peak bytes per tier, during a step)
 
 Time (seconds per step)
   compute (measured per unit or FLOPs / rate) + the trace's calibrated overhead
-  + copies that stall compute (every host<->device copy on a CPU "device"; gradient
+  + copies that stall compute (every host<->device copy on a CPU "device" but a host
+  home's fetch, which uses it in place; gradient
   copies everywhere, as the runtime does them synchronously)
   + overlappable transfers beyond the compute they hide behind (CUDA copies with
   prefetch, disk reads and writes), plus one unit's transfer to fill the pipeline,
@@ -414,7 +415,9 @@ def times(
         fetches = 1 if u.is_root else 2  # the root stays from forward through backward
         unit_transfer = 0.0
         if c.param != Tier.DEVICE:
-            copy = fetches * u.param_bytes / m.to_device
+            # on a CPU device a home in host memory is used in place (Unit.fetch): no copy
+            in_place = c.param == Tier.HOST and m.device == "cpu"
+            copy = 0.0 if in_place else fetches * u.param_bytes / m.to_device
             if m.copies_overlap and depth > 0 and not u.is_root:
                 unit_transfer += copy
             else:

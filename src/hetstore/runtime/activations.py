@@ -376,7 +376,8 @@ class ActivationHooks:
         if ptr in self._buffer_ptrs:
             return True
         return any(
-            u.materialized and u.device_flat.untyped_storage().data_ptr() == ptr for u in self.units
+            u.materialized and u.compute_flat.untyped_storage().data_ptr() == ptr
+            for u in self.units
         )
 
     def pack(self, tensor: torch.Tensor):

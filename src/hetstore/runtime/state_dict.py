@@ -55,15 +55,7 @@ class _MasterViews:
         if self.depth > 0:
             return
         for unit in self.units:
-            storage = unit.device_flat.untyped_storage()
-            live = storage.nbytes() > 0
-            if not live:  # views can only be taken of a tensor with its storage present
-                storage.resize_(unit.device_bytes)
-            for e in unit.entries:
-                e.param.data = unit.device_flat[e.offset : e.offset + e.numel].view(e.shape)
-            if not live:
-                storage.resize_(0)
-                unit.conceal_params()
+            unit.restore_param_views()
         masters, self.masters = self.masters, None
         if masters is not None:  # a load: the changed masters become the source of truth
             for unit, master in zip(self.units, masters, strict=True):

@@ -22,6 +22,9 @@ layout's order):
 - ``device_flat``: compute dtype on the device; every ``nn.Parameter`` of the unit is a
   view into it. When the unit is released its *storage* is resized to 0 (FSDP2's trick):
   the Parameter objects, and autograd's references to them, stay valid; the bytes go.
+  On a CPU device a home in host memory is not copied: the parameters are pointed at
+  views of ``home`` itself while fetched (``Residency.IN_PLACE``), and back at
+  ``device_flat``'s byte-less views on release. The device budget is charged the same.
 - ``grad`` (``grads.buffer``): fp32 on the gradient tier, accumulated across micro-batches.
 
 On the disk tier a form is a :class:`~hetstore.tiers.flat.DiskArray`, not a tensor:
@@ -69,6 +72,9 @@ class Residency(Enum):
     RELEASED = "released"  # no bytes: the parameters carry runtime.released's layer
     FETCHING = "fetching"  # bytes allocated, a CUDA copy in flight (``ready_event``)
     PRESENT = "present"  # the parameters are on the device, plain nn.Parameter views
+    # on a CPU device, host memory is the device's: the parameters are views of a home
+    # there, used in place (``Unit.uses_home_in_place``); nothing was copied
+    IN_PLACE = "in place"
 
 
 @dataclass(frozen=True)
@@ -237,6 +243,8 @@ class Unit:
         old = self.master
         if self.home is old:
             self.home = new.data
+            if self.residency is Residency.IN_PLACE:
+                self._point_params(self.home)  # the old one is freed below
         self.master = new.data
         self.adopt(new, old)
 
@@ -278,8 +286,12 @@ class Unit:
             else "sharded over ranks, its value is read by a collective: call "
             "model.state_dict() on every rank"
         )
-        for e in self.entries:
-            view = self.device_flat[e.offset : e.offset + e.numel].view(e.shape)
+        # each parameter's view of device_flat, kept: a view can be taken only while its
+        # storage has bytes, and the parameters come back to these after an in-place use
+        self._flat_views = [
+            self.device_flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries
+        ]
+        for e, view in zip(self.entries, self._flat_views, strict=True):
             e.param.data = view
             released.attach(e.param, released.ParamSource(self, e, refusal))
         if not self.materialized:
@@ -553,6 +565,11 @@ class Unit:
         if self.home_stale:  # a failed step left the disk copy behind the master
             self.refresh_from_master()
         self.tiers.device_tier.reserve(self.device_bytes, self.label("params"))
+        if self.uses_home_in_place:
+            self.residency = Residency.IN_PLACE
+            self.expose_params()
+            self._point_params(self.home)
+            return
         try:
             source, slot = self.home, None
             if isinstance(self.home, DiskArray):
@@ -582,6 +599,41 @@ class Unit:
             self.param_stager.give_back(slot, self.ready_event)
         self.residency = Residency.PRESENT if self.ready_event is None else Residency.FETCHING
         self.expose_params()
+
+    @property
+    def uses_home_in_place(self) -> bool:
+        """A fetch points the parameters at ``home`` instead of copying it: on a CPU
+        device a home in host memory is already in the device's memory (DeepSpeed uses
+        its CPU tensors in place too). A copy there cost a page-faulted buffer and a
+        memcpy per fetch, two fetches per step. The device budget is still charged while
+        fetched, so plans and budgets are those of an accelerator."""
+        return (
+            self.device.type == "cpu"
+            and self.shards is None
+            and self.device_flat is not self.home
+            and not isinstance(self.home, DiskArray)
+        )
+
+    @property
+    def compute_flat(self) -> torch.Tensor:
+        """The flat tensor the parameters are views of while fetched."""
+        return self.home if self.residency is Residency.IN_PLACE else self.device_flat
+
+    def _point_params(self, flat: torch.Tensor) -> None:
+        """Make every parameter a view of ``flat`` (the home, used in place)."""
+        for e in self.entries:
+            e.param.data = flat[e.offset : e.offset + e.numel].view(e.shape)
+
+    def restore_param_views(self) -> None:
+        """Point the parameters back at the unit's own bytes after something pointed
+        them elsewhere (state_dict's master views); a released unit's are concealed."""
+        if self.residency is Residency.IN_PLACE:
+            self._point_params(self.home)
+            return
+        for e, view in zip(self.entries, self._flat_views, strict=True):
+            e.param.data = view
+        if not self.materialized:
+            self.conceal_params()
 
     def expose_params(self) -> None:
         """The parameters are plain ``nn.Parameter`` views of ``device_flat`` (its bytes
@@ -642,6 +694,13 @@ class Unit:
 
     def release(self) -> None:
         """Free the device copy unless the parameters live on the device."""
+        if self.residency is Residency.IN_PLACE:
+            for e, view in zip(self.entries, self._flat_views, strict=True):
+                e.param.data = view  # no bytes: the home is not theirs to keep
+            self.tiers.device_tier.release(self.device_bytes, self.label("params"))
+            self.residency = Residency.RELEASED
+            self.conceal_params()
+            return
         if not self.has_device_copy:
             return
         self.wait_ready()
@@ -655,8 +714,11 @@ class Unit:
     @property
     def has_device_copy(self) -> bool:
         """The device holds a copy of the parameters apart from ``home`` (materialized,
-        and ``home`` is not on the device itself)."""
-        return self.materialized and self.device_flat is not self.home
+        not used in place, and ``home`` is not on the device itself)."""
+        return (
+            self.residency in (Residency.PRESENT, Residency.FETCHING)
+            and self.device_flat is not self.home
+        )
 
     def write_device_copy(self, values: torch.Tensor, start: int = 0) -> None:
         """Write ``values`` (compute dtype or castable) into the device copy from element

@@ -1,0 +1,126 @@
+"""On a CPU device a unit whose home is in host memory is fetched in place: the
+parameters are pointed at views of the home, not copied into a fresh device buffer
+(``Unit.uses_home_in_place``). An accelerator takes the copying path, which is forced here
+(``copied``) so both stay tested on CPU.
+
+Shown: fetched parameters are views of the home and released ones hold no bytes; training
+is bitwise plain PyTorch's either way (same kernels on the same fp32 values: nothing in
+the arithmetic changes, only where forward reads the weights from); the device budget's
+accounting is charged the same, so plans and budgets do not depend on the path; a master
+replaced while fetched (a step committed by swap) is what the parameters then show.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hetstore
+from hetstore.runtime.unit import Residency, Unit
+from hetstore.tier import Tier
+from tests.models.gpt import GPT, batches
+from tests.test_host_offload import adamw, assert_same_weights, config, pair, run, states_bytes
+
+
+def gpt():
+    return GPT(vocab=64, width=32, depth=3, heads=4, ctx=16)
+
+
+@pytest.fixture
+def copied(monkeypatch):
+    """Fetch by copying, as on an accelerator."""
+    monkeypatch.setattr(Unit, "uses_home_in_place", property(lambda self: False))
+
+
+def host_units(model):
+    return [u for u in hetstore.state_of(model).units if u.placement.param is Tier.HOST]
+
+
+def test_fetched_parameters_are_views_of_the_home_and_released_ones_have_no_bytes():
+    torch.manual_seed(0)
+    model = gpt()
+    model, optimizer = hetstore.offload(model, adamw(model.parameters()), config("cpu", "cpu"))
+    units = host_units(model)
+    assert units and all(u.uses_home_in_place for u in units)
+    seen = []
+
+    def record(unit):
+        def hook(module, args):
+            home = unit.home
+            start, end = home.data_ptr(), home.data_ptr() + home.nbytes
+            seen.append(
+                unit.residency is Residency.IN_PLACE
+                and all(start <= e.param.data_ptr() < end for e in unit.entries)
+            )
+
+        return hook
+
+    block = model.blocks[1]
+    unit = next(u for u in units if u.name == "blocks.1")
+    handle = block.register_forward_pre_hook(record(unit))
+    # a pre-hook registered after hetstore's runs after its fetch
+    x, y = batches(1, vocab=64, batch=2, ctx=16)[0]
+    model(x, y).backward()
+    handle.remove()
+    assert seen == [True]
+    optimizer.step()
+    for u in units:
+        assert u.residency is Residency.RELEASED
+        assert u.device_flat.untyped_storage().nbytes() == 0
+        # released: reads are served from home, the bytes are not the parameters' own
+        entry = u.entries[0]
+        assert hetstore.runtime.released.is_released(entry.param)
+        torch.testing.assert_close(
+            entry.param.detach().reshape(-1),
+            u.home[entry.offset : entry.offset + entry.numel],
+            rtol=0,
+            atol=0,
+        )
+
+
+def _train(steps: int):
+    torch.manual_seed(0)
+    data = batches(steps * 2, vocab=64, batch=2, ctx=16)
+    ref, mine = pair(gpt)
+    ref_opt = adamw(ref.parameters())
+    # half the model states: the device holds the running unit, not the model
+    cfg = config("cpu", "cpu", max_device_memory=states_bytes(mine) // 2)
+    mine, mine_opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
+    ref_losses, ref_norms = run(ref, ref_opt, data, accumulate=2, clip=0.5)
+    losses, norms = run(mine, mine_opt, data, accumulate=2, clip=0.5)
+    assert losses == ref_losses
+    assert norms == ref_norms
+    assert_same_weights(ref, mine, rtol=0, atol=0)
+    return hetstore.memory_stats(mine)
+
+
+@pytest.mark.parametrize("path", ["in place", "copied"])
+def test_both_paths_train_bitwise_like_plain_pytorch(path, request):
+    if path == "copied":
+        request.getfixturevalue("copied")
+    _train(steps=3)
+
+
+def test_the_device_budget_is_charged_the_same_in_place_as_copied(monkeypatch):
+    in_place = _train(steps=2)
+    monkeypatch.setattr(Unit, "uses_home_in_place", property(lambda self: False))
+    copied = _train(steps=2)
+    assert in_place["device"]["peak"] == copied["device"]["peak"]
+    assert 0 < in_place["device"]["peak"] <= in_place["device"]["capacity"]
+
+
+def test_a_master_replaced_while_fetched_in_place_is_what_the_parameters_show():
+    model = gpt()
+    model, _ = hetstore.offload(model, adamw(model.parameters()), config("cpu", "cpu"))
+    unit = next(u for u in host_units(model) if u.home is u.master)
+    unit.fetch()
+    assert unit.residency is Residency.IN_PLACE
+    new = unit.new_buffer(Tier.HOST, unit.master_numel, torch.float32, "test master")
+    new.data.copy_(unit.master + 1)
+    unit.replace_master(new)
+    entry = unit.entries[-1]
+    expected = new.data[entry.offset : entry.offset + entry.numel].view(entry.shape)
+    assert entry.param.data_ptr() == expected.data_ptr()
+    torch.testing.assert_close(entry.param.detach(), expected, rtol=0, atol=0)
+    unit.release()
+    assert unit.residency is Residency.RELEASED
