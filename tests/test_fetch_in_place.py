@@ -1,12 +1,13 @@
 """On a CPU device a unit whose home is in host memory is fetched in place: the
 parameters are pointed at views of the home, not copied into a fresh device buffer
-(``Unit.uses_home_in_place``). An accelerator takes the copying path, which is forced here
-(``copied``) so both stay tested on CPU.
+(``Unit.fetches_in_place``). An accelerator takes the copying path, which is forced here
+(``copied``) so both stay tested on CPU. Disk homes are copied out of their staging
+buffer either way.
 
-Shown: fetched parameters are views of the home and released ones hold no bytes; training
-is bitwise plain PyTorch's either way (same kernels on the same fp32 values: nothing in
-the arithmetic changes, only where forward reads the weights from); the device budget's
-accounting is charged the same, so plans and budgets do not depend on the path; a master
+Shown: fetched parameters are views of the home and released ones hold no bytes;
+training is bitwise plain PyTorch's either way, host and disk placements (same kernels
+on the same fp32 values: only where forward reads the weights from changes); the device
+budget is charged the same, so plans and budgets do not depend on the path; a master
 replaced while fetched (a step committed by swap) is what the parameters then show.
 """
 
@@ -29,7 +30,7 @@ def gpt():
 @pytest.fixture
 def copied(monkeypatch):
     """Fetch by copying, as on an accelerator."""
-    monkeypatch.setattr(Unit, "uses_home_in_place", property(lambda self: False))
+    monkeypatch.setattr(Unit, "fetches_in_place", property(lambda self: False))
 
 
 def host_units(model):
@@ -41,7 +42,7 @@ def test_fetched_parameters_are_views_of_the_home_and_released_ones_have_no_byte
     model = gpt()
     model, optimizer = hetstore.offload(model, adamw(model.parameters()), config("cpu", "cpu"))
     units = host_units(model)
-    assert units and all(u.uses_home_in_place for u in units)
+    assert units and all(u.fetches_in_place for u in units)
     seen = []
 
     def record(unit):
@@ -78,13 +79,14 @@ def test_fetched_parameters_are_views_of_the_home_and_released_ones_have_no_byte
         )
 
 
-def _train(steps: int):
+def _train(steps: int, tier: str = "cpu", path=None):
     torch.manual_seed(0)
     data = batches(steps * 2, vocab=64, batch=2, ctx=16)
     ref, mine = pair(gpt)
     ref_opt = adamw(ref.parameters())
     # half the model states: the device holds the running unit, not the model
-    cfg = config("cpu", "cpu", max_device_memory=states_bytes(mine) // 2)
+    disk = {} if path is None else {"offload_path": str(path)}
+    cfg = config(tier, tier, max_device_memory=states_bytes(mine) // 2, **disk)
     mine, mine_opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
     ref_losses, ref_norms = run(ref, ref_opt, data, accumulate=2, clip=0.5)
     losses, norms = run(mine, mine_opt, data, accumulate=2, clip=0.5)
@@ -94,16 +96,17 @@ def _train(steps: int):
     return hetstore.memory_stats(mine)
 
 
-@pytest.mark.parametrize("path", ["in place", "copied"])
-def test_both_paths_train_bitwise_like_plain_pytorch(path, request):
-    if path == "copied":
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+@pytest.mark.parametrize("fetch", ["in place", "copied"])
+def test_both_paths_train_bitwise_like_plain_pytorch(fetch, tier, request, tmp_path):
+    if fetch == "copied":
         request.getfixturevalue("copied")
-    _train(steps=3)
+    _train(steps=3, tier=tier, path=tmp_path)
 
 
 def test_the_device_budget_is_charged_the_same_in_place_as_copied(monkeypatch):
     in_place = _train(steps=2)
-    monkeypatch.setattr(Unit, "uses_home_in_place", property(lambda self: False))
+    monkeypatch.setattr(Unit, "fetches_in_place", property(lambda self: False))
     copied = _train(steps=2)
     assert in_place["device"]["peak"] == copied["device"]["peak"]
     assert 0 < in_place["device"]["peak"] <= in_place["device"]["capacity"]

@@ -335,7 +335,7 @@ def test_a_failed_rewrite_keeps_the_frozen_part_and_the_next_fetch_rebuilds_the_
             assert not torch.equal(home_now[:2048], home_before[:2048])  # written in place
             unit.fetch()  # rebuilds the head from the master
             assert not unit.home_stale
-            assert torch.equal(unit.device_flat.cpu(), home_before)
+            assert torch.equal(unit.compute_flat.cpu(), home_before)
             unit.release()
         losses = train_llama(model, opt, data[1:])
         weights = {k: v.clone() for k, v in model.state_dict().items()}

@@ -58,7 +58,7 @@ from hetstore.footprints import (
     param_staging_bytes,
     streamed_step_bytes,
 )
-from hetstore.planner.trace import Trace, UnitTrace
+from hetstore.planner.trace import MachineRates, Trace, UnitTrace
 from hetstore.tier import Tier
 from hetstore.tiers._hostmem import PAGE_SIZE, round_up
 
@@ -320,6 +320,12 @@ def _memory_stepped_ahead(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
     )
 
 
+def _fetched_in_place(c: UnitChoice, m: MachineRates) -> bool:
+    """On a CPU device a home in host memory is used in place by a fetch, not copied
+    (``Unit.fetches_in_place``)."""
+    return c.param == Tier.HOST and m.device == "cpu"
+
+
 def _shadow_copy_s(u: UnitTrace, m) -> float:
     """Seconds of a memory unit's copy into its shadows: the master, the gradient and
     each state read and written once, at the rate the fused step moves its arrays (which
@@ -415,9 +421,7 @@ def times(
         fetches = 1 if u.is_root else 2  # the root stays from forward through backward
         unit_transfer = 0.0
         if c.param != Tier.DEVICE:
-            # on a CPU device a home in host memory is used in place (Unit.fetch): no copy
-            in_place = c.param == Tier.HOST and m.device == "cpu"
-            copy = 0.0 if in_place else fetches * u.param_bytes / m.to_device
+            copy = 0.0 if _fetched_in_place(c, m) else fetches * u.param_bytes / m.to_device
             if m.copies_overlap and depth > 0 and not u.is_root:
                 unit_transfer += copy
             else:

@@ -73,7 +73,7 @@ class Residency(Enum):
     FETCHING = "fetching"  # bytes allocated, a CUDA copy in flight (``ready_event``)
     PRESENT = "present"  # the parameters are on the device, plain nn.Parameter views
     # on a CPU device, host memory is the device's: the parameters are views of a home
-    # there, used in place (``Unit.uses_home_in_place``); nothing was copied
+    # there, used in place (``Unit.fetches_in_place``); nothing was copied
     IN_PLACE = "in place"
 
 
@@ -124,6 +124,8 @@ class Unit:
         self._owned: list[FlatAllocation] = []  # every buffer allocate() made
         self.residency = Residency.RELEASED
         self.ready_event = None  # CUDA event guarding an in-flight fetch (FETCHING)
+        # IN_PLACE: the flat tensor the parameters are views of (the home)
+        self._in_place: torch.Tensor | None = None
         # set by the runtime when some form lives on disk
         self.param_stager: ParamStager | None = None
         self.grad_stager: GradStager | None = None
@@ -243,8 +245,9 @@ class Unit:
         old = self.master
         if self.home is old:
             self.home = new.data
-            if self.residency is Residency.IN_PLACE:
-                self._point_params(self.home)  # the old one is freed below
+        if self.residency is Residency.IN_PLACE and self._in_place is old:
+            self._in_place = new.data
+            self._point_params(new.data)  # the old one is freed below
         self.master = new.data
         self.adopt(new, old)
 
@@ -565,7 +568,8 @@ class Unit:
         if self.home_stale:  # a failed step left the disk copy behind the master
             self.refresh_from_master()
         self.tiers.device_tier.reserve(self.device_bytes, self.label("params"))
-        if self.uses_home_in_place:
+        if self.fetches_in_place:
+            self._in_place = self.home
             self.residency = Residency.IN_PLACE
             self.expose_params()
             self._point_params(self.home)
@@ -601,12 +605,15 @@ class Unit:
         self.expose_params()
 
     @property
-    def uses_home_in_place(self) -> bool:
-        """A fetch points the parameters at ``home`` instead of copying it: on a CPU
-        device a home in host memory is already in the device's memory (DeepSpeed uses
-        its CPU tensors in place too). A copy there cost a page-faulted buffer and a
-        memcpy per fetch, two fetches per step. The device budget is still charged while
-        fetched, so plans and budgets are those of an accelerator."""
+    def fetches_in_place(self) -> bool:
+        """A fetch points the parameters at ``home`` instead of copying it into
+        ``device_flat``: on a CPU device a home in host memory is in the device's memory
+        already (DeepSpeed uses its CPU tensors in place too). A copy there cost a
+        freshly page-faulted buffer and a memcpy per fetch, two fetches a step. The
+        device budget is still charged while fetched, so plans and budgets are those of
+        an accelerator. (A disk home's staging buffer is not used so: it serves other
+        units after the release, and the planner's host peak does not allow for one
+        held through the unit's compute.)"""
         return (
             self.device.type == "cpu"
             and self.shards is None
@@ -617,7 +624,7 @@ class Unit:
     @property
     def compute_flat(self) -> torch.Tensor:
         """The flat tensor the parameters are views of while fetched."""
-        return self.home if self.residency is Residency.IN_PLACE else self.device_flat
+        return self._in_place if self.residency is Residency.IN_PLACE else self.device_flat
 
     def _point_params(self, flat: torch.Tensor) -> None:
         """Make every parameter a view of ``flat`` (the home, used in place)."""
@@ -628,7 +635,7 @@ class Unit:
         """Point the parameters back at the unit's own bytes after something pointed
         them elsewhere (state_dict's master views); a released unit's are concealed."""
         if self.residency is Residency.IN_PLACE:
-            self._point_params(self.home)
+            self._point_params(self._in_place)
             return
         for e, view in zip(self.entries, self._flat_views, strict=True):
             e.param.data = view
@@ -697,6 +704,7 @@ class Unit:
         if self.residency is Residency.IN_PLACE:
             for e, view in zip(self.entries, self._flat_views, strict=True):
                 e.param.data = view  # no bytes: the home is not theirs to keep
+            self._in_place = None
             self.tiers.device_tier.release(self.device_bytes, self.label("params"))
             self.residency = Residency.RELEASED
             self.conceal_params()
@@ -713,12 +721,10 @@ class Unit:
 
     @property
     def has_device_copy(self) -> bool:
-        """The device holds a copy of the parameters apart from ``home`` (materialized,
-        not used in place, and ``home`` is not on the device itself)."""
-        return (
-            self.residency in (Residency.PRESENT, Residency.FETCHING)
-            and self.device_flat is not self.home
-        )
+        """The parameters are fetched into a device copy apart from ``home`` (not used in
+        place, and ``home`` is not on the device itself), which writes to ``home`` must
+        update too."""
+        return self.materialized and self.compute_flat is not self.home
 
     def write_device_copy(self, values: torch.Tensor, start: int = 0) -> None:
         """Write ``values`` (compute dtype or castable) into the device copy from element
@@ -727,7 +733,7 @@ class Unit:
         if not self.has_device_copy:
             return
         self.wait_ready()
-        self.device_flat[start : start + values.numel()].copy_(values)
+        self.compute_flat[start : start + values.numel()].copy_(values)
 
     def refresh_after_step(self) -> None:
         """After the optimizer changed an in-memory master: refresh the compute-dtype
