@@ -104,9 +104,9 @@ def test_both_paths_train_bitwise_like_plain_pytorch(fetch, tier, request, tmp_p
     _train(steps=3, tier=tier, path=tmp_path)
 
 
-def test_the_device_budget_is_charged_the_same_in_place_as_copied(monkeypatch):
+def test_the_device_budget_is_charged_the_same_in_place_as_copied(request):
     in_place = _train(steps=2)
-    monkeypatch.setattr(Unit, "fetches_in_place", property(lambda self: False))
+    request.getfixturevalue("copied")
     copied = _train(steps=2)
     assert in_place["device"]["peak"] == copied["device"]["peak"]
     assert 0 < in_place["device"]["peak"] <= in_place["device"]["capacity"]

@@ -124,8 +124,6 @@ class Unit:
         self._owned: list[FlatAllocation] = []  # every buffer allocate() made
         self.residency = Residency.RELEASED
         self.ready_event = None  # CUDA event guarding an in-flight fetch (FETCHING)
-        # IN_PLACE: the flat tensor the parameters are views of (the home)
-        self._in_place: torch.Tensor | None = None
         # set by the runtime when some form lives on disk
         self.param_stager: ParamStager | None = None
         self.grad_stager: GradStager | None = None
@@ -245,9 +243,8 @@ class Unit:
         old = self.master
         if self.home is old:
             self.home = new.data
-        if self.residency is Residency.IN_PLACE and self._in_place is old:
-            self._in_place = new.data
-            self._point_params(new.data)  # the old one is freed below
+            if self.residency is Residency.IN_PLACE:
+                self._point_params(self.home)  # the old one is freed below
         self.master = new.data
         self.adopt(new, old)
 
@@ -569,7 +566,6 @@ class Unit:
             self.refresh_from_master()
         self.tiers.device_tier.reserve(self.device_bytes, self.label("params"))
         if self.fetches_in_place:
-            self._in_place = self.home
             self.residency = Residency.IN_PLACE
             self.expose_params()
             self._point_params(self.home)
@@ -624,21 +620,25 @@ class Unit:
     @property
     def compute_flat(self) -> torch.Tensor:
         """The flat tensor the parameters are views of while fetched."""
-        return self._in_place if self.residency is Residency.IN_PLACE else self.device_flat
+        return self.home if self.residency is Residency.IN_PLACE else self.device_flat
 
     def _point_params(self, flat: torch.Tensor) -> None:
         """Make every parameter a view of ``flat`` (the home, used in place)."""
         for e in self.entries:
             e.param.data = flat[e.offset : e.offset + e.numel].view(e.shape)
 
+    def _point_params_at_device_flat(self) -> None:
+        """Make every parameter its view of ``device_flat`` again (bytes or none)."""
+        for e, view in zip(self.entries, self._flat_views, strict=True):
+            e.param.data = view
+
     def restore_param_views(self) -> None:
         """Point the parameters back at the unit's own bytes after something pointed
         them elsewhere (state_dict's master views); a released unit's are concealed."""
         if self.residency is Residency.IN_PLACE:
-            self._point_params(self._in_place)
+            self._point_params(self.home)
             return
-        for e, view in zip(self.entries, self._flat_views, strict=True):
-            e.param.data = view
+        self._point_params_at_device_flat()
         if not self.materialized:
             self.conceal_params()
 
@@ -702,9 +702,7 @@ class Unit:
     def release(self) -> None:
         """Free the device copy unless the parameters live on the device."""
         if self.residency is Residency.IN_PLACE:
-            for e, view in zip(self.entries, self._flat_views, strict=True):
-                e.param.data = view  # no bytes: the home is not theirs to keep
-            self._in_place = None
+            self._point_params_at_device_flat()  # no bytes: the home is not theirs to keep
             self.tiers.device_tier.release(self.device_bytes, self.label("params"))
             self.residency = Residency.RELEASED
             self.conceal_params()
@@ -733,7 +731,7 @@ class Unit:
         if not self.has_device_copy:
             return
         self.wait_ready()
-        self.compute_flat[start : start + values.numel()].copy_(values)
+        self.device_flat[start : start + values.numel()].copy_(values)
 
     def refresh_after_step(self) -> None:
         """After the optimizer changed an in-memory master: refresh the compute-dtype
