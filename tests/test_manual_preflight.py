@@ -22,6 +22,7 @@ from hetstore._sizes import format_size
 from hetstore.errors import OutOfTierMemory
 from hetstore.planner.floor import check_manual_floor, floor_of_config
 from hetstore.planner.tracer import model_data_trace
+from hetstore.runtime.unit import Unit
 from hetstore.tier import Tier
 from tests.models.gpt import GPT, batches
 from tests.test_disk_offload import disk_config
@@ -66,7 +67,15 @@ CASES = [
 
 
 @pytest.mark.parametrize("param, optim, extra", CASES)
-def test_the_floor_is_never_above_what_training_holds(tmp_path, param, optim, extra):
+def test_the_floor_is_never_above_what_training_holds(tmp_path, param, optim, extra, monkeypatch):
+    tight = (param, optim) == ("disk", "disk") and not {"offload_grad", "step_in_backward"} & set(
+        extra
+    )
+    if tight:
+        # a step in backward may borrow a block's device copy as its master, where the
+        # host has room (Estimate.host_lent): time saved, not memory training needs, so
+        # not in the floor; off here, where the floor must match what is held
+        monkeypatch.setattr(Unit, "lends_device_copy", property(lambda self: False))
     model, optimizer = model_and_optimizer()
     cfg = disk_config(tmp_path, param, optim, offload_activations="none", **extra)
     floor = floor_of(model, optimizer, cfg)
@@ -76,7 +85,7 @@ def test_the_floor_is_never_above_what_training_holds(tmp_path, param, optim, ex
     for tier in Tier:
         peak = stats[tier.label]["peak"]
         assert floor.total(tier) <= peak, (tier, floor.parts.get(tier), peak)
-    if (param, optim) == ("disk", "disk") and not {"offload_grad", "step_in_backward"} & set(extra):
+    if tight:
         # only staging is on the host: the floor is what is held, to the layout's padding
         assert floor.total(Tier.HOST) >= 0.98 * stats["host"]["peak"]
     hetstore.release(model)

@@ -213,8 +213,12 @@ def test_the_plan_counts_the_host_memory_the_steps_in_backward_take(tmp_path):
     planner counts, not from the three a pipeline of chunks needs; and the parameter
     stager, which reads the masters from disk, is in the plan too. Before both were
     counted alike, the worker's host buffers were 3x the plan's and the stager was
-    missing from it. Tolerance: the host tier's pool rounds allocations the cost model
-    does not see (1.5% here), so measured and predicted agree within 5%."""
+    missing from it. On a CPU device each step also reads its master from the block's
+    device copy, lent to it (``Estimate.host_lent``, beside the peak, an upper bound:
+    up to three at once, taken only where the host has room; here the worker is done
+    with most before the next is lent). Tolerance: the host tier's pool rounds
+    allocations the cost model does not see (1.5% here), so the measured peak is within
+    5% of the predicted one, or above it by no more than the lent copies."""
     config = OffloadConfig(
         offload_param="disk",
         offload_optimizer="disk",
@@ -225,15 +229,22 @@ def test_the_plan_counts_the_host_memory_the_steps_in_backward_take(tmp_path):
     )
     data = batches(3, vocab=64)
     model, opt = fresh()
-    predicted = hetstore.plan(model, data[0], config, optimizer=opt, probe=False).estimate.host
+    estimate = hetstore.plan(model, data[0], config, optimizer=opt, probe=False).estimate
+    assert estimate.host_lent > 0
     plain, plain_opt = fresh()
     model, opt = hetstore.offload(model, opt, config)
     losses = train(model, opt, data)
     trainable = sum(1 for u in units_of(model) if u.trainable_numel)
     assert opt.speculation_stats["not_started"] == 0
     assert opt.speculation_stats["committed"] == 3 * trainable
+    assert opt.speculation_stats["master_from_memory"] > 0
     measured = hetstore.state_of(model).tiers.host.usage().peak
-    assert abs(measured / predicted - 1) <= 0.05, (measured, predicted)
+    predicted = estimate.host
+    assert 0.95 * predicted <= measured <= 1.05 * predicted + estimate.host_lent, (
+        measured,
+        predicted,
+        estimate.host_lent,
+    )
     torch.testing.assert_close(
         torch.tensor(train(plain, plain_opt, data)), torch.tensor(losses), **TIGHT
     )

@@ -176,6 +176,8 @@ def offload(
     _move_buffers(model, tiers)
 
     root = next((u for u, s in zip(unit_list, specs, strict=True) if s.is_root), None)
+    if root is not None:
+        root.released_after_backward = True  # (runtime.hooks: the head's and loss's work)
     unit_modules = {u.index: s.module for u, s in zip(unit_list, specs, strict=True)}
     grad_stager = _attach_stagers(unit_list, tiers, plan.prefetch_depth)
     streams = CudaStreams.for_device(device)  # the model's side streams (CUDA), one owner

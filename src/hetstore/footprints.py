@@ -21,6 +21,10 @@ __all__ = [
 # gradient staging of disk-gradient units: the unit whose write is in flight, the one
 # filling, and one for the next unit's first gradient arriving meanwhile
 GRAD_STAGING_SLOTS = 3
+# steps during backward that may read their unit's master from its device copy, lent at
+# the end of the unit's backward instead of freed (a CPU device, optim.step_ahead): as many
+# as the steps in backward the gradient stager's buffers let run at once
+LENT_MASTERS = GRAD_STAGING_SLOTS
 # the streamed step: chunk i is stepped while chunk i+1 is read and chunk i-1 written
 STREAMED_STEP_SLOT_SETS = 3
 

@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetstore.errors import OutOfTierMemory
+from hetstore.footprints import LENT_MASTERS
 from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
@@ -105,6 +106,9 @@ class SpeculationStats:
     held_back: int = 0
     # step_in_forward: unit steps optimizer.step() left to run during the next forward
     in_forward: int = 0
+    # steps in backward that read the master from the unit's lent device copy instead of
+    # from disk (a CPU device)
+    master_from_memory: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -121,6 +125,9 @@ class _Speculation:
     future: Future | None = field(default=None)
     lent: bool = False  # it reads the gradient stager's buffer: give it back when done
     ok: bool | None = None  # the worker's outcome, once waited for
+    # the unit's device copy, lent at the end of its backward: the master it steps from
+    # (Unit.lend_device_copy), counted on the host tier until the worker is done with it
+    master: torch.Tensor | None = None
 
 
 @dataclass
@@ -230,8 +237,8 @@ class StepAhead:
         # host memory held only to save time: given back when an allocation needs it
         # (activations restored in backward, a later micro-batch's forward)
         self._reclaiming_allowed = True
-        if in_forward or any(isinstance(s, InMemoryUnitStep) for s in unit_steps):
-            self._host.reclaim = self._reclaim_host
+        # (lent masters too, on a CPU device: _lend_master)
+        self._host.reclaim = self._reclaim_host
         # step_in_backward: steps taken in backward and committed, until optimizer.step()
         self.consume = consume
         self._consumed: dict[int, _Speculation] = {}
@@ -333,16 +340,44 @@ class StepAhead:
             grads = stager.hand_over(unit) if self.consume else stager.lend(unit)
         spec.lent = grads is not None
         try:
+            master = self._lend_master(spec)
             spec.future = self._pool().submit(
-                unit_step.run_speculation, rewrite, slots, spec.hyper, grads, spec.factor
+                unit_step.run_speculation, rewrite, slots, spec.hyper, grads, spec.factor, master
             )
         except BaseException:
             if spec.lent:
                 unit.grad_stager.give_back(unit)
+            _give_back_master(spec)
             rewrite.discard()
             raise
         self.stats.started += 1
         return spec
+
+    def _lend_master(self, spec: _Speculation) -> torch.Tensor | None:
+        """The unit's device copy as the master the step reads, instead of a disk read of
+        the same values, when it is in host memory (``Unit.lends_device_copy``), fewer
+        than ``LENT_MASTERS`` are lent, and the host tier has room for it beside what
+        the rest of backward will allocate (it moves from the device budget to the
+        host's). None: the step reads the master from disk."""
+        self._return_masters()
+        unit = spec.unit_step.unit
+        if not unit.lends_device_copy:
+            return None
+        if sum(s.master is not None for s in self._pending.values()) >= LENT_MASTERS:
+            return None
+        nbytes = unit.device_bytes
+        if not self._host.account.would_fit(nbytes + self._staging_to_come()):
+            return None
+        self._host.account.reserve(nbytes, _lent_label(unit))
+        spec.master = unit.lend_device_copy()
+        self.stats.master_from_memory += 1
+        return spec.master
+
+    def _return_masters(self) -> None:
+        """Give back the lent masters of the steps the worker has finished."""
+        for spec in self._pending.values():
+            if spec.master is not None and spec.future is not None and spec.future.done():
+                _give_back_master(spec)
 
     def _hyper_now(self, unit: Unit) -> dict[int, dict]:
         """A snapshot of the values of every param group ``unit`` has a segment in."""
@@ -532,6 +567,11 @@ class StepAhead:
         ahead."""
         if not self._reclaiming_allowed:
             return False
+        for spec in self._pending.values():
+            if spec.master is not None:  # a lent master: the disk has the same values
+                self._wait_worker(spec)
+                _give_back_master(spec)
+                return True
         for key, spec in self._pending.items():
             if isinstance(spec.shadows, MemoryShadows):
                 self._cancel(key)
@@ -780,6 +820,7 @@ class StepAhead:
         StepAhead._wait_worker(spec)
         # (an interrupt of this thread while it waits propagates, and the buffer stays
         # lent: the worker may still be reading it)
+        _give_back_master(spec)
         if spec.lent:
             spec.lent = False
             unit = spec.unit_step.unit
@@ -872,3 +913,15 @@ class StepAhead:
             self._host.free(buffer)
         self._slot_buffers.clear()
         self._slots = None
+
+
+def _lent_label(unit: Unit) -> str:
+    return f"lent master {unit.name}"
+
+
+def _give_back_master(spec: _Speculation) -> None:
+    """The worker is done with (or never got) the spec's lent master: its bytes go."""
+    if spec.master is not None:
+        spec.master = None
+        unit = spec.unit_step.unit
+        unit.tiers.host.account.release(unit.device_bytes, _lent_label(unit))

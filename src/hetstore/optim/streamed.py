@@ -424,13 +424,18 @@ class StreamedUnitStep(UnitStates):
         hyper: dict,
         grads: torch.Tensor | None,
         factor: float | None = None,
+        master: torch.Tensor | None = None,
     ) -> None:
         """Any thread: step into ``rewrite``'s shadows with the group values ``hyper``
         (taken when the speculation began) and the gradients as they are: in memory, in
         ``grads`` (a host copy of gradients on disk), or else read back from disk;
-        multiplied by ``factor`` (fp16's unscale) into the slot's own buffer."""
+        multiplied by ``factor`` (fp16's unscale) into the slot's own buffer. ``master``:
+        the master's values in host memory (the unit's device copy, lent at the end of
+        its backward, ``Unit.lend_device_copy``), read instead of the disk array."""
         multipliers = [factor] if factor is not None else []
-        read, fill = self._pipeline(multipliers, hyper, rewrite, grads, live_grads=True)
+        read, fill = self._pipeline(
+            multipliers, hyper, rewrite, grads, live_grads=True, master=master
+        )
         rewrite.write(self._chunks, slots, fill, read)
 
     @torch.no_grad()
@@ -465,6 +470,7 @@ class StreamedUnitStep(UnitStates):
         grads: torch.Tensor | None = None,
         live_grads: bool = False,
         has_grad: tuple[bool, ...] | None = None,
+        master: torch.Tensor | None = None,
     ):
         unit = self.unit
         if grads is None and isinstance(unit.grad, torch.Tensor):
@@ -472,7 +478,12 @@ class StreamedUnitStep(UnitStates):
         grad_on_disk = grads is None
 
         def read(c: _Chunk, slot) -> list:
-            handles = [unit.master.read(slot["master"][: c.end - c.start], c.start)]
+            into = slot["master"][: c.end - c.start]
+            if master is None:
+                handles = [unit.master.read(into, c.start)]
+            else:  # the same values, already in memory: a copy, no disk read
+                into.copy_(master[c.start : c.end])
+                handles = []
             n_state = c.state_end - c.start
             if n_state > 0:
                 if grad_on_disk:

@@ -53,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetstore.footprints import (
+    LENT_MASTERS,
     activation_staging_units,
     grad_staging_bytes,
     param_staging_bytes,
@@ -101,6 +102,10 @@ class Estimate:
     # backward, if all fit; not in ``host``: the runtime starts one only where the host
     # tier has room for it beside everything else, so they never make a plan fail
     host_shadows: int = 0
+    # host bytes of the device copies lent to steps in backward as their master (a CPU
+    # device: optim.step_ahead reads it there instead of from disk), at most; not in
+    # ``host`` for the same reason: each is lent only where the host tier has room
+    host_lent: int = 0
 
     @property
     def step_s(self) -> float:
@@ -466,8 +471,10 @@ def times(
             if c.param == Tier.DEVICE:  # (at the commit too: not hidden)
                 steps[-1] += u.param_bytes / m.to_device  # updated weights back
         else:
-            read = _master_bytes(u, c) + u.state_bytes
+            read = u.state_bytes
             read += 0 if consumed(trace, u, c) else u.grad_bytes
+            # a step in backward reads a lent master from memory (lent_master_bytes)
+            read += 0 if overlap and _lends_master(trace, u, c) else _master_bytes(u, c)
             write = _master_bytes(u, c) + u.state_bytes
             if c.param == Tier.DISK and not _aliases_master(u, c):
                 write += u.master_bytes // 4 * u.compute_itemsize  # the home's head
@@ -515,4 +522,30 @@ def estimate(
         hidden,
         basis,
         host_shadows=shadows,
+        host_lent=lent_master_bytes(trace, choices),
+    )
+
+
+def lent_master_bytes(trace: Trace, choices: list[UnitChoice]) -> int:
+    """Host bytes the steps in backward may hold as lent device copies: on a CPU device,
+    a block whose fp32 home is its master on disk lends its device copy to its step at
+    the end of its backward (``Unit.lends_device_copy``), ``LENT_MASTERS`` at a time."""
+    lending = [
+        u.param_bytes
+        for u, c in zip(trace.units, choices, strict=True)
+        if _lends_master(trace, u, c)
+    ]
+    return min(LENT_MASTERS, len(lending)) * _max(lending)
+
+
+def _lends_master(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
+    """See ``lent_master_bytes``."""
+    return (
+        trace.machine is not None
+        and trace.machine.device == "cpu"
+        and (trace.step_overlap or trace.step_in_backward)
+        and c.param == Tier.DISK
+        and _aliases_master(u, c)
+        and not u.is_root
+        and u.trainable_numel > 0
     )

@@ -190,6 +190,12 @@ class Plan:
                 f"their host shadows take up to {format_size(e.host_shadows)} beside the "
                 "peak above, where the host has room (a unit without room steps after backward)"
             )
+        if e.host_lent:
+            lines.append(
+                f"steps in backward read their master from the block's device copy, lent "
+                f"to them instead of read again from disk: up to {format_size(e.host_lent)} "
+                "of host memory beside the peak above, where the host has room"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -143,6 +143,9 @@ class Unit:
         # parameters, master, states or gradients calls it first (fetch, a released
         # parameter's read, p.grad, a rewrite; disk reads through DiskArray.before_read)
         self.pending_step: Callable[[Unit], None] | None = None
+        # the root: backward releases it only once it is over (not when its gradients
+        # are final), so its device copy is never lent away before that
+        self.released_after_backward = False
         self._build(defer_disk_grad)
 
     def finish_pending_step(self) -> None:
@@ -716,6 +719,47 @@ class Unit:
         self.tiers.device_tier.release(self.device_bytes, self.label("params"))
         self.residency = Residency.RELEASED
         self.conceal_params()
+
+    @property
+    def lends_device_copy(self) -> bool:
+        """The device copy holds the master's values in host memory, so a step right
+        after backward can read them from it instead of from disk: a CPU device (its
+        memory is host memory), one process, an fp32 home that is the master on disk
+        (the copy is its values exactly), fetched by copy, and nothing frozen that
+        backward may still read."""
+        return (
+            self.device.type == "cpu"
+            and self.shards is None
+            and self.home is self.master
+            and isinstance(self.master, DiskArray)
+            and self.residency is Residency.PRESENT
+            and self.device_flat is not self.home
+            and not self.home_stale
+            and not self.has_untracked_params
+            and not self.released_after_backward
+        )
+
+    def lend_device_copy(self) -> torch.Tensor:
+        """Release the unit, handing the device copy's bytes to the caller instead of
+        freeing them: its first ``master_numel`` elements, the master's values. The unit
+        gets a new, empty device copy for its next fetch (the parameters point at it);
+        the device budget is given back here, and the caller counts the bytes it keeps
+        (see ``lends_device_copy``)."""
+        if not self.lends_device_copy:
+            raise ValueError(f"unit {self.name!r} has no device copy to lend")
+        lent = self.device_flat
+        # untouched pages of a fresh allocation cost nothing; views are taken while it
+        # has bytes (see _build), then they go
+        self.device_flat = torch.empty_like(lent)
+        self._flat_views = [
+            self.device_flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries
+        ]
+        self.device_flat.untyped_storage().resize_(0)
+        self._point_params_at_device_flat()
+        self.tiers.device_tier.release(self.device_bytes, self.label("params"))
+        self.residency = Residency.RELEASED
+        self.conceal_params()
+        return lent[: self.master_numel]
 
     @property
     def has_device_copy(self) -> bool:
