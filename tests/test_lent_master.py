@@ -25,6 +25,11 @@ from tests.test_step_ahead import config as step_ahead_config
 LENT = "lent master "
 
 
+def without_lending(patch) -> None:
+    """Every unit reads its master from disk (``patch``: a pytest monkeypatch)."""
+    patch.setattr(Unit, "lends_device_copy", property(lambda self: False))
+
+
 def offloaded(path, consume: bool, **kwargs):
     model, opt = fresh()
     overlap = not consume  # the step in backward, or the speculation beside it
@@ -54,7 +59,7 @@ def disk_read(model) -> int:
 def trained(path, consume: bool, data, lend: bool, monkeypatch, **kwargs):
     with monkeypatch.context() as patch:
         if not lend:
-            patch.setattr(Unit, "lends_device_copy", property(lambda self: False))
+            without_lending(patch)
         model, opt = offloaded(path, consume, **kwargs)
         seen = watch_lent(model)
         before = disk_read(model)
@@ -98,7 +103,7 @@ def test_a_clip_that_bites_rolls_back_to_the_master_on_disk(tmp_path, monkeypatc
     data = batches(3, vocab=64)
     kwargs = {"clip": 1e-3}
     with monkeypatch.context() as patch:
-        patch.setattr(Unit, "lends_device_copy", property(lambda self: False))
+        without_lending(patch)
         ref, ref_opt = hetstore.offload(*fresh(), step_ahead_config(tmp_path / "ref", False))
         ref_losses = train(ref, ref_opt, data, **kwargs)
     model, opt = offloaded(tmp_path / "lent", consume=False)

@@ -22,10 +22,10 @@ from hetstore._sizes import format_size
 from hetstore.errors import OutOfTierMemory
 from hetstore.planner.floor import check_manual_floor, floor_of_config
 from hetstore.planner.tracer import model_data_trace
-from hetstore.runtime.unit import Unit
 from hetstore.tier import Tier
 from tests.models.gpt import GPT, batches
 from tests.test_disk_offload import disk_config
+from tests.test_lent_master import without_lending
 from tests.test_load_weights import train as train_on
 
 VOCAB = 4096  # a root unit (tied embedding and head) five times a block
@@ -75,7 +75,7 @@ def test_the_floor_is_never_above_what_training_holds(tmp_path, param, optim, ex
         # a step in backward may borrow a block's device copy as its master, where the
         # host has room (Estimate.host_lent): time saved, not memory training needs, so
         # not in the floor; off here, where the floor must match what is held
-        monkeypatch.setattr(Unit, "lends_device_copy", property(lambda self: False))
+        without_lending(monkeypatch)
     model, optimizer = model_and_optimizer()
     cfg = disk_config(tmp_path, param, optim, offload_activations="none", **extra)
     floor = floor_of(model, optimizer, cfg)

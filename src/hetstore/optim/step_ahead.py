@@ -237,7 +237,7 @@ class StepAhead:
         # host memory held only to save time: given back when an allocation needs it
         # (activations restored in backward, a later micro-batch's forward)
         self._reclaiming_allowed = True
-        # (lent masters too, on a CPU device: _lend_master)
+        # (host shadows, the worker's buffers in the next forward, lent masters)
         self._host.reclaim = self._reclaim_host
         # step_in_backward: steps taken in backward and committed, until optimizer.step()
         self.consume = consume

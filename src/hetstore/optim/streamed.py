@@ -499,10 +499,10 @@ class StreamedUnitStep(UnitStates):
             if compact:
                 self.decode_chunk(rewrite, slot, c.start, n_state)
             if c.segment is not None and c.step_end > c.start:
-                master = slot["master"][: c.end - c.start]
+                stepped = slot["master"][: c.end - c.start]
                 grad = slot["grad"] if grad_on_disk else grads[c.start : c.step_end]
                 self._step_chunk(
-                    c, slot, master, grad, grad_multipliers, hyper, live_grads, has_grad
+                    c, slot, stepped, grad, grad_multipliers, hyper, live_grads, has_grad
                 )
             if compact:
                 self.encode_chunk(rewrite, slot, c.start, n_state)

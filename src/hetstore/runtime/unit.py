@@ -289,17 +289,21 @@ class Unit:
             else "sharded over ranks, its value is read by a collective: call "
             "model.state_dict() on every rank"
         )
-        # each parameter's view of device_flat, kept: a view can be taken only while its
-        # storage has bytes, and the parameters come back to these after an in-place use
-        self._flat_views = [
-            self.device_flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries
-        ]
+        self._take_flat_views()
         for e, view in zip(self.entries, self._flat_views, strict=True):
             e.param.data = view
             released.attach(e.param, released.ParamSource(self, e, refusal))
         if not self.materialized:
             self.device_flat.untyped_storage().resize_(0)
             self.conceal_params()
+
+    def _take_flat_views(self) -> None:
+        """Each parameter's view of ``device_flat``, kept: a view can be taken only while
+        its storage has bytes, and the parameters come back to these after an in-place
+        use or a lent copy."""
+        self._flat_views = [
+            self.device_flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries
+        ]
 
     def _initialize_master(self) -> None:
         """The master from the parameters' current values; sharded, rank 0's values (as
@@ -706,9 +710,7 @@ class Unit:
         """Free the device copy unless the parameters live on the device."""
         if self.residency is Residency.IN_PLACE:
             self._point_params_at_device_flat()  # no bytes: the home is not theirs to keep
-            self.tiers.device_tier.release(self.device_bytes, self.label("params"))
-            self.residency = Residency.RELEASED
-            self.conceal_params()
+            self._mark_released()
             return
         if not self.has_device_copy:
             return
@@ -716,6 +718,11 @@ class Unit:
         # allocated on the compute stream and freed there (see fetch): the allocator
         # reuses the block only for work queued after what used it
         self.device_flat.untyped_storage().resize_(0)
+        self._mark_released()
+
+    def _mark_released(self) -> None:
+        """The device copy's bytes are gone (freed, lent, or never copied): give the
+        device budget back and conceal the parameters."""
         self.tiers.device_tier.release(self.device_bytes, self.label("params"))
         self.residency = Residency.RELEASED
         self.conceal_params()
@@ -732,8 +739,7 @@ class Unit:
             and self.shards is None
             and self.home is self.master
             and isinstance(self.master, DiskArray)
-            and self.residency is Residency.PRESENT
-            and self.device_flat is not self.home
+            and self.residency is Residency.PRESENT  # (fetched by copy: a disk home)
             and not self.home_stale
             and not self.has_untracked_params
             and not self.released_after_backward
@@ -748,17 +754,13 @@ class Unit:
         if not self.lends_device_copy:
             raise ValueError(f"unit {self.name!r} has no device copy to lend")
         lent = self.device_flat
-        # untouched pages of a fresh allocation cost nothing; views are taken while it
-        # has bytes (see _build), then they go
+        # untouched pages of a fresh allocation cost nothing; its views are taken while
+        # it has bytes, then they go
         self.device_flat = torch.empty_like(lent)
-        self._flat_views = [
-            self.device_flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries
-        ]
+        self._take_flat_views()
         self.device_flat.untyped_storage().resize_(0)
         self._point_params_at_device_flat()
-        self.tiers.device_tier.release(self.device_bytes, self.label("params"))
-        self.residency = Residency.RELEASED
-        self.conceal_params()
+        self._mark_released()
         return lent[: self.master_numel]
 
     @property
