@@ -15,6 +15,7 @@ import hetstore
 from hetstore import OffloadConfig, OutOfDeviceMemory, OutOfTierMemory, Tier
 from hetstore.planner import cost
 from hetstore.planner.tracer import model_data_trace
+from hetstore.tiers.flat import DiskArray
 from tests.models.gpt import GPT, batches
 from tests.test_auto_offload import auto_config
 from tests.test_host_offload import TIGHT, adamw, assert_same_weights, pair, run
@@ -184,15 +185,95 @@ def test_example_inputs_without_the_targets_are_traced_again_at_the_first_traini
     assert peak <= runtime.plan.estimate.device  # the plan in effect counted the loss
 
 
-def test_a_first_batch_that_overflows_the_host_names_example_inputs(tmp_path):
-    """Budgets only: the optimizer states were placed at offload() before any activation
-    was known; when the first batch's activations cannot fit the host beside them, the
-    refusal (before the forward) says how to let the planner put the states on disk."""
+def tight_host(tmp_path):
+    """Budgets only, the host sized to the model states: the plan made at offload() keeps
+    every optimizer state on host (nothing else is known yet)."""
     states = states_bytes()
-    _, mine = pair(model)
-    cfg = budgets_only(
+    return budgets_only(
         tmp_path, max_device_memory=int(states * 0.2), offload_cpu_size=int(states * 1.0)
     )
-    mine, _ = hetstore.offload(mine, adamw(mine.parameters()), cfg)
-    with pytest.raises(OutOfTierMemory, match=r"offload_cpu_size.*pass example_inputs"):
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_the_first_batch_moves_optimizer_states_to_disk_when_activations_need_the_host(
+    tmp_path, clip
+):
+    """The plan made without a batch put every optimizer state on host; batch 16's
+    activations, offloaded, need host room for their disk staging, so the first batch
+    moves some units' master, gradients and states to disk (before any step: written
+    once) and training matches plain PyTorch within every budget, with a clip that bites
+    (0.05) or none."""
+    data = batches(3, batch=16)
+    ref, mine = pair(model)
+    cfg = tight_host(tmp_path)
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
+    runtime = hetstore.state_of(mine).runtime
+    assert {u.choice.optimizer for u in runtime.plan.units} == {Tier.HOST}
+    with pytest.warns(
+        UserWarning, match=r"planned the placement \(.*optimizer states: host -> disk"
+    ):
+        losses, norms = run(mine, opt, data, clip=clip)
+    moved = [u for u in runtime.units if u.placement.optimizer is Tier.DISK]
+    assert moved and all(runtime.plan.choice_of(u.name).optimizer is Tier.DISK for u in moved)
+    assert all(isinstance(u.master, DiskArray) and isinstance(u.grad, DiskArray) for u in moved)
+    ref_losses, ref_norms = run(ref, adamw(ref.parameters()), data, clip=clip)
+    torch.testing.assert_close(losses, ref_losses, **TIGHT)
+    torch.testing.assert_close(norms, ref_norms, **TIGHT)
+    assert_same_weights(ref, mine)
+    stats = hetstore.memory_stats(mine)
+    for tier in ("device", "host"):
+        assert stats[tier]["peak"] <= stats[tier]["capacity"], tier
+    # the states left the host: its peak is within the plan's, which counts them on disk
+    assert stats["host"]["peak"] <= runtime.plan.estimate.host
+    assert stats["disk"]["current"] >= sum(u.master.nbytes for u in moved)
+    # torch's format: what a plain optimizer would hold
+    assert_same_optimizer_state(ref_opt_state(ref, data, clip), opt.state_dict())
+
+
+def ref_opt_state(ref_model, data, clip):
+    """A plain AdamW's state_dict after the same training from the same seed."""
+    _, again = pair(model)
+    opt = adamw(again.parameters())
+    run(again, opt, data, clip=clip)
+    return opt.state_dict()
+
+
+def assert_same_optimizer_state(ref: dict, mine: dict) -> None:
+    assert ref["state"].keys() == mine["state"].keys()
+    for index, state in ref["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(
+                mine["state"][index][key], value, **TIGHT, msg=f"{index} {key}"
+            )
+
+
+def test_states_loaded_before_the_first_batch_move_to_disk_with_their_values(tmp_path):
+    """A resume with budgets only: a checkpoint is loaded right after offload(), then
+    the first batch moves states to disk; the loaded moments and step counts go with
+    them, so training goes on as the plain run does."""
+    first, rest = batches(2, batch=16), batches(2, batch=16, seed=1)
+    ref, mine = pair(model)
+    ref_opt = adamw(ref.parameters())
+    run(ref, ref_opt, first)
+    mine.load_state_dict(ref.state_dict())
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), tight_host(tmp_path))
+    opt.load_state_dict(ref_opt.state_dict())
+    with pytest.warns(UserWarning, match="optimizer states: host -> disk"):
+        losses, _ = run(mine, opt, rest)
+    ref_losses, _ = run(ref, ref_opt, rest)
+    torch.testing.assert_close(losses, ref_losses, **TIGHT)
+    assert_same_weights(ref, mine)
+    assert_same_optimizer_state(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_a_first_batch_that_fits_no_placement_is_refused_before_its_forward(tmp_path):
+    """Batch 64's activations need more host room for their disk staging than the host
+    has even with every optimizer state on disk: refused before the forward, naming the
+    capacity and the batch size (example_inputs would not help: nothing fits)."""
+    _, mine = pair(model)
+    mine, _ = hetstore.offload(mine, adamw(mine.parameters()), tight_host(tmp_path))
+    runtime = hetstore.state_of(mine).runtime
+    with pytest.raises(OutOfTierMemory, match=r"Lower the batch size or raise offload_cpu_size$"):
         mine(*batches(1, batch=64)[0])
+    # refused before anything moved: the states are where offload() built them
+    assert all(u.placement.optimizer is Tier.HOST for u in runtime.units)

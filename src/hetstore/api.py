@@ -209,6 +209,17 @@ def offload(
         """The first batch or a larger one placed activations, and parameters that had
         to leave the device (planner.shapes): put the new plan in effect."""
         by_name = {u.name: u for u in unit_list}
+        # states first: a master leaving host memory makes room for a home moved there
+        _move_states(
+            [
+                by_name[p.name]
+                for p in new_plan.units
+                if p.choice.optimizer != by_name[p.name].placement.optimizer
+            ],
+            unit_list,
+            tiers,
+            runtime,
+        )
         for unit_plan in new_plan.units:
             unit = by_name[unit_plan.name]
             if unit_plan.choice.param != unit.placement.param:
@@ -242,6 +253,11 @@ def offload(
                 replan,
                 trace_batch=trace_batch,
                 move_params=shards is None,
+                # (what OffloadedOptimizer.can_move_states allows)
+                move_states=shards is None
+                and optimizer is not None
+                and flat_steppable(optimizer)
+                and config.optimizer_state_format == "fp32",
             )
             if replannable
             else None
@@ -300,12 +316,58 @@ def offload(
         # the user's optimizer held the original parameters; its state is meaningless now
         optimizer.state.clear()
         runtime.optimizer = weakref.ref(wrapped)  # hetstore.release(model) releases it too
-        runtime.step_ahead = wrapped.step_ahead  # told when a unit's gradients are final
-        if wrapped.step_ahead is not None:  # steps in the next forward go in its order
-            use_order = weakref.WeakMethod(runtime.use_order)
-            wrapped.step_ahead.use_order = lambda: use_order()() if use_order() else []
-        runtime.grad_norms = wrapped.grad_norms
+        _wire_steps(runtime, wrapped)
     return model, wrapped
+
+
+def _wire_steps(runtime: OffloadRuntime, optimizer: OffloadedOptimizer) -> None:
+    """Tell the runtime what of the optimizer's work runs during backward (and the
+    optimizer the order of the next forward); again after states moved to disk."""
+    runtime.step_ahead = optimizer.step_ahead  # told when a unit's gradients are final
+    if optimizer.step_ahead is not None:  # steps in the next forward go in its order
+        use_order = weakref.WeakMethod(runtime.use_order)
+        optimizer.step_ahead.use_order = lambda: use_order()() if use_order() else []
+    runtime.grad_norms = optimizer.grad_norms
+
+
+def _move_states(
+    moving: list[Unit], units: list[Unit], tiers: Tiers, runtime: OffloadRuntime
+) -> None:
+    """Move ``moving`` units' masters, gradients and optimizer states from host memory to
+    disk (the first batch's plan; nothing has stepped yet), each unit whole before the
+    next, then arrange the optimizer's steps for the new placement. A failure part-way
+    leaves the units already moved working on disk and the rest in memory."""
+    if not moving:
+        return
+    optimizer = runtime.optimizer() if runtime.optimizer is not None else None
+    try:
+        for unit in moving:
+            unit.move_master(Tier.DISK)
+            _stage_grads(unit, units, tiers, runtime)
+            if optimizer is not None:
+                optimizer.move_states([unit])
+    finally:
+        if optimizer is not None:
+            optimizer.arrange_steps()
+            _wire_steps(runtime, optimizer)
+
+
+def _stage_grads(unit: Unit, units: list[Unit], tiers: Tiers, runtime: OffloadRuntime) -> None:
+    """Give ``unit``, whose gradients now belong on disk, the model's gradient stager,
+    or a larger one shared by every such unit when its slots are too small."""
+    if not unit.grads.staged:
+        return
+    stager = runtime.grad_stager
+    if stager is not None and stager.slot_bytes >= unit.trainable_numel * 4:
+        unit.grad_stager = stager
+        return
+    staged = [u for u in units if u.grads.staged]
+    larger = GradStager(tiers.host, max(u.trainable_numel * 4 for u in staged))
+    for u in staged:
+        u.grad_stager = larger
+    if stager is not None:
+        stager.close()  # (nothing staged yet: no gradient exists before the first batch)
+    runtime.grad_stager = larger
 
 
 def _ranks_on_host() -> int:

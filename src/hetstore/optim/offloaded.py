@@ -98,28 +98,42 @@ class OffloadedOptimizer(Optimizer):
         self._resume_at = 0  # index into _unit_steps where an interrupted step goes on
         self._released = False  # hetstore.release(model) freed the units' buffers
         self.step_in_backward = step_in_backward and shards is None
+        self._overlap = (overlap_step, overlap_memory_step, step_in_forward)
+        self._root = root
+        self.step_ahead: StepAhead | None = None
+        self.grad_norms: RecordedNorms | None = None
+        self._stepped_ahead: set[int] = set()  # ids of the units this step committed
+        self.arrange_steps()
+
+    def arrange_steps(self) -> None:
+        """Which unit steps run ahead of ``step()`` and which record the clip's norms in
+        backward, from the unit steps as they are now (at construction, and again when
+        units' states moved before training: :meth:`move_states`). The runtime is told
+        of the new ``step_ahead`` and ``grad_norms`` by its owner (``offload()``)."""
+        overlap_step, overlap_memory_step, step_in_forward = self._overlap
+        if self.step_ahead is not None:
+            self.step_ahead.close()
         # units stepped speculatively during backward (optim.step_ahead): disk units,
         # unsharded; memory units sharded too (a rank steps its own shard, with nothing
         # collective in it)
         ahead = []
         if overlap_step or self.step_in_backward or step_in_forward:
             ahead += [s for s in self._unit_steps if eligible(s, s.unit)]
-        if overlap_memory_step and not step_in_backward:
+        if overlap_memory_step and not self.step_in_backward:
             # the root's gradients are final when backward ends: nothing would hide it
             ahead += [
                 s
                 for s in self._unit_steps
                 if isinstance(s, InMemoryUnitStep)
-                and s.unit is not root
+                and s.unit is not self._root
                 and s.can_speculate(self._flat)
             ]
-        self.step_ahead: StepAhead | None = None
-        self._stepped_ahead: set[int] = set()  # ids of the units this step committed
+        self.step_ahead = None
         if ahead:
             self.step_ahead = StepAhead(
                 ahead,
                 self._hyper,
-                loss_scaler,
+                self.loss_scaler,
                 consume=self.step_in_backward,
                 speculate=overlap_step or overlap_memory_step,
                 in_forward=step_in_forward,
@@ -127,7 +141,58 @@ class OffloadedOptimizer(Optimizer):
         # the clip's norms of disk gradients, taken in backward (the runtime tells it
         # when a unit's gradients are final); with or without the step ahead
         streamed = [s for s in self._unit_steps if isinstance(s, StreamedUnitStep)]
-        self.grad_norms = RecordedNorms(streamed) if shards is None and streamed else None
+        self.grad_norms = RecordedNorms(streamed) if self.shards is None and streamed else None
+
+    @property
+    def can_move_states(self) -> bool:
+        """Units' states in host memory can move to disk before training
+        (:meth:`move_states`): a flat optimizer in the exact format, unsharded."""
+        return self._flat and self.state_format.exact and self.shards is None
+
+    @torch.no_grad()
+    def move_states(self, units: list[Unit]) -> None:
+        """``units``' masters moved to disk (``Unit.move_master``, before their first
+        gradient): their optimizer states follow, stepped chunk by chunk from disk from
+        now on. States that hold values (a checkpoint loaded before training) are written
+        once; fresh ones are the disk arrays' zeros. The host buffers are freed. Then
+        what runs ahead of ``step()`` is arranged anew: the caller wires the runtime to
+        the new ``step_ahead`` and ``grad_norms``."""
+        self._check_alive("move_states")
+        for unit in units:
+            index = next((i for i, s in enumerate(self._unit_steps) if s.unit is unit), None)
+            if index is not None:  # (nothing trainable: the master was all there was)
+                self._unit_steps[index] = self._states_to_disk(self._unit_steps[index])
+
+    def _states_to_disk(self, old: InMemoryUnitStep) -> StreamedUnitStep:
+        unit = old.unit
+        if not isinstance(old, InMemoryUnitStep) or not isinstance(unit.master, DiskArray):
+            raise ValueError(
+                f"unit {unit.name!r}: only states in memory follow a master moved to disk"
+            )
+        inner = [old.optimizer.state.get(t) or {} for t in old.tensors]
+        started = [bool(state) and self._has_started(state) for state in inner]
+        new = self._build_unit_step(unit)
+        try:
+            if any(started):
+                values: dict[str, list] = {}
+                for segment, state, begun in zip(unit.segments, inner, started, strict=True):
+                    for key in new.states:
+                        if begun and key in state:
+                            values.setdefault(key, []).append((segment.start, state[key]))
+                new.write_states(values, None)
+                if new.has_step:  # each segment's own counter, as torch keeps them
+                    for counter, state in zip(new.steps, inner, strict=True):
+                        counter.fill_(float(state.get("step", 0)))
+        except BaseException:
+            for array in [*new.states.values(), *new.scales.values()]:
+                unit.free_buffer(array)
+            raise
+        for state in inner:
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    unit.free_buffer(value)
+            state.clear()
+        return new
 
     @property
     def speculation_stats(self) -> dict[str, int] | None:

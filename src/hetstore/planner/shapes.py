@@ -60,7 +60,8 @@ class BatchGuard:
     at the first training forward instead: ``trace_batch(args, kwargs)`` traces that
     batch on meta tensors, before any activation exists, and
     :func:`~hetstore.planner.planner.plan_first_batch` places its activations (and moves
-    parameters off the device when they must make room)."""
+    parameters off the device, or optimizer states from host to disk, when they must make
+    room)."""
 
     def __init__(
         self,
@@ -71,6 +72,7 @@ class BatchGuard:
         *,
         trace_batch: Callable[[tuple, dict], Trace] | None = None,
         move_params: bool = True,
+        move_states: bool = False,
     ):
         self.trace = trace
         self.plan = plan
@@ -78,6 +80,7 @@ class BatchGuard:
         self.apply = apply
         self.trace_batch = trace_batch
         self.move_params = move_params  # may the first batch move parameters off the device
+        self.move_states = move_states  # ... and optimizer states from host to disk
         self.allowed = 1.0  # the growth over the traced batch the plan in effect covers
 
     @property
@@ -104,6 +107,7 @@ class BatchGuard:
                 self.config,
                 batch=f"a batch of shapes {shapes}",
                 move_params=self.move_params,
+                move_states=self.move_states,
             )
             self._put_in_effect(plan, f"{what} (shapes {shapes})", "planned")
             self.trace = trace
@@ -151,7 +155,11 @@ class BatchGuard:
             f"{new.name} {what}: {getattr(old.choice, field).label} -> "
             f"{getattr(new.choice, field).label}"
             for old, new in zip(self.plan.units, plan.units, strict=True)
-            for field, what in (("param", "params"), ("activations", "activations"))
+            for field, what in (
+                ("param", "params"),
+                ("optimizer", "optimizer states"),
+                ("activations", "activations"),
+            )
             if getattr(old.choice, field) != getattr(new.choice, field)
         ]
         if moved:

@@ -33,7 +33,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hetstore.config import TIERS as ACTIVATION_TIERS
-from hetstore.errors import BACKWARD_AFTER_RELEASE, ConfigError
+from hetstore.errors import BACKWARD_AFTER_RELEASE, ConfigError, OutOfTierMemory
 from hetstore.tier import Tier
 from hetstore.tiers import Tiers
 from hetstore.tiers.flat import DiskArray, wait_all_quiet
@@ -101,7 +101,7 @@ class _Storage:
         self._incoming = None  # (device tensor, event) of a prefetched host-to-device copy
         self.host = None
         tiers = hooks.tiers
-        self.host = tiers.host.allocate(max(self.nbytes, 1), _LABEL, torch.uint8)
+        self.host = hooks.host_buffer(max(self.nbytes, 1))
         try:
             source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
             if hooks.stream is not None:
@@ -145,6 +145,11 @@ class _Storage:
             self.hooks.tiers.host.free(self.host)
             self.host = None
         return True
+
+    @property
+    def holds_staging(self) -> bool:
+        """A host buffer held only until the disk write from it lands."""
+        return self.disk is not None and self.host is not None
 
     # ------------------------------------------------------------------ in
     def prefetch(self) -> None:
@@ -343,6 +348,21 @@ class ActivationHooks:
             self._groups.append([])
         # the copies out of the group before last have had a unit's compute to finish
         self._settle(keep=len(self._groups) - 2, wait=True)
+
+    def host_buffer(self, nbytes: int):
+        """A host buffer for a saved tensor on its way out. Out of room, the writes to
+        disk still in flight are waited for first: their staging buffers are held only
+        until the write lands, and the planner counts a bounded window of them, not
+        however many a slow disk leaves in flight at that moment."""
+        host = self.tiers.host
+        try:
+            return host.allocate(nbytes, _LABEL, torch.uint8)
+        except OutOfTierMemory:
+            in_flight = any(r.holds_staging for r in self._unsettled)
+            if not in_flight:
+                raise
+        self._settle(keep=len(self._groups), wait=True)
+        return host.allocate(nbytes, _LABEL, torch.uint8)
 
     def _settle(self, keep: int, wait: bool) -> None:
         """Settle the offloads of groups before ``keep``; poll the rest."""

@@ -198,6 +198,10 @@ class GradStager:
         # step_in_backward: waits for the oldest step in backward to give its buffer back
         self.reclaim: Callable[[], bool] | None = None
 
+    @property
+    def slot_bytes(self) -> int:
+        return self._slots.nbytes
+
     def buffer_for(self, unit: Unit) -> torch.Tensor:
         """The host buffer gathering ``unit``'s gradients (its accumulated ones read in)."""
         held = self._holders.get(unit)

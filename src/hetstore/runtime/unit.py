@@ -146,6 +146,7 @@ class Unit:
         # the root: backward releases it only once it is over (not when its gradients
         # are final), so its device copy is never lent away before that
         self.released_after_backward = False
+        self._defer_disk_grad = defer_disk_grad  # (GradSink: for a master moved to disk too)
         self._build(defer_disk_grad)
 
     def finish_pending_step(self) -> None:
@@ -558,6 +559,51 @@ class Unit:
         self.home = new
         self.placement = replace(self.placement, param=tier)
         self.release()
+
+    def move_master(self, tier: Tier) -> None:
+        """Move the fp32 master and the gradients from host memory to ``tier`` (disk):
+        the plan made without a batch is refined at the first forward when the batch's
+        activations need the host room (``planner.plan_first_batch``). Only before any
+        gradient exists, so the gradients move as an empty buffer; the master's values are
+        written once. A home that was the master stays in host memory as a buffer of its
+        own, read back from the written master after the old one is freed (never both at
+        once: the host is short). The optimizer's states move with
+        ``OffloadedOptimizer.move_states``. A disk gradient needs ``grad_stager`` set
+        before the next backward. Not for sharded units."""
+        if self.placement.optimizer is not Tier.HOST or tier is not Tier.DISK or self.shards:
+            raise ValueError(
+                f"unit {self.name!r}: only an unsharded master in host memory moves to disk, "
+                f"not from {self.placement.optimizer.label} to {tier.label}"
+            )
+        if self.grads.any() or self.grads.pending:
+            raise ValueError(f"unit {self.name!r}: its master moves before any gradient")
+        self.finish_pending_step()
+        old = self.master
+        new = self.allocate(tier, self.master_numel, torch.float32, "master params")
+        try:
+            write_from(new, old)
+        except BaseException:
+            self.free_buffer(new)
+            raise
+        self.master = new
+        was_home = self.home is old
+        self.free_buffer(old)
+        if was_home:
+            home = self.allocate(self.placement.param, self.numel, self.compute_dtype, "params")
+            read_into(new, home)
+            self.home = home
+            if self.residency is Residency.IN_PLACE:
+                self._point_params(home)
+        old_grads = self.grads.buffer
+        self.grads.close()
+        if old_grads is not None:
+            self.free_buffer(old_grads)
+        self.placement = replace(self.placement, optimizer=tier, grad=tier)
+        self.grads = GradSink(
+            self, deferred=self._defer_disk_grad and ChunkedRewrite.can_speculate(self)
+        )
+        self.state_version += 1
+        self.param_version += 1
 
     # ------------------------------------------------------------------ movement
     def fetch(self, stream: torch.cuda.Stream | None = None) -> None:
