@@ -20,10 +20,12 @@ The shapes:
 - ``llama``: a transformers ``LlamaForCausalLM`` built from a config, with
   ``example_inputs=(input_ids,)`` and called as the Trainer calls it
   (``model(input_ids=..., labels=...)``): the keyword call is traced again at the first
-  training forward, as for the GPT. (With budgets only, no ``example_inputs``, the
-  optimizer states are placed at ``offload()`` before any activation is known; at the
-  last budget they fill the host and the first batch is refused with the figures:
-  tests/test_first_forward_plan.py covers that path.)
+  training forward, as for the GPT.
+
+The last budget runs twice: with ``example_inputs``, and with budgets only (``budgets
+only``), as the seed's config is written: the optimizer states are placed at
+``offload()`` before any activation is known, filling the host, and the first training
+batch is traced and planned for, moving some units' states to disk before step 1.
 
 Reported per budget: the plan (what it offloads); the step time it predicted before
 step 1 (``runtime.plan``: one block's forward and backward timed for real at the
@@ -52,14 +54,26 @@ from hetstore.demo.gpt import GPT, batches
 from hetstore.planner import UnitChoice
 from hetstore.planner.tracer import model_data_trace
 
-# (device budget, host budget) as shares of the model states; None: the machine's RAM.
-# The last one makes the host short too, so the plan spills to disk.
-BUDGETS = ((1.0, None), (0.5, None), (0.2, None), (0.2, 1.0))
+# (device budget, host budget, example_inputs given) as shares of the model states;
+# None: the machine's RAM. The last two make the host short too, so the plan spills to
+# disk: once planned at offload() from example_inputs, once from budgets only (the first
+# training batch is traced and planned for, moving optimizer states to disk).
+BUDGETS = (
+    (1.0, None, True),
+    (0.5, None, True),
+    (0.2, None, True),
+    (0.2, 1.0, True),
+    (0.2, 1.0, False),
+)
 
 
 def label(budget) -> str:
-    device, host = budget
-    return f"{device:.0%}" + ("" if host is None else f", host {host:.0%}")
+    device, host, given = budget
+    return (
+        f"{device:.0%}"
+        + ("" if host is None else f", host {host:.0%}")
+        + ("" if given else ", budgets only")
+    )
 
 
 class GptShape:
@@ -137,7 +151,7 @@ def run_shape(shape, args, device, folder) -> tuple[str, list, list]:
     plain.to(device)
     variants["plain"] = (plain, plain_opt)
     for budget in BUDGETS:
-        fraction, host_fraction = budget
+        fraction, host_fraction, given = budget
         if args.tiny and host_fraction is not None:
             # the host pool rounds every buffer up to a 4 KiB page, several percent of a
             # model this small, which the cost model (bytes) does not count
@@ -153,7 +167,7 @@ def run_shape(shape, args, device, folder) -> tuple[str, list, list]:
             # the tiny model's saved tensors are all small: let every one move
             activation_min_bytes=0 if args.tiny else OffloadConfig().activation_min_bytes,
         )
-        example = shape.example_inputs(data[0][0])
+        example = shape.example_inputs(data[0][0]) if given else None
         variants[budget] = hetstore.offload(model, opt, config, example_inputs=example)
     cursor = dict.fromkeys(variants, 0)
 
