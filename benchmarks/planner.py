@@ -215,6 +215,10 @@ def run_shape(shape, args, device, folder) -> tuple[str, list, list]:
         stats = hetstore.memory_stats(model)
         for tier in ("device", "host", "disk"):
             predicted, got = planned.peak(tier), stats[tier]["peak"]
+            if tier == "disk":  # speculations' shadows, where the disk has room
+                room = stats[tier]["capacity"]
+                predicted += planned.disk_shadows
+                predicted = predicted if room is None else min(room, predicted)
             if not predicted and not got:
                 continue
             ratio = f"{got / predicted:.2f}" if predicted else "-"

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from hetstore.planner import Trace, UnitChoice, estimate
+from hetstore.planner.cost import memory
 from hetstore.planner.plan import Capacities, Plan
 from tests.test_planner import CPU, GPU, MiB, gpt_like, unit
 
@@ -16,22 +17,47 @@ def test_everything_on_device_counts_every_state_and_activation():
     e = estimate(trace, [UnitChoice()] * len(trace.units), 1)
     states = trace.state_bytes
     saved = sum(u.saved_bytes for u in trace.units)
-    one_grad = max(u.max_param_numel * u.compute_itemsize for u in trace.units)
-    assert e.device == states + saved + one_grad
+    # backward begins with the root's head, every activation still there, and the
+    # gradient of the root's largest parameter in flight; a block's largest (larger
+    # here) is in flight only once the activations after it are gone
+    grad = [u.max_param_numel * u.compute_itemsize for u in trace.units]
+    before = [sum(u.saved_bytes for u in trace.units[: k + 1]) for k in range(len(grad))]
+    assert trace.units[-1].is_root and grad[-1] < max(grad)
+    assert e.device == states + max(b + g for b, g in zip(before, grad, strict=True))
+    assert e.device == states + saved + grad[-1]
     assert e.host == e.disk == 0
     assert e.compute_s == sum(u.forward_s + u.backward_s for u in trace.units)
     assert e.stall_s == e.exposed_s == 0
 
 
-def test_offloaded_params_leave_a_working_set_of_depth_plus_one_units():
-    trace = gpt_like(machine=CPU)
-    blocks_cpu = [UnitChoice(param="cpu") if not u.is_root else UnitChoice() for u in trace.units]
+@pytest.mark.parametrize(
+    "machine, where, ahead",
+    [
+        (GPU, "cpu", True),  # copied to the device on the side stream, depth ahead
+        (GPU, "disk", False),  # prefetched into host staging, fetched when used
+        (CPU, "cpu", False),  # nothing is copied ahead on a CPU device
+    ],
+)
+def test_offloaded_params_leave_a_working_set_of_what_prefetch_puts_on_the_device(
+    machine, where, ahead
+):
+    trace = gpt_like(machine=machine)
+    blocks = [UnitChoice(param=where) if not u.is_root else UnitChoice() for u in trace.units]
     base = estimate(trace, [UnitChoice()] * len(trace.units), 1)
     block = trace.units[0].param_bytes
     for depth in (0, 1, 2):
-        e = estimate(trace, blocks_cpu, depth)
-        assert base.device - e.device == 4 * block - (depth + 1) * block
-        assert e.host == 4 * block
+        e = estimate(trace, blocks, depth)
+        held = depth + 1 if ahead else 1
+        assert base.device - e.device == 4 * block - held * block, depth
+        assert (e.host if where == "cpu" else e.disk) == 4 * block
+
+
+def test_without_a_machine_every_prefetch_is_counted_on_the_device():
+    trace = gpt_like(machine=None)
+    blocks = [UnitChoice(param="disk") if not u.is_root else UnitChoice() for u in trace.units]
+    everything = memory(trace, [UnitChoice()] * len(trace.units), 2, 2**24)[0]
+    block = trace.units[0].param_bytes
+    assert everything - memory(trace, blocks, 2, 2**24)[0] == 4 * block - 3 * block
 
 
 def test_fp32_parameters_alias_their_master():

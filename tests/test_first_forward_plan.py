@@ -223,8 +223,11 @@ def test_the_first_batch_moves_optimizer_states_to_disk_when_activations_need_th
     stats = hetstore.memory_stats(mine)
     for tier in ("device", "host"):
         assert stats[tier]["peak"] <= stats[tier]["capacity"], tier
-    # the states left the host: its peak is within the plan's, which counts them on disk
-    assert stats["host"]["peak"] <= runtime.plan.estimate.host
+    # the states left the host: its peak is the plan's, which counts them on disk, within
+    # 5% (every saved tensor takes whole 4 KiB pages, which the cost model does not
+    # count: this model's LayerNorm statistics are 512 bytes each)
+    assert 0.9 * runtime.plan.estimate.host <= stats["host"]["peak"]
+    assert stats["host"]["peak"] <= 1.05 * runtime.plan.estimate.host
     assert stats["disk"]["current"] >= sum(u.master.nbytes for u in moved)
     # torch's format: what a plain optimizer would hold
     assert_same_optimizer_state(ref_opt_state(ref, data, clip), opt.state_dict())

@@ -228,7 +228,7 @@ def offload(
         runtime.plan = new_plan  # bound below, before any forward can run
 
     def trace_batch(args: tuple, kwargs: dict) -> Trace:
-        """The first training batch's activations, traced on meta tensors."""
+        """The first training batch's activations, traced on fake tensors."""
         with runtime.tracing():
             traced = with_batch(
                 trace, model, args, kwargs, specs, config, on_meta=True, probe=Probe(device)

@@ -100,7 +100,7 @@ class OffloadConfig:
             "Let the planner choose every unit's placement (parameters, optimizer states, "
             "activations, prefetch depth) from a trace of the model and the tier capacities. "
             "With hetstore.offload(..., example_inputs=...) the trace includes that batch's "
-            "activations; without, the first training forward's batch is traced (on meta "
+            "activations; without, the first training forward's batch is traced (on fake "
             "tensors) and planned for before it runs. The offload_* keys are then not used. "
             "MindSpore key."
         ),

@@ -106,6 +106,12 @@ class Estimate:
     # device: optim.step_ahead reads it there instead of from disk), at most; not in
     # ``host`` for the same reason: each is lent only where the host tier has room
     host_lent: int = 0
+    # disk bytes of the shadows of units stepped ahead beyond the one ``disk`` counts:
+    # a speculation keeps its shadow until optimizer.step() commits it, and the worker
+    # takes one wherever the disk keeps an ordinary step's room free, so with room to
+    # spare several are held while earlier units' activations are still on disk; not
+    # in ``disk``: none is taken where the room is not there
+    disk_shadows: int = 0
 
     @property
     def step_s(self) -> float:
@@ -192,9 +198,8 @@ def memory(
             disk += stored if c.optimizer == Tier.DISK else 0
     units = list(zip(trace.units, choices, strict=True))
     if fetched_blocks:
-        device += min(depth + 1, len(fetched_blocks)) * max(fetched_blocks)
+        device += _fetched_at_once(trace, choices, depth, len(fetched_blocks)) * max(fetched_blocks)
     device += sum(u.kept_bytes for u in trace.units)
-    device += _max(u.max_param_numel * u.compute_itemsize for u in trace.units)
     prefetched = trace.machine is not None and trace.machine.copies_overlap
     device += _activation_peak(units, depth, prefetched)
     if trace.machine is not None and trace.machine.device != "cpu":
@@ -209,7 +214,7 @@ def memory(
     if disk_params:
         persistent += param_staging_bytes(depth, _paged(max(disk_params)))
     disk_opt = [(u, c) for u, c in units if c.optimizer == Tier.DISK]
-    stepped_ahead, shadow_bytes = False, 0
+    stepped_ahead, shadow_bytes, worker = False, 0, None
     if disk_opt:
         persistent += grad_staging_bytes(_paged(_max(u.grad_bytes for u, _ in disk_opt)))
         chunks = _max(
@@ -228,8 +233,16 @@ def memory(
         step += chunks
         in_backward = trace.step_overlap or trace.step_in_backward
         stepped_ahead = in_backward and any(_stepped_ahead(u, c) for u, c in disk_opt)
-        if stepped_ahead:
-            forward_backward += chunks  # the step-ahead worker's, during backward
+        if stepped_ahead:  # the step-ahead worker's, during backward, from the first
+            # unit it steps: the last stepped ahead in execution order
+            worker = (
+                max(
+                    i
+                    for i, (u, c) in enumerate(units)
+                    if c.optimizer == Tier.DISK and _stepped_ahead(u, c)
+                ),
+                chunks,
+            )
         # the shadow of a step; inside backward, the one being stepped and one done
         # awaiting its commit
         shadows = 2 if any(consumed(trace, u, c) for u, c in disk_opt) else 1
@@ -243,27 +256,52 @@ def memory(
         disk += disk_saved + shadow_bytes
     else:
         disk += max(disk_saved, shadow_bytes)
-    forward_backward += _host_activation_peak(units, depth)
+    forward_backward += _host_activation_peak(units, depth, worker)
     host += persistent + max(forward_backward, step)
     return device, host, disk
 
 
-def _host_activation_peak(units, depth: int) -> int:
+def _host_activation_peak(units, depth: int, worker: tuple[int, int] | None = None) -> int:
     """Peak host bytes of saved activations (runtime.activations), units in execution
     order (the root last). Those on host stay from their unit's forward to its backward.
     Those on disk pass through host staging, a window of units ending at the one running
     (``footprints.activation_staging_units``). Both are counted at each unit k: the host
     units resident then are those up to k, in forward and in backward alike. (Summing
     every host unit with a full window, as before, over-predicted the host peak of disk
-    placements 1.6x: 113.7 MiB predicted against 70.7 measured, benchmarks/planner.py.)"""
+    placements 1.6x: 113.7 MiB predicted against 70.7 measured, benchmarks/planner.py.)
+
+    ``worker``: ``(j, nbytes)``: the step-ahead worker holds ``nbytes`` of chunk buffers
+    from the end of unit ``j``'s backward, so beside the backward of the units before
+    ``j`` only (adding them to the forward's peak, as before, over-predicted a GPT's
+    host peak by 12 MiB of 106)."""
     on_host = [u.saved_bytes if c.activations == Tier.HOST else 0 for u, c in units]
     on_disk = [u.saved_bytes if c.activations == Tier.DISK else 0 for u, c in units]
     reach = activation_staging_units(depth) - 1  # units before the running one
-    peak = resident = 0
+    j, held = worker if worker is not None else (-1, 0)
+    peak = held if worker is not None else 0  # (after backward: the worker alone)
+    resident = 0
     for k in range(len(units)):
         resident += on_host[k]
-        peak = max(peak, resident + sum(on_disk[max(0, k - reach) : k + 1]))
+        here = resident + sum(on_disk[max(0, k - reach) : k + 1])
+        peak = max(peak, here + (held if k < j else 0))
     return peak
+
+
+def _fetched_at_once(trace: Trace, choices: list[UnitChoice], depth: int, blocks: int) -> int:
+    """Blocks' device copies held at once: the one in use, plus the ``depth`` prefetched
+    ahead where a prefetch lands on the device: a host home on CUDA, copied on the side
+    stream (runtime.hooks ``_prefetch``). A disk home's prefetch is a read into host
+    staging, and on a CPU device nothing is copied ahead. Without a machine probe, the
+    device is not known: every prefetch is counted there."""
+    machine = trace.machine
+    ahead = depth
+    if machine is not None:
+        host_homes = any(
+            c.param == Tier.HOST and not u.is_root
+            for u, c in zip(trace.units, choices, strict=True)
+        )
+        ahead = depth if machine.copies_overlap and host_homes else 0
+    return min(1 + ahead, blocks)
 
 
 def _activation_peak(units, depth: int, prefetched: bool) -> int:
@@ -272,7 +310,11 @@ def _activation_peak(units, depth: int, prefetched: bool) -> int:
     execution order; the root's saved tensors, the loss and head, count as last), and of
     the offloaded ones, with ``prefetched`` (CUDA: whole groups come back ahead) the
     groups of units k-depth..k, else (a CPU device restores each tensor as autograd
-    unpacks it and drops it after its node) the largest saved tensor of unit k."""
+    unpacks it and drops it after its node) the largest saved tensor of unit k; and the
+    gradient autograd has just made for unit k's largest parameter, on the device until
+    the runtime moves it to the unit's gradient buffer (none exists at the end of
+    forward: counting the model's largest one there too over-predicted a GPT's device
+    peak by 1 MiB of 9)."""
     kept = [u.saved_bytes if c.activations == Tier.DEVICE else 0 for u, c in units]
     moved = [u.saved_bytes if c.activations != Tier.DEVICE else 0 for u, c in units]
     peak = sum(kept)
@@ -283,7 +325,7 @@ def _activation_peak(units, depth: int, prefetched: bool) -> int:
             restored = sum(moved[max(0, k - depth) : k + 1])
         else:
             restored = u.largest_saved_bytes if c.activations != Tier.DEVICE else 0
-        peak = max(peak, prefix + restored)
+        peak = max(peak, prefix + restored + u.max_param_numel * u.compute_itemsize)
     return peak
 
 
@@ -523,7 +565,31 @@ def estimate(
         basis,
         host_shadows=shadows,
         host_lent=lent_master_bytes(trace, choices),
+        disk_shadows=0 if overlap is False else _more_disk_shadows(trace, choices),
     )
+
+
+def _more_disk_shadows(trace: Trace, choices: list[UnitChoice]) -> int:
+    """Disk bytes of speculations' shadows beyond what :func:`memory` counts (one
+    shadow beside every activation on disk), at the worst moment of backward: right
+    after unit k's backward, the activations of the units before k are still on disk
+    and every unit from k on stepped ahead holds its shadow (the worker keeping up).
+    Steps in backward commit as they go (two shadows, counted in ``memory``)."""
+    units = list(zip(trace.units, choices, strict=True))
+    if not trace.step_overlap or trace.step_in_backward:
+        return 0
+    shadow = [
+        _stored_optimizer_bytes(u, c, consumed=True) if _stepped_ahead(u, c) else 0
+        for u, c in units
+    ]
+    if not any(shadow):
+        return 0
+    saved = [u.saved_bytes if c.activations == Tier.DISK else 0 for u, c in units]
+    worst = max(sum(saved[:k]) + sum(shadow[k:]) for k in range(len(units) + 1))
+    counted = max(
+        _stored_optimizer_bytes(u, c, consumed=True) for u, c in units if c.optimizer == Tier.DISK
+    )
+    return max(0, worst - (sum(saved) + counted))
 
 
 def lent_master_bytes(trace: Trace, choices: list[UnitChoice]) -> int:

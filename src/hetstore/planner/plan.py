@@ -190,6 +190,12 @@ class Plan:
                 f"their host shadows take up to {format_size(e.host_shadows)} beside the "
                 "peak above, where the host has room (a unit without room steps after backward)"
             )
+        if e.disk_shadows:
+            lines.append(
+                f"steps taken ahead keep their disk shadows until optimizer.step(): up to "
+                f"{format_size(e.disk_shadows)} of disk beside the peak above, where the "
+                "disk has room"
+            )
         if e.host_lent:
             lines.append(
                 f"steps in backward read their master from the block's device copy, lent "

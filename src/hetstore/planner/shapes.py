@@ -58,7 +58,7 @@ class BatchGuard:
 
     Made without a batch (``auto_offload`` with no ``example_inputs``), the guard plans
     at the first training forward instead: ``trace_batch(args, kwargs)`` traces that
-    batch on meta tensors, before any activation exists, and
+    batch on fake tensors, before any activation exists, and
     :func:`~hetstore.planner.planner.plan_first_batch` places its activations (and moves
     parameters off the device, or optimizer states from host to disk, when they must make
     room)."""
@@ -126,8 +126,8 @@ class BatchGuard:
         self.allowed = scale
 
     def _without_a_trace(self, exc: Exception, what: str) -> None:
-        """The forward cannot run on meta tensors (data-dependent Python control flow,
-        such as a check of an attention mask's values): offload every unit's activations
+        """The forward cannot run on fake tensors (data-dependent Python control flow,
+        such as a branch on a tensor's values): offload every unit's activations
         to host, the placement that needs no figures, and say so. Parameters stay."""
         self.trace_batch = None  # tried once; later batches are not compared
         choices = [replace(u.choice, activations=Tier.HOST) for u in self.plan.units]
@@ -141,7 +141,7 @@ class BatchGuard:
         )
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         warnings.warn(
-            f"hetstore: auto_offload could not trace {what} on meta tensors "
+            f"hetstore: auto_offload could not trace {what} on fake tensors "
             f"({type(exc).__name__}: {reason}); every unit's activations go to host memory "
             "instead of a plan made for them. Pass example_inputs (meta tensors of the "
             "batch's shapes) to hetstore.offload() for a plan made for the batch",

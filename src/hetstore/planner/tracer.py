@@ -201,19 +201,31 @@ def _run(model, inputs, kwargs, specs, config, on_meta):
         handles.append(
             spec.module.register_forward_hook(lambda m, a, o: current.__setitem__(0, root_index))
         )
-    mode = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
+    # Meta tensors carry no device, so kernels that pick an algorithm by device pick
+    # another: scaled_dot_product_attention on meta takes the math path and saves the
+    # B x H x T x T attention weights, which the CPU and CUDA kernels never keep (2 MiB
+    # a block at 8 x 128 tokens, 12% of its saved bytes, growing with T squared). So a
+    # model without bytes is traced on *fake* tensors of its shapes on the compute
+    # device, made from nothing, where that device can be faked here.
+    device = _fake_device(config)
+    mode = (
+        contextlib.nullcontext()
+        if on_meta and device is None
+        else FakeTensorMode(allow_non_fake_inputs=True)
+    )
     try:
         with mode:
             named = dict(model.named_parameters(remove_duplicate=False))
             named.update(dict(model.named_buffers(remove_duplicate=False)))
             if on_meta:
-                # one meta tensor per parameter object, so tied weights stay tied
+                # one tensor per parameter object, so tied weights stay tied
                 copies: dict[int, torch.Tensor] = {}
                 swapped = {
-                    name: copies.setdefault(id(t), _meta_like(t)) for name, t in named.items()
+                    name: copies.setdefault(id(t), _empty_like(t, device))
+                    for name, t in named.items()
                 }
                 args, kwargs = tree_map(
-                    lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t,
+                    lambda t: _empty_like(t, device) if isinstance(t, torch.Tensor) else t,
                     (inputs, kwargs),
                 )
             else:
@@ -264,10 +276,21 @@ def _run(model, inputs, kwargs, specs, config, on_meta):
     return saved, kept, largest, flops, calls
 
 
-def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
-    """A meta tensor with ``tensor``'s shape, dtype and requires_grad (a parameter stays
-    one, so the trace saves for backward what training would)."""
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+def _fake_device(config) -> torch.device | None:
+    """The compute device, where fake tensors can stand for it here (a CUDA device only
+    where CUDA is present: its kernels' choices query the device); else None (meta)."""
+    device = config.resolved_device()
+    if device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available()):
+        return device
+    return None
+
+
+def _empty_like(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A tensor with ``tensor``'s shape, dtype and requires_grad and no bytes: on
+    ``device`` under the fake mode, else on meta (a parameter stays one, so the trace
+    saves for backward what training would). Integer inputs keep their dtype; their
+    values are never read by a traceable forward."""
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=device or "meta")
     if isinstance(tensor, nn.Parameter):
         return nn.Parameter(copy, requires_grad=tensor.requires_grad)
-    return copy
+    return copy.requires_grad_(tensor.requires_grad)
