@@ -201,3 +201,69 @@ def test_the_oom_report_names_activation_min_bytes_when_small_activations_overfl
     message = str(info.value)
     assert "activation_min_bytes (1.00 GiB)" in message and "'activations' holder" in message
     attempt(0)
+
+
+def test_a_full_host_waits_for_activation_writes_in_flight_instead_of_failing(
+    tmp_path, monkeypatch
+):
+    """Activations bound for disk hold a host buffer only until their write lands. On a
+    slow disk (here: a write is reported unfinished until waited for) the staging of the
+    units before is still held when a unit packs. A host one page short of that peak
+    runs out, and the allocation waits for the writes in flight instead of failing
+    (ActivationHooks.host_buffer). Trains like plain PyTorch; without the wait, the same
+    host is refused."""
+    from hetstore import OutOfTierMemory
+    from hetstore.runtime import activations
+
+    data = batches(2, batch=8)
+    settle = activations._Storage.settle
+
+    def slow_disk(self, wait):
+        if not wait and self._written is not None:
+            return False
+        return settle(self, wait)
+
+    monkeypatch.setattr(activations._Storage, "settle", slow_disk)
+
+    def train(capacity=None):
+        ref, mine = pair(GPT)
+        cfg = act_config(
+            tmp_path / str(capacity),
+            "disk",
+            "none",
+            "none",
+            offload_cpu_size=capacity,
+            prefetch_depth=0,  # backward restores one saved tensor at a time
+        )
+        mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
+        try:
+            losses, _ = run(mine, opt, data)
+            ref_losses, _ = run(ref, adamw(ref.parameters()), data)
+            torch.testing.assert_close(losses, ref_losses, **TIGHT)
+            assert_same_weights(ref, mine)
+            return hetstore.memory_stats(mine)["host"]["peak"]
+        finally:
+            hetstore.release(mine)
+
+    held = train()  # every write in flight until a later unit's group settles it
+    short = held - 4096
+    waits = []
+    host_buffer = activations.ActivationHooks.host_buffer
+
+    def counting(self, nbytes):
+        before = len(self._unsettled)
+        out = host_buffer(self, nbytes)
+        waits.append(len(self._unsettled) < before)
+        return out
+
+    monkeypatch.setattr(activations.ActivationHooks, "host_buffer", counting)
+    assert train(capacity=short) <= short
+    assert any(waits)
+    # the control: the allocation alone, without the wait, is refused on this host
+    monkeypatch.setattr(
+        activations.ActivationHooks,
+        "host_buffer",
+        lambda self, nbytes: self.tiers.host.allocate(nbytes, "activations", torch.uint8),
+    )
+    with pytest.raises(OutOfTierMemory, match="activations"):
+        train(capacity=short)

@@ -152,12 +152,19 @@ class _Storage:
         return self.disk is not None and self.host is not None
 
     # ------------------------------------------------------------------ in
-    def prefetch(self) -> None:
-        """Start bringing the bytes closer (see class doc); never waits."""
+    def prefetch(self, needed: bool = False) -> None:
+        """Start bringing the bytes closer (see class doc). Ahead of time (not
+        ``needed``) a host without room for the staging skips it: the restore reads
+        then, when the saved tensors before have given their room back."""
         if self.restored is not None or self._incoming is not None or self._staged is not None:
             return
         if self.host is None:  # on disk only: read into host staging
-            self._staged = self.hooks.tiers.host.allocate(max(self.nbytes, 1), _LABEL)
+            try:
+                self._staged = self.hooks.host_buffer(max(self.nbytes, 1))
+            except OutOfTierMemory:
+                if needed:
+                    raise
+                return
             self._read = self.disk.read(self._staged.tensor[: self.nbytes])
         elif self.hooks.stream is not None and self._copied is None:
             stream = self.hooks.stream
@@ -189,7 +196,7 @@ class _Storage:
                     source = self.host.tensor
                 else:
                     if self._staged is None:
-                        self.prefetch()
+                        self.prefetch(needed=True)
                     self._read.wait()
                     source = self._staged.tensor
                 flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
@@ -350,10 +357,10 @@ class ActivationHooks:
         self._settle(keep=len(self._groups) - 2, wait=True)
 
     def host_buffer(self, nbytes: int):
-        """A host buffer for a saved tensor on its way out. Out of room, the writes to
-        disk still in flight are waited for first: their staging buffers are held only
-        until the write lands, and the planner counts a bounded window of them, not
-        however many a slow disk leaves in flight at that moment."""
+        """A host buffer for a saved tensor on its way to disk or back. Out of room, the
+        writes to disk still in flight are waited for first: their staging buffers are
+        held only until the write lands, and the planner counts a bounded window of them,
+        not however many a slow disk leaves in flight at that moment."""
         host = self.tiers.host
         try:
             return host.allocate(nbytes, _LABEL, torch.uint8)
