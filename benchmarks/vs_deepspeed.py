@@ -89,6 +89,9 @@ from _ds_model import (
 
 REPO = Path(__file__).resolve().parent.parent
 SIDES = ("hetstore", "deepspeed")
+# plain PyTorch on the same model and batches, in the same lockstep: what neither side
+# can beat without changing the arithmetic (bf16: torch.autocast, fp32 master weights)
+PLAIN = "plain"
 CASES = ("cpu-fp32", "cpu-bf16", "disk-bf16", "disk-fp32")
 DEFAULT_CASES = ("cpu-fp32", "cpu-bf16", "disk-bf16")
 PHASES = ("fwd", "bwd", "opt")
@@ -205,6 +208,45 @@ def hetstore_worker(args: argparse.Namespace) -> None:
             "tiers": hetstore.memory_stats(model),
             "loss_after": after,
         }
+
+    serve(chan, step, stats, io0)
+
+
+def plain_worker(args: argparse.Namespace) -> None:
+    """The reference: the same model and batches in a plain PyTorch loop, everything in
+    memory, torch.optim.AdamW(fused=True); bf16 under torch.autocast (bf16 matmuls,
+    fp32 weights and gradients: PyTorch's own mixed precision)."""
+    chan = Channel()
+    _, dtype = parse_case(args.case)
+    cfg = PRESETS[args.size]
+    model = build_model(cfg, dtype)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True
+    )
+    io0 = io_bytes()
+    chan.send(
+        {"digest": weights_digest(model), "params": sum(p.numel() for p in model.parameters())}
+    )
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+    def step(i: int) -> dict[str, float]:
+        x, y = batch(cfg, i)
+
+        def forward():
+            with autocast:
+                return model(x, y)
+
+        def update() -> None:
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return timed_step(forward, lambda loss: loss.backward(), update)
+
+    def stats() -> dict[str, Any]:
+        with torch.no_grad(), autocast:
+            return {"loss_after": model(*batch(cfg, 0)).item()}
 
     serve(chan, step, stats, io0)
 
@@ -457,7 +499,7 @@ def run_case(size: str, case: str, args: argparse.Namespace, first: str) -> dict
     placement, _ = parse_case(case)
     workers = {}
     try:
-        order = [first, *(s for s in SIDES if s != first)]
+        order = [first, *(s for s in SIDES if s != first)] + ([PLAIN] if args.plain else [])
         for side in order:
             extra = [*base, "--offload-path", str(workdir / side)]  # unused off disk
             if side == "deepspeed":
@@ -504,6 +546,7 @@ def tables(runs: list[dict[str, Any]], warmup: int) -> str:
     from _common import format_table, median, size, spread
 
     time_rows, phase_rows, setup_rows, io_rows, loss_rows = [], [], [], [], []
+    plain_rows = []
     for run in runs:
         label = [run["size"], run["case"]]
         timed = {side: run["steps"][side][warmup:] for side in SIDES}
@@ -517,6 +560,17 @@ def tables(runs: list[dict[str, Any]], warmup: int) -> str:
             + [f"**{paired:.2f}**", size(rss["hetstore"]), size(rss["deepspeed"])]
             + [f"**{ratio_cell(rss['hetstore'], rss['deepspeed'])}**"]
         )
+        if PLAIN in run["steps"]:
+            p_t = [s["time"] for s in run["steps"][PLAIN][warmup:]]
+
+            def against_plain(side_t, p_t=p_t):
+                return median([a / b for a, b in zip(side_t, p_t, strict=True)])
+
+            plain_rows.append(
+                label
+                + [f"{median(p_t):.3f} {spread(p_t)}", f"**{against_plain(h_t):.2f}**"]
+                + [f"{against_plain(d_t):.2f}", f"**{1 / against_plain(d_t):.2f}**"]
+            )
         for phase in PHASES:
             h = median([s[phase] for s in timed["hetstore"]])
             d = median([s[phase] for s in timed["deepspeed"]])
@@ -560,6 +614,20 @@ def tables(runs: list[dict[str, Any]], warmup: int) -> str:
             ["size", "case", "hetstore step s", "DeepSpeed step s", "step ratio"]
             + ["hetstore peak RSS", "DeepSpeed peak RSS", "RSS ratio"],
             time_rows,
+        ),
+        *(
+            [
+                "\nPlain PyTorch on the same model and batches in the same lockstep (in "
+                "memory, fused AdamW; bf16 under torch.autocast); plain / DeepSpeed is what "
+                "the step ratio above would be if hetstore cost nothing over plain PyTorch\n",
+                format_table(
+                    ["size", "case", "plain step s", "hetstore / plain", "DeepSpeed / plain"]
+                    + ["plain / DeepSpeed"],
+                    plain_rows,
+                ),
+            ]
+            if plain_rows
+            else []
         ),
         "\nBy phase (median s; opt: hetstore optimizer.step() + zero_grad(), DeepSpeed "
         "engine.step())\n",
@@ -657,7 +725,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "not tmpfs); worker logs go to DIR/vs_deepspeed_logs",
     )
     parser.add_argument("--json", help="also write every measurement to this JSON file")
-    parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--no-plain",
+        dest="plain",
+        action="store_false",
+        help="leave out the plain PyTorch reference run beside the two sides",
+    )
+    parser.add_argument("--worker", choices=(*SIDES, PLAIN), help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--offload-path", help=argparse.SUPPRESS)
@@ -678,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker == "deepspeed":
         deepspeed_worker(args)
         return 0
+    if args.worker == PLAIN:
+        plain_worker(args)
+        return 0
 
     from _common import machine_line
 
@@ -695,6 +772,7 @@ def main(argv: list[str] | None = None) -> int:
     command += ["--clip", str(args.clip)] if args.clip else []
     command += ["--ds-pipeline"] if args.ds_pipeline else []
     command += ["--exact"] if args.exact else []
+    command += [] if args.plain else ["--no-plain"]
     print("$ " + shlex.join(command), flush=True)
     print(f"# {machine_line()}")
     print(f"# DeepSpeed worker: {args.ds_python}; ops in {extensions_dir(args.ds_python)}")
@@ -710,8 +788,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         run = run_case(size, case, args, first)
         ready = run["ready"]
-        if ready["hetstore"]["digest"] != ready["deepspeed"]["digest"]:
-            sys.exit(f"{size} {case}: the two sides start from different weights")
+        if len({r["digest"] for r in ready.values()}) != 1:
+            sys.exit(f"{size} {case}: the sides start from different weights")
         if ready["hetstore"]["params"] != ready["deepspeed"]["params"]:
             sys.exit(f"{size} {case}: parameter counts differ: {ready}")
         print(
