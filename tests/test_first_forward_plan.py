@@ -280,3 +280,27 @@ def test_a_first_batch_that_fits_no_placement_is_refused_before_its_forward(tmp_
         mine(*batches(1, batch=64)[0])
     # refused before anything moved: the states are where offload() built them
     assert all(u.placement.optimizer is Tier.HOST for u in runtime.units)
+
+
+def test_a_checkpoint_of_moved_states_resumes_bitwise_in_a_run_that_moves_them_again(tmp_path):
+    """Checkpoints are placement-independent across the move too: a run whose first
+    batch moved states to disk saves; a fresh budgets-only run loads it before its own
+    first batch (its states on host, holding the loaded values), moves them at that
+    batch, and trains on exactly as the saving run does."""
+    first, more = batches(2, batch=16), batches(2, batch=16, seed=3)
+    _, saving = pair(model)
+    saving, saving_opt = hetstore.offload(
+        saving, adamw(saving.parameters()), tight_host(tmp_path / "a")
+    )
+    run(saving, saving_opt, first)
+    hetstore.save(tmp_path / "checkpoint", saving, saving_opt)
+    expected, _ = run(saving, saving_opt, more)
+    _, resumed = pair(model, seed=1)  # other initial weights: the checkpoint replaces them
+    resumed, resumed_opt = hetstore.offload(
+        resumed, adamw(resumed.parameters()), tight_host(tmp_path / "b")
+    )
+    hetstore.load(tmp_path / "checkpoint", resumed, resumed_opt)
+    with pytest.warns(UserWarning, match="optimizer states: host -> disk"):
+        losses, _ = run(resumed, resumed_opt, more)
+    assert losses == expected
+    assert_same_weights(saving, resumed, rtol=0, atol=0)

@@ -577,7 +577,7 @@ class Unit:
             )
         if self.grads.any() or self.grads.pending:
             raise ValueError(f"unit {self.name!r}: its master moves before any gradient")
-        self.finish_pending_step()
+        self.before_state_change()  # (a step taken ahead from the old master goes first)
         old = self.master
         new = self.allocate(tier, self.master_numel, torch.float32, "master params")
         try:
@@ -602,8 +602,6 @@ class Unit:
         self.grads = GradSink(
             self, deferred=self._defer_disk_grad and ChunkedRewrite.can_speculate(self)
         )
-        self.state_version += 1
-        self.param_version += 1
 
     # ------------------------------------------------------------------ movement
     def fetch(self, stream: torch.cuda.Stream | None = None) -> None:
