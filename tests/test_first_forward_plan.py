@@ -304,3 +304,59 @@ def test_a_checkpoint_of_moved_states_resumes_bitwise_in_a_run_that_moves_them_a
         losses, _ = run(resumed, resumed_opt, more)
     assert losses == expected
     assert_same_weights(saving, resumed, rtol=0, atol=0)
+
+
+def test_a_move_that_fails_part_way_leaves_the_unit_as_it_was(tmp_path, monkeypatch):
+    """The disk fills while the first batch moves states: the unit whose states could
+    not be written keeps its master, gradients and states in host memory, every account
+    is as before it started, the forward is refused with the error, and the next try
+    moves and trains like plain PyTorch."""
+    from hetstore.tiers.disk import DiskTier
+
+    data = batches(2, batch=16)
+    ref, mine = pair(model)
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), tight_host(tmp_path))
+    runtime = hetstore.state_of(mine).runtime
+    before = {t: s["current"] for t, s in hetstore.memory_stats(mine).items()}
+    allocate = DiskTier.allocate_flat
+
+    def disk_full(self, numel, dtype, label):
+        # the master, the gradients and the first moment were made: the second fails
+        if label.startswith("exp_avg_sq"):
+            raise OutOfTierMemory("disk full (injected)", tier="disk", requested=1, capacity=0)
+        return allocate(self, numel, dtype, label)
+
+    monkeypatch.setattr(DiskTier, "allocate_flat", disk_full)
+    with pytest.raises(OutOfTierMemory, match="injected"):
+        mine(*data[0])
+    assert all(u.placement.optimizer is Tier.HOST for u in runtime.units)
+    assert all(not isinstance(u.master, DiskArray) for u in runtime.units)
+    after = {t: s["current"] for t, s in hetstore.memory_stats(mine).items()}
+    assert after == before
+    monkeypatch.setattr(DiskTier, "allocate_flat", allocate)
+    with pytest.warns(UserWarning, match="optimizer states: host -> disk"):
+        losses, _ = run(mine, opt, data)
+    ref_losses, _ = run(ref, adamw(ref.parameters()), data)
+    torch.testing.assert_close(losses, ref_losses, **TIGHT)
+    assert_same_weights(ref, mine)
+
+
+def test_states_move_only_at_the_first_batch_of_a_budgets_only_run(tmp_path):
+    """A later batch with tensors the trace never saw (example_inputs without the
+    targets) is planned again, but optimizer states built on host stay there: by then
+    they may have stepped, or hold a micro-batch's gradients."""
+    _, mine = pair(model)
+    x, y = batches(1, batch=16)[0]
+    mine, opt = hetstore.offload(
+        mine, adamw(mine.parameters()), tight_host(tmp_path), example_inputs=(x,)
+    )
+    runtime = hetstore.state_of(mine).runtime
+    built = {u.name: u.placement.optimizer for u in runtime.units}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            run(mine, opt, [(x, y)])
+        except OutOfTierMemory as refused:  # a clear refusal is allowed; a move is not
+            assert "example_inputs" in str(refused)
+    assert {u.name: u.placement.optimizer for u in runtime.units} == built
+    assert not [w for w in caught if "optimizer states" in str(w.message)]

@@ -41,7 +41,7 @@ def result(tmp_path_factory):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_3gib_of_states_train_from_disk_under_1_2gib_rss(result):
+def test_3gib_of_states_train_from_disk_in_1_2gib_of_rss_and_the_lent_copies(result):
     states, rss = result["states_bytes"], result["peak_rss"]
     print(f"\nfp32 training states {states / GiB:.2f} GiB, peak RSS {rss / GiB:.2f} GiB")
     assert states >= 3 * GiB
@@ -52,7 +52,7 @@ def test_3gib_of_states_train_from_disk_under_1_2gib_rss(result):
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
 
 
-def test_saving_and_resuming_3gib_of_states_from_disk_under_1_2gib_rss(result):
+def test_saving_and_resuming_3gib_of_states_from_disk_in_a_small_rss(result):
     saved = result["checkpoint_bytes"]
     print(
         f"\ncheckpoint {saved / GiB:.2f} GiB: save {result['save_s']:.1f} s, peak RSS "

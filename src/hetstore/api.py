@@ -253,11 +253,6 @@ def offload(
                 replan,
                 trace_batch=trace_batch,
                 move_params=shards is None,
-                # (what OffloadedOptimizer.can_move_states allows)
-                move_states=shards is None
-                and optimizer is not None
-                and flat_steppable(optimizer)
-                and config.optimizer_state_format == "fp32",
             )
             if replannable
             else None
@@ -317,6 +312,8 @@ def offload(
         optimizer.state.clear()
         runtime.optimizer = weakref.ref(wrapped)  # hetstore.release(model) releases it too
         _wire_steps(runtime, wrapped)
+        if runtime.batch_guard is not None:  # the first batch may move its states to disk
+            runtime.batch_guard.move_states = wrapped.can_move_states
     return model, wrapped
 
 
@@ -334,18 +331,25 @@ def _move_states(
     moving: list[Unit], units: list[Unit], tiers: Tiers, runtime: OffloadRuntime
 ) -> None:
     """Move ``moving`` units' masters, gradients and optimizer states from host memory to
-    disk (the first batch's plan; nothing has stepped yet), each unit whole before the
-    next, then arrange the optimizer's steps for the new placement. A failure part-way
-    leaves the units already moved working on disk and the rest in memory."""
+    disk (the first batch's plan; nothing has a gradient yet), one unit at a time, each
+    whole or not at all (its new buffers are made and written before anything of it is
+    freed), then arrange the optimizer's steps for the placement as it is. A failure
+    part-way (the disk full) leaves the units before on disk and the rest as they were."""
     if not moving:
         return
     optimizer = runtime.optimizer() if runtime.optimizer is not None else None
     try:
         for unit in moving:
-            unit.move_master(Tier.DISK)
+            master = unit.prepare_master_move(Tier.DISK)
+            try:
+                states = optimizer.prepare_states_move(unit) if optimizer is not None else None
+            except BaseException:
+                unit.discard_master_move(master)
+                raise
+            unit.commit_master_move(master)  # (allocates nothing from here on)
             _stage_grads(unit, units, tiers, runtime)
             if optimizer is not None:
-                optimizer.move_states([unit])
+                optimizer.commit_states_move(unit, states)
     finally:
         if optimizer is not None:
             optimizer.arrange_steps()
@@ -361,13 +365,18 @@ def _stage_grads(unit: Unit, units: list[Unit], tiers: Tiers, runtime: OffloadRu
     if stager is not None and stager.slot_bytes >= unit.trainable_numel * 4:
         unit.grad_stager = stager
         return
-    staged = [u for u in units if u.grads.staged]
-    larger = GradStager(tiers.host, max(u.trainable_numel * 4 for u in staged))
-    for u in staged:
-        u.grad_stager = larger
+    larger = _share_grad_stager([u for u in units if u.grads.staged], tiers)
     if stager is not None:
         stager.close()  # (nothing staged yet: no gradient exists before the first batch)
     runtime.grad_stager = larger
+
+
+def _share_grad_stager(staged: list[Unit], tiers: Tiers) -> GradStager:
+    """One gradient stager for ``staged`` units, its slots sized for the largest."""
+    stager = GradStager(tiers.host, max(u.trainable_numel * 4 for u in staged))
+    for unit in staged:
+        unit.grad_stager = stager
+    return stager
 
 
 def _ranks_on_host() -> int:
@@ -518,12 +527,7 @@ def _attach_stagers(units: list[Unit], tiers: Tiers, prefetch_depth: int) -> Gra
         for unit in disk_home:
             unit.param_stager = stager
     disk_grad = [u for u in units if u.grads.staged]
-    if not disk_grad:
-        return None
-    grad_stager = GradStager(tiers.host, max(u.trainable_numel * 4 for u in disk_grad))
-    for unit in disk_grad:
-        unit.grad_stager = grad_stager
-    return grad_stager
+    return _share_grad_stager(disk_grad, tiers) if disk_grad else None
 
 
 def _group_index(model: nn.Module, optimizer: Optimizer | None) -> dict[int, int]:

@@ -146,33 +146,31 @@ class OffloadedOptimizer(Optimizer):
     @property
     def can_move_states(self) -> bool:
         """Units' states in host memory can move to disk before training
-        (:meth:`move_states`): a flat optimizer in the exact format, unsharded."""
+        (:meth:`prepare_states_move`): a flat optimizer in the exact format, unsharded."""
         return self._flat and self.state_format.exact and self.shards is None
 
     @torch.no_grad()
-    def move_states(self, units: list[Unit]) -> None:
-        """``units``' masters moved to disk (``Unit.move_master``, before their first
-        gradient): their optimizer states follow, stepped chunk by chunk from disk from
-        now on. States that hold values (a checkpoint loaded before training) are written
-        once; fresh ones are the disk arrays' zeros. The host buffers are freed. Then
-        what runs ahead of ``step()`` is arranged anew: the caller wires the runtime to
-        the new ``step_ahead`` and ``grad_norms``."""
+    def prepare_states_move(self, unit: Unit) -> StreamedUnitStep | None:
+        """The first half of moving ``unit``'s optimizer states to disk along with its
+        master (``Unit.prepare_master_move``, before its first gradient): the streamed
+        step that will own them, its disk arrays made and, for states that hold values
+        (a checkpoint loaded before training), written with each segment's step counter;
+        fresh ones are the arrays' zeros. The unit's current step is untouched, so a
+        failure changes nothing (the new arrays are given back). None: nothing trainable.
+        :meth:`commit_states_move` makes it the unit's, then :meth:`arrange_steps`."""
         self._check_alive("move_states")
-        for unit in units:
-            index = next((i for i, s in enumerate(self._unit_steps) if s.unit is unit), None)
-            if index is not None:  # (nothing trainable: the master was all there was)
-                self._unit_steps[index] = self._states_to_disk(self._unit_steps[index])
-
-    def _states_to_disk(self, old: InMemoryUnitStep) -> StreamedUnitStep:
-        unit = old.unit
-        if not isinstance(old, InMemoryUnitStep) or not isinstance(unit.master, DiskArray):
-            raise ValueError(
-                f"unit {unit.name!r}: only states in memory follow a master moved to disk"
-            )
+        old = next((s for s in self._unit_steps if s.unit is unit), None)
+        if old is None:
+            return None
+        if not isinstance(old, InMemoryUnitStep) or not self.can_move_states:
+            raise ValueError(f"unit {unit.name!r}: only flat fp32 states in memory move to disk")
         inner = [old.optimizer.state.get(t) or {} for t in old.tensors]
         started = [bool(state) and self._has_started(state) for state in inner]
-        new = self._build_unit_step(unit)
-        try:
+        keys = self._spec.state_keys(self.param_groups)
+        with unit.freed_on_failure():  # (the arrays made before a failure)
+            new = StreamedUnitStep(
+                unit, self.optimizer_class, self._hyper, keys, self._chunk_numel, self.state_format
+            )
             if any(started):
                 values: dict[str, list] = {}
                 for segment, state, begun in zip(unit.segments, inner, started, strict=True):
@@ -183,16 +181,22 @@ class OffloadedOptimizer(Optimizer):
                 if new.has_step:  # each segment's own counter, as torch keeps them
                     for counter, state in zip(new.steps, inner, strict=True):
                         counter.fill_(float(state.get("step", 0)))
-        except BaseException:
-            for array in [*new.states.values(), *new.scales.values()]:
-                unit.free_buffer(array)
-            raise
-        for state in inner:
+        return new
+
+    def commit_states_move(self, unit: Unit, new: StreamedUnitStep | None) -> None:
+        """The second half (see :meth:`prepare_states_move`), once the unit's master is on
+        disk: the streamed step replaces the in-memory one and the host states go."""
+        if new is None:
+            return
+        index = next(i for i, s in enumerate(self._unit_steps) if s.unit is unit)
+        old = self._unit_steps[index]
+        for tensor in old.tensors:
+            state = old.optimizer.state.get(tensor) or {}
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     unit.free_buffer(value)
             state.clear()
-        return new
+        self._unit_steps[index] = new
 
     @property
     def speculation_stats(self) -> dict[str, int] | None:

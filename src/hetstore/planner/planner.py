@@ -477,8 +477,8 @@ def _fit_moving(
     for s in range(len(spills) + 1):
         candidate = _spill(grown, spills, s)
         host, disk = memory(trace, candidate, depth, chunk)[1:]
-        room = host + _holes_slack(trace, choices, candidate)
-        if _fits(room, capacities.host) and _fits(disk, capacities.disk):
+        host += _holes_slack(trace, choices, candidate)
+        if _fits(host, capacities.host) and _fits(disk, capacities.disk):
             return Plan.build(trace, candidate, depth, capacities, plan.source, chunk)
     tier = Tier.HOST if not _fits(host, capacities.host) else Tier.DISK
     need = host if tier is Tier.HOST else disk

@@ -107,7 +107,9 @@ class BatchGuard:
                 self.config,
                 batch=f"a batch of shapes {shapes}",
                 move_params=self.move_params,
-                move_states=self.move_states,
+                # only before anything trained: states that have stepped, or gradients
+                # being accumulated, stay where they are
+                move_states=self.move_states and self.waiting_for_first_batch,
             )
             self._put_in_effect(plan, f"{what} (shapes {shapes})", "planned")
             self.trace = trace

@@ -211,7 +211,9 @@ def _run(model, inputs, kwargs, specs, config, on_meta):
     mode = (
         contextlib.nullcontext()
         if on_meta and device is None
-        else FakeTensorMode(allow_non_fake_inputs=True)
+        # without bytes, no op may fall back to running its real kernel on zeros of the
+        # batch's size (it would allocate outside the budget): it fails, as on meta
+        else FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=not on_meta)
     )
     try:
         with mode:

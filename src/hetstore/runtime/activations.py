@@ -362,14 +362,20 @@ class ActivationHooks:
         held only until the write lands, and the planner counts a bounded window of them,
         not however many a slow disk leaves in flight at that moment."""
         host = self.tiers.host
+        if not host.account.would_fit(nbytes) and self._writes_in_flight:
+            # before the host's reclaim drops speculative steps, which cost a redo
+            self._settle(keep=len(self._groups), wait=True)
         try:
             return host.allocate(nbytes, _LABEL, torch.uint8)
-        except OutOfTierMemory:
-            in_flight = any(r.holds_staging for r in self._unsettled)
-            if not in_flight:
+        except OutOfTierMemory:  # (a page-rounded or fragmented request)
+            if not self._writes_in_flight:
                 raise
         self._settle(keep=len(self._groups), wait=True)
         return host.allocate(nbytes, _LABEL, torch.uint8)
+
+    @property
+    def _writes_in_flight(self) -> bool:
+        return any(r.holds_staging for r in self._unsettled)
 
     def _settle(self, keep: int, wait: bool) -> None:
         """Settle the offloads of groups before ``keep``; poll the rest."""

@@ -48,14 +48,17 @@ class GradState(NamedTuple):
 class GradSink:
     """The gradients of one :class:`~hetstore.runtime.unit.Unit` (see the module doc)."""
 
-    def __init__(self, unit: Unit, *, deferred: bool):
+    def __init__(
+        self, unit: Unit, *, deferred: bool, buffer: torch.Tensor | DiskArray | None = None
+    ):
+        """``buffer``: one the unit already owns on the gradient tier (else made here)."""
         self._unit = unit
         self.deferred = deferred and bool(unit.trainable_numel)
-        self.buffer: torch.Tensor | DiskArray | None = (
-            unit.allocate(unit.placement.grad, unit.trainable_numel, torch.float32, "grads")
-            if unit.trainable_numel and not self.deferred
-            else None
-        )
+        if buffer is None and unit.trainable_numel and not self.deferred:
+            buffer = unit.allocate(
+                unit.placement.grad, unit.trainable_numel, torch.float32, "grads"
+            )
+        self.buffer: torch.Tensor | DiskArray | None = buffer
         if isinstance(self.buffer, torch.Tensor):
             self.buffer.zero_()  # padding between segments must be finite for overflow checks
         self.version = 0  # moves with every gradient added (see the module doc)

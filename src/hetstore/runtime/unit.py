@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from hetstore.runtime.sharding import ShardGroup
     from hetstore.runtime.staging import GradStager, ParamStager
 
-__all__ = ["ParamEntry", "Placement", "Residency", "Segment", "Unit"]
+__all__ = ["MasterMove", "ParamEntry", "Placement", "Residency", "Segment", "Unit"]
 
 
 class Residency(Enum):
@@ -75,6 +75,16 @@ class Residency(Enum):
     # on a CPU device, host memory is the device's: the parameters are views of a home
     # there, used in place (``Unit.fetches_in_place``); nothing was copied
     IN_PLACE = "in place"
+
+
+@dataclass(eq=False)
+class MasterMove:
+    """A move of a unit's master and gradients under way (``Unit.prepare_master_move``):
+    the new buffers, made and written, not yet the unit's."""
+
+    tier: Tier
+    master: FlatAllocation
+    grads: FlatAllocation | None = None
 
 
 @dataclass(frozen=True)
@@ -146,7 +156,6 @@ class Unit:
         # the root: backward releases it only once it is over (not when its gradients
         # are final), so its device copy is never lent away before that
         self.released_after_backward = False
-        self._defer_disk_grad = defer_disk_grad  # (GradSink: for a master moved to disk too)
         self._build(defer_disk_grad)
 
     def finish_pending_step(self) -> None:
@@ -251,6 +260,19 @@ class Unit:
                 self._point_params(self.home)  # the old one is freed below
         self.master = new.data
         self.adopt(new, old)
+
+    @contextlib.contextmanager
+    def freed_on_failure(self):
+        """Buffers the unit comes to own inside the block are freed if it raises (a
+        failure part-way through making several leaves none behind)."""
+        mark = len(self._owned)
+        try:
+            yield
+        except BaseException:
+            for owned in self._owned[mark:]:
+                owned.free()
+            del self._owned[mark:]
+            raise
 
     def scratch(self, numel: int, dtype: torch.dtype, what: str) -> HostBuffer:
         """A temporary host buffer (free it with ``tiers.host.free``)."""
@@ -560,16 +582,15 @@ class Unit:
         self.placement = replace(self.placement, param=tier)
         self.release()
 
-    def move_master(self, tier: Tier) -> None:
-        """Move the fp32 master and the gradients from host memory to ``tier`` (disk):
-        the plan made without a batch is refined at the first forward when the batch's
-        activations need the host room (``planner.plan_first_batch``). Only before any
-        gradient exists, so the gradients move as an empty buffer; the master's values are
-        written once. A home that was the master stays in host memory as a buffer of its
-        own, read back from the written master after the old one is freed (never both at
-        once: the host is short). The optimizer's states move with
-        ``OffloadedOptimizer.move_states``. A disk gradient needs ``grad_stager`` set
-        before the next backward. Not for sharded units."""
+    def prepare_master_move(self, tier: Tier) -> MasterMove:
+        """The first half of moving the fp32 master and the gradients from host memory to
+        ``tier`` (disk): the plan made without a batch is refined at the first forward
+        when the batch's activations need the host room (``planner.plan_first_batch``).
+        Only before any gradient exists. The master is written to its new place and the
+        gradients' buffer made there; nothing of the unit changes or is freed yet, so a
+        failure (the disk full) leaves it as it was: :meth:`discard_master_move` gives
+        the new buffers back, :meth:`commit_master_move` makes them the unit's. Not for
+        sharded units."""
         if self.placement.optimizer is not Tier.HOST or tier is not Tier.DISK or self.shards:
             raise ValueError(
                 f"unit {self.name!r}: only an unsharded master in host memory moves to disk, "
@@ -578,29 +599,50 @@ class Unit:
         if self.grads.any() or self.grads.pending:
             raise ValueError(f"unit {self.name!r}: its master moves before any gradient")
         self.before_state_change()  # (a step taken ahead from the old master goes first)
-        old = self.master
-        new = self.allocate(tier, self.master_numel, torch.float32, "master params")
+        move = MasterMove(
+            tier, self.new_buffer(tier, self.master_numel, torch.float32, "master params")
+        )
         try:
-            write_from(new, old)
+            write_from(move.master.data, self.master)
+            # (the home stays in memory, so no step in backward consumes the gradients:
+            # their disk array is made now, not deferred)
+            if self.trainable_numel:
+                move.grads = self.new_buffer(tier, self.trainable_numel, torch.float32, "grads")
         except BaseException:
-            self.free_buffer(new)
+            self.discard_master_move(move)
             raise
-        self.master = new
-        was_home = self.home is old
-        self.free_buffer(old)
-        if was_home:
-            home = self.allocate(self.placement.param, self.numel, self.compute_dtype, "params")
-            read_into(new, home)
-            self.home = home
-            if self.residency is Residency.IN_PLACE:
-                self._point_params(home)
+        return move
+
+    @staticmethod
+    def discard_master_move(move: MasterMove) -> None:
+        for made in (move.master, move.grads):
+            if made is not None:
+                made.free()
+
+    def commit_master_move(self, move: MasterMove) -> None:
+        """The second half (see :meth:`prepare_master_move`); allocates nothing, so it
+        cannot run out of room. A home that was the master keeps the old master's buffer,
+        accounted as parameters from now on; otherwise that buffer is freed, and so is the
+        old gradient buffer (nothing was in it). The optimizer's states move with
+        ``OffloadedOptimizer.prepare_states_move`` / ``commit_states_move``; a disk
+        gradient needs ``grad_stager`` set before the next backward."""
+        old = self.master
+        self._owned.append(move.master)
+        self.master = move.master.data
+        if self.home is old:
+            kept = next(o for o in self._owned if o.data is old)
+            kept.rename(self.label("params"))
+        else:
+            self.free_buffer(old)
         old_grads = self.grads.buffer
         self.grads.close()
         if old_grads is not None:
             self.free_buffer(old_grads)
-        self.placement = replace(self.placement, optimizer=tier, grad=tier)
+        self.placement = replace(self.placement, optimizer=move.tier, grad=move.tier)
+        if move.grads is not None:
+            self._owned.append(move.grads)
         self.grads = GradSink(
-            self, deferred=self._defer_disk_grad and ChunkedRewrite.can_speculate(self)
+            self, deferred=False, buffer=None if move.grads is None else move.grads.data
         )
 
     # ------------------------------------------------------------------ movement

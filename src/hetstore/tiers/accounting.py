@@ -24,6 +24,9 @@ class FlatAllocation:
 
     data: object
     free: Callable[[], None]
+    # the buffer's accounting label changed (held for another purpose, the bytes kept);
+    # None where a tier has no use for it yet
+    rename: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True)

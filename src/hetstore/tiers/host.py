@@ -180,7 +180,15 @@ class HostTier:
     def allocate_flat(self, numel: int, dtype: torch.dtype, label: str) -> FlatAllocation:
         """A flat ``numel``-element tensor owned until the allocation's ``free``."""
         buffer = self.allocate(numel * dtype.itemsize, label, dtype)
-        return FlatAllocation(buffer.tensor, lambda: self.free(buffer))
+        return FlatAllocation(
+            buffer.tensor, lambda: self.free(buffer), lambda new: self._rename(buffer, new)
+        )
+
+    def _rename(self, buffer: HostBuffer, label: str) -> None:
+        """Account ``buffer``'s bytes under ``label`` from now on (same bytes: it fits)."""
+        self.account.release(buffer._size, buffer.label)
+        self.account.reserve(buffer._size, label)
+        buffer.label = label
 
     def usage(self) -> TierUsage:
         return self.account.usage()
