@@ -108,7 +108,7 @@ class OffloadedOptimizer(Optimizer):
     def arrange_steps(self) -> None:
         """Which unit steps run ahead of ``step()`` and which record the clip's norms in
         backward, from the unit steps as they are now (at construction, and again when
-        units' states moved before training: :meth:`move_states`). The runtime is told
+        units' states moved before training: :meth:`commit_states_move`). The runtime is told
         of the new ``step_ahead`` and ``grad_norms`` by its owner (``offload()``)."""
         overlap_step, overlap_memory_step, step_in_forward = self._overlap
         if self.step_ahead is not None:
