@@ -615,6 +615,7 @@ class Unit:
 
     @staticmethod
     def discard_master_move(move: MasterMove) -> None:
+        """Give back what :meth:`prepare_master_move` made (the unit never owned it)."""
         for made in (move.master, move.grads):
             if made is not None:
                 made.free()
