@@ -25,6 +25,8 @@ def test_everything_on_device_counts_every_state_and_activation():
     assert trace.units[-1].is_root and grad[-1] < max(grad)
     assert e.device == states + max(b + g for b, g in zip(before, grad, strict=True))
     assert e.device == states + saved + grad[-1]
+    # the planner's fit adds the two moments' extras up: a bound for its search
+    assert memory(trace, [UnitChoice()] * len(trace.units), 1, 32 << 20)[0] >= e.device
     assert e.host == e.disk == 0
     assert e.compute_s == sum(u.forward_s + u.backward_s for u in trace.units)
     assert e.stall_s == e.exposed_s == 0
@@ -41,7 +43,13 @@ def test_everything_on_device_counts_every_state_and_activation():
 def test_offloaded_params_leave_a_working_set_of_what_prefetch_puts_on_the_device(
     machine, where, ahead
 ):
+    # without activations, the device peaks while a block runs: its copy, those
+    # prefetched beside it, and its largest gradient in flight
     trace = gpt_like(machine=machine)
+    trace = replace(
+        trace,
+        units=tuple(replace(u, saved_bytes=0, largest_saved_bytes=0) for u in trace.units),
+    )
     blocks = [UnitChoice(param=where) if not u.is_root else UnitChoice() for u in trace.units]
     base = estimate(trace, [UnitChoice()] * len(trace.units), 1)
     block = trace.units[0].param_bytes
@@ -50,6 +58,50 @@ def test_offloaded_params_leave_a_working_set_of_what_prefetch_puts_on_the_devic
         held = depth + 1 if ahead else 1
         assert base.device - e.device == 4 * block - held * block, depth
         assert (e.host if where == "cpu" else e.disk) == 4 * block
+
+
+def test_blocks_copies_and_the_end_of_forwards_activations_peak_apart():
+    """At the end of forward every kept activation is on the device and no block runs;
+    while a block runs backward, the activations after it are gone. The plan's figure is
+    the larger of the two moments; the planner's fit, their sum."""
+    trace = gpt_like(machine=CPU)
+    n = len(trace.units)
+    blocks_host = [UnitChoice(param="cpu") if not u.is_root else UnitChoice() for u in trace.units]
+    e = estimate(trace, blocks_host, 0)
+    no_saved = replace(
+        trace,
+        units=tuple(replace(u, saved_bytes=0, largest_saved_bytes=0) for u in trace.units),
+    )
+    block = trace.units[0].param_bytes
+    grad = [u.max_param_numel * u.compute_itemsize for u in trace.units]
+    saved = [u.saved_bytes for u in trace.units]
+    # the model data alone: what the estimate without activations holds besides its own
+    # peak moment (a block's copy and its largest gradient)
+    model_data = estimate(no_saved, blocks_host, 0).device - (block + max(grad[:-1]))
+    moments = [sum(saved)] + [
+        sum(saved[: k + 1]) + grad[k] + (block if not trace.units[k].is_root else 0)
+        for k in range(n)
+    ]
+    assert e.device == model_data + max(moments)
+    summed = memory(trace, blocks_host, 0, 32 << 20)[0]
+    assert summed == model_data + block + max(sum(saved[: k + 1]) + grad[k] for k in range(n))
+    assert e.device < summed
+
+
+def test_a_cpu_backward_restores_a_whole_nodes_saved_tensors():
+    """On a CPU device each offloaded saved tensor comes back as autograd unpacks it, a
+    node's together (attention: q, k, v, its output), so the restore the device holds
+    is the largest node's, not the largest tensor's."""
+    trace = gpt_like(machine=CPU)
+    offloaded = [UnitChoice(activations="cpu")] * len(trace.units)
+    base = estimate(trace, offloaded, 0).device
+    wider = replace(
+        trace,
+        units=tuple(
+            replace(u, largest_node_bytes=u.largest_saved_bytes + 3 * MiB) for u in trace.units
+        ),
+    )
+    assert estimate(wider, offloaded, 0).device == base + 3 * MiB
 
 
 def test_without_a_machine_every_prefetch_is_counted_on_the_device():

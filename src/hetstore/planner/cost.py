@@ -170,9 +170,17 @@ def _max(values) -> int:
 
 
 def memory(
-    trace: Trace, choices: list[UnitChoice], depth: int, chunk_bytes: int
+    trace: Trace, choices: list[UnitChoice], depth: int, chunk_bytes: int, *, timeline=False
 ) -> tuple[int, int, int]:
-    """Peak (device, host, disk) bytes of ``choices`` (see module doc)."""
+    """Peak (device, host, disk) bytes of ``choices`` (see module doc).
+
+    The device's activations and its blocks' copies peak at different moments (the end
+    of forward holds every kept activation and no block; a block's backward holds its
+    copy and the activations before it). The planner's search fits with their sum, a
+    bound that falls with every move off the device on its own, so the search's orders
+    and its "more capacity is never slower" hold (with the moments apart a larger device
+    once planned 1.4% slower, tests/test_planner.py seed 5); the plan reports the
+    moments apart (``timeline=True``, :func:`estimate`)."""
     device = trace.buffer_bytes
     host = disk = 0
     fetched_blocks = []
@@ -197,11 +205,16 @@ def memory(
             host += stored if c.optimizer == Tier.HOST else 0
             disk += stored if c.optimizer == Tier.DISK else 0
     units = list(zip(trace.units, choices, strict=True))
+    working = ahead = 0  # blocks' device copies while a block runs / prefetched only
     if fetched_blocks:
-        device += _fetched_at_once(trace, choices, depth, len(fetched_blocks)) * max(fetched_blocks)
+        at_once = _fetched_at_once(trace, choices, depth, len(fetched_blocks))
+        working, ahead = at_once * max(fetched_blocks), (at_once - 1) * max(fetched_blocks)
     device += sum(u.kept_bytes for u in trace.units)
     prefetched = trace.machine is not None and trace.machine.copies_overlap
-    device += _activation_peak(units, depth, prefetched)
+    if timeline:
+        device += _activation_peak(units, depth, prefetched, working, ahead)
+    else:
+        device += working + _activation_peak(units, depth, prefetched)
     if trace.machine is not None and trace.machine.device != "cpu":
         device += _max(u.temp_bytes for u in trace.units)
     # host staging of the disk paths (runtime.staging, optim.streamed, activations).
@@ -304,28 +317,35 @@ def _fetched_at_once(trace: Trace, choices: list[UnitChoice], depth: int, blocks
     return min(1 + ahead, blocks)
 
 
-def _activation_peak(units, depth: int, prefetched: bool) -> int:
-    """Peak device bytes of saved activations. At the end of forward every kept group is
-    there. In the backward of unit k: the kept groups of units up to k (units in
+def _activation_peak(units, depth: int, prefetched: bool, working: int = 0, ahead: int = 0) -> int:
+    """Peak device bytes of saved activations, with the blocks' device copies where they
+    are given (``memory(timeline=True)``): ``ahead`` bytes prefetched for backward at the
+    end of forward, when every kept group is there and no block runs; in the backward of
+    unit k, ``working`` when k is a block fetched to run, else ``ahead``. In the backward
+    of unit k: the kept groups of units up to k (units in
     execution order; the root's saved tensors, the loss and head, count as last), and of
     the offloaded ones, with ``prefetched`` (CUDA: whole groups come back ahead) the
     groups of units k-depth..k, else (a CPU device restores each tensor as autograd
-    unpacks it and drops it after its node) the largest saved tensor of unit k; and the
+    unpacks a node's and drops them after it) what unit k's largest node saved; and the
     gradient autograd has just made for unit k's largest parameter, on the device until
     the runtime moves it to the unit's gradient buffer (none exists at the end of
     forward: counting the model's largest one there too over-predicted a GPT's device
     peak by 1 MiB of 9)."""
     kept = [u.saved_bytes if c.activations == Tier.DEVICE else 0 for u, c in units]
     moved = [u.saved_bytes if c.activations != Tier.DEVICE else 0 for u, c in units]
-    peak = sum(kept)
+    peak = sum(kept) + ahead
     prefix = 0
     for k, (u, c) in enumerate(units):
         prefix += kept[k]
         if prefetched:
             restored = sum(moved[max(0, k - depth) : k + 1])
+        elif c.activations != Tier.DEVICE:
+            restored = max(u.largest_saved_bytes, u.largest_node_bytes)
         else:
-            restored = u.largest_saved_bytes if c.activations != Tier.DEVICE else 0
-        peak = max(peak, prefix + restored + u.max_param_numel * u.compute_itemsize)
+            restored = 0
+        copies = working if c.param != Tier.DEVICE and not u.is_root else ahead
+        grad = u.max_param_numel * u.compute_itemsize
+        peak = max(peak, prefix + restored + grad + copies)
     return peak
 
 
@@ -540,7 +560,7 @@ def estimate(
     chunk_bytes: int = 32 << 20,
     overlap: bool | None = None,
 ) -> Estimate:
-    device, host, disk = memory(trace, choices, depth, chunk_bytes)
+    device, host, disk = memory(trace, choices, depth, chunk_bytes, timeline=True)
     compute, stall, exposed, optimizer, hidden = times(trace, choices, depth, overlap)
     basis = "measured" if trace.measured else trace.compute_basis
     shadows = 0

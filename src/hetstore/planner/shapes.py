@@ -35,6 +35,7 @@ def scaled_trace(trace: Trace, scale: float) -> Trace:
             saved_bytes=math.ceil(u.saved_bytes * scale),
             kept_bytes=math.ceil(u.kept_bytes * scale),
             largest_saved_bytes=math.ceil(u.largest_saved_bytes * scale),
+            largest_node_bytes=math.ceil(u.largest_node_bytes * scale),
             temp_bytes=math.ceil(u.temp_bytes * scale),
         )
         for u in trace.units

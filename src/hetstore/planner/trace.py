@@ -65,6 +65,9 @@ class UnitTrace:
     saved_bytes: int = 0
     kept_bytes: int = 0  # saved, but below activation_min_bytes: never offloaded
     largest_saved_bytes: int = 0  # its largest saved storage
+    # the most one of its autograd nodes saved (offloadable storages): what a backward
+    # node unpacks together, restored at once on a CPU device (attention: q, k, v, out)
+    largest_node_bytes: int = 0
     temp_bytes: int = 0
     max_param_numel: int = 0  # its largest parameter (one gradient in flight)
     max_trainable_numel: int = 0  # its largest parameter the optimizer steps

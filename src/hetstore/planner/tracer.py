@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hetstore.optim.registry import state_count, state_itemsize
@@ -137,7 +138,7 @@ def with_batch(
     compute device (:mod:`hetstore.planner.probe`); else compute is FLOPs at the
     machine's matmul rate."""
     machine = base.machine
-    saved, kept, largest, flops, calls = _run(model, args, kwargs, specs, config, on_meta)
+    saved, kept, largest, nodes, flops, calls = _run(model, args, kwargs, specs, config, on_meta)
     traced = []
     for index, unit in enumerate(base.units):
         forward_flops = flops.get(index, 0.0)
@@ -148,6 +149,7 @@ def with_batch(
                 saved_bytes=saved.get(index, 0),
                 kept_bytes=kept.get(index, 0),
                 largest_saved_bytes=largest.get(index, 0),
+                largest_node_bytes=nodes.get(index, 0),
                 flops=3 * forward_flops,
                 forward_s=forward_s,
                 backward_s=2 * forward_s,
@@ -187,6 +189,7 @@ def _run(model, inputs, kwargs, specs, config, on_meta):
     largest: dict[int, int] = {}
     calls: dict[int, UnitCall] = {}
     seen: dict = {}  # (storage, version) -> storage, held so addresses are not reused
+    per_node: dict[tuple[int, int], int] = {}  # (unit, op) -> bytes its node saved
     handles = []
     for index, spec in enumerate(specs):
         if spec.module is None:
@@ -253,14 +256,19 @@ def _run(model, inputs, kwargs, specs, config, on_meta):
                     return None
                 seen[key] = storage
                 nbytes = storage.nbytes()
-                target = saved if nbytes >= config.activation_min_bytes else kept
+                offloadable = nbytes >= config.activation_min_bytes
+                target = saved if offloadable else kept
                 target[current[0]] = target.get(current[0], 0) + nbytes
                 largest[current[0]] = max(largest.get(current[0], 0), nbytes)
+                if offloadable:  # saves between two ops' dispatches are one node's
+                    node = (current[0], ops.count)
+                    per_node[node] = per_node.get(node, 0) + nbytes
                 return None
 
             with (
                 torch.enable_grad(),
                 FlopCounterMode(display=False) as counter,
+                _OpCount() as ops,
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
             ):
                 torch.func.functional_call(model, swapped, args, kwargs, tie_weights=False)
@@ -275,7 +283,23 @@ def _run(model, inputs, kwargs, specs, config, on_meta):
         if spec.module is not None:
             flops[index] = float(sum(counts.get(f"{prefix}.{spec.name}", {}).values()))
     flops[root_index] = max(0.0, total - sum(flops.values()))
-    return saved, kept, largest, flops, calls
+    nodes: dict[int, int] = {}
+    for (index, _), nbytes in per_node.items():
+        nodes[index] = max(nodes.get(index, 0), nbytes)
+    return saved, kept, largest, nodes, flops, calls
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the ops dispatched: the tensors autograd saves between two of them are one
+    node's (it packs them as it records the op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _fake_device(config) -> torch.device | None:
