@@ -178,9 +178,7 @@ class OffloadedOptimizer(Optimizer):
                         if begun and key in state:
                             values.setdefault(key, []).append((segment.start, state[key]))
                 new.write_states(values, None)
-                if new.has_step:  # each segment's own counter, as torch keeps them
-                    for counter, state in zip(new.steps, inner, strict=True):
-                        counter.fill_(float(state.get("step", 0)))
+                new.mark_loaded([float(state.get("step", 0)) for state in inner])
         return new
 
     def commit_states_move(self, unit: Unit, new: StreamedUnitStep | None) -> None:
@@ -193,8 +191,7 @@ class OffloadedOptimizer(Optimizer):
         for tensor in old.tensors:
             state = old.optimizer.state.get(tensor) or {}
             for value in state.values():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    unit.free_buffer(value)
+                unit.free_buffer(value)  # (the unit's only: not torch's step counter)
             state.clear()
         self._unit_steps[index] = new
 

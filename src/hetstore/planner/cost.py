@@ -245,23 +245,14 @@ def memory(
         )
         step += chunks
         in_backward = trace.step_overlap or trace.step_in_backward
-        stepped_ahead = in_backward and any(_stepped_ahead(u, c) for u, c in disk_opt)
+        stepped = [i for i, (u, c) in enumerate(units) if _stepped_ahead(u, c)]
+        stepped_ahead = in_backward and bool(stepped)
         if stepped_ahead:  # the step-ahead worker's, during backward, from the first
-            # unit it steps: the last stepped ahead in execution order
-            worker = (
-                max(
-                    i
-                    for i, (u, c) in enumerate(units)
-                    if c.optimizer == Tier.DISK and _stepped_ahead(u, c)
-                ),
-                chunks,
-            )
+            worker = (stepped[-1], chunks)  # unit it steps: the last in execution order
         # the shadow of a step; inside backward, the one being stepped and one done
         # awaiting its commit
         shadows = 2 if any(consumed(trace, u, c) for u, c in disk_opt) else 1
-        shadow_bytes = shadows * _max(
-            _stored_optimizer_bytes(u, c, consumed=True) for u, c in disk_opt
-        )  # (a shadow holds the master and states, never gradients)
+        shadow_bytes = shadows * _one_shadow(disk_opt)
     # activations on disk live from their forward to their backward; a step's shadows
     # after backward (optimizer.step()), or during it when units are stepped ahead
     disk_saved = sum(u.saved_bytes for u, c in units if c.activations == Tier.DISK)
@@ -291,7 +282,7 @@ def _host_activation_peak(units, depth: int, worker: tuple[int, int] | None = No
     on_disk = [u.saved_bytes if c.activations == Tier.DISK else 0 for u, c in units]
     reach = activation_staging_units(depth) - 1  # units before the running one
     j, held = worker if worker is not None else (-1, 0)
-    peak = held if worker is not None else 0  # (after backward: the worker alone)
+    peak = held  # (after backward: the worker alone)
     resident = 0
     for k in range(len(units)):
         resident += on_host[k]
@@ -606,10 +597,14 @@ def _more_disk_shadows(trace: Trace, choices: list[UnitChoice]) -> int:
         return 0
     saved = [u.saved_bytes if c.activations == Tier.DISK else 0 for u, c in units]
     worst = max(sum(saved[:k]) + sum(shadow[k:]) for k in range(len(units) + 1))
-    counted = max(
-        _stored_optimizer_bytes(u, c, consumed=True) for u, c in units if c.optimizer == Tier.DISK
-    )
+    counted = _one_shadow([(u, c) for u, c in units if c.optimizer == Tier.DISK])
     return max(0, worst - (sum(saved) + counted))
+
+
+def _one_shadow(disk_opt) -> int:
+    """Disk bytes of the largest shadow of a step among the ``(unit, choice)`` pairs with
+    states on disk (a shadow holds the master and states, never gradients)."""
+    return _max(_stored_optimizer_bytes(u, c, consumed=True) for u, c in disk_opt)
 
 
 def lent_master_bytes(trace: Trace, choices: list[UnitChoice]) -> int:
