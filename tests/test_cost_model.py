@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from hetstore.planner import Trace, UnitChoice, estimate
-from hetstore.planner.cost import memory
+from hetstore.planner.cost import memory, times
 from hetstore.planner.plan import Capacities, Plan
 from tests.test_planner import CPU, GPU, MiB, gpt_like, unit
 
@@ -381,3 +381,26 @@ def test_steps_left_after_backward_hide_behind_the_next_forward_except_the_roots
     root = Trace(units=(on_cpu.units[-1],), machine=CPU)
     root_step = estimate(root, [ON_DISK], 1, overlap=False).optimizer_s
     assert cpu.optimizer_hidden_s == pytest.approx(cpu_serial.optimizer_s - root_step - arithmetic)
+
+
+def test_a_step_in_the_next_forward_saves_that_forwards_parameter_reads():
+    """A unit stepped during the next forward leaves its new parameters in staging for
+    that forward's fetch: each disk home is read once a step (in backward; the root,
+    fetched once, not at all) instead of twice. Not where frozen parameters without a
+    master (LoRA's base) have to be read anyway. Without prefetch (depth 0) every read
+    is a stall, so the stall shows exactly what is no longer read."""
+    choices = [ON_DISK] * 5
+    base = replace(disk_trace(forward_s=1e-3), step_overlap=False)
+    in_forward = replace(base, step_in_forward=True)
+    _, stall_before, *_ = times(base, choices, 0, overlap=True)
+    _, stall_after, *_ = times(in_forward, choices, 0, overlap=True)
+    one_read_each = sum(u.param_bytes for u in base.units) / GPU.disk_read
+    assert stall_before - stall_after == pytest.approx(one_read_each)
+
+    lora = replace(
+        in_forward, units=tuple(replace(u, frozen_compute_numel=1024) for u in base.units)
+    )
+    lora_base = replace(lora, step_in_forward=False)
+    assert times(lora, choices, 0, overlap=True)[1] == pytest.approx(
+        times(lora_base, choices, 0, overlap=True)[1]
+    )

@@ -15,7 +15,9 @@ import torch
 
 import hetstore
 from hetstore.errors import ConfigError
+from hetstore.optim import step_ahead
 from hetstore.optim.streamed import StreamedUnitStep
+from hetstore.runtime.staging import ParamStager
 from tests.models.gpt import batches
 from tests.test_step_ahead import (
     assert_bitwise,
@@ -181,6 +183,65 @@ def test_a_step_that_keeps_failing_raises_at_the_use_and_loses_nothing(tmp_path,
     assert losses_on == losses_off
     assert_bitwise(on, off)
     assert_same_optimizer_state(on_opt, off_opt)
+
+
+def _train_counting_reads(model, opt, data) -> tuple[list[float], list[int]]:
+    """Losses, and the disk bytes read from each optimizer.step() to the end of the next
+    forward (the steps finished in that forward and its fetches)."""
+    disk = hetstore.state_of(model).runtime.units[0].tiers.disk
+    losses, reads = [], []
+    x, y = data[0]
+    loss = model(x, y)
+    for x, y in data[1:]:
+        loss.backward()
+        losses.append(loss.item())
+        before = disk.stats()["bytes_read"]
+        opt.step()
+        opt.zero_grad()
+        loss = model(x, y)
+        reads.append(disk.stats()["bytes_read"] - before)
+    return losses, reads
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2], ids=lambda d: f"prefetch_depth={d}")
+def test_the_next_forward_takes_the_stepped_parameters_instead_of_reading_them_back(
+    tmp_path, monkeypatch, depth
+):
+    """A step finished in the next forward leaves its unit's new parameters in a
+    parameter staging buffer; the unit's fetch takes them from there. Against the same
+    run with that turned off: the same losses and weights bit for bit, and exactly the
+    staged units' parameter bytes fewer read from disk."""
+    data = batches(4, vocab=64)
+
+    def run(name: str):
+        model, opt = fresh()
+        cfg = config(tmp_path / name, False, "disk", step_in_forward=True, prefetch_depth=depth)
+        model, opt = hetstore.offload(model, opt, cfg)
+        losses, reads = _train_counting_reads(model, opt, data)
+        return model, opt, losses, reads
+
+    staged = []
+    stage = ParamStager.stage
+
+    def recording(self, unit, slot):
+        staged.append(unit)
+        return stage(self, unit, slot)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(step_ahead, "_stages_params", lambda unit: False)
+        off, off_opt, off_losses, off_reads = run("off")
+    monkeypatch.setattr(ParamStager, "stage", recording)
+    on, on_opt, on_losses, on_reads = run("on")
+
+    assert on_losses == off_losses
+    assert_bitwise(on, off)
+    assert_same_optimizer_state(on_opt, off_opt)
+    steps = len(data) - 1
+    assert off_opt.speculation_stats["params_staged"] == 0
+    assert on_opt.speculation_stats["params_staged"] == len(staged)
+    # at least the first units forward uses: they get the buffers free at the step
+    assert len(staged) >= steps * min(depth + 1, units_of(on))
+    assert sum(off_reads) - sum(on_reads) == sum(u.home_bytes for u in staged)
 
 
 def test_step_in_forward_takes_true_or_false_only():

@@ -77,7 +77,7 @@ from hetstore.footprints import LENT_MASTERS
 from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
-from hetstore.runtime.staging import GradStager, stagers_of
+from hetstore.runtime.staging import GradStager, ParamStager, stagers_of
 from hetstore.tiers._hostmem import PAGE_SIZE, round_up
 from hetstore.tiers.flat import DiskArray
 
@@ -106,6 +106,9 @@ class SpeculationStats:
     held_back: int = 0
     # step_in_forward: unit steps optimizer.step() left to run during the next forward
     in_forward: int = 0
+    # of those, steps that left their unit's new parameters in a staging buffer for its
+    # fetch (else the fetch reads them back from disk)
+    params_staged: int = 0
     # steps in backward that read the master from the unit's lent device copy instead of
     # from disk (a CPU device)
     master_from_memory: int = 0
@@ -142,6 +145,12 @@ class _InForward:
     shadows: ChunkedRewrite | None  # None: run again on the caller's thread
     future: Future | None = None
     ok: bool | None = None
+    # a parameter staging buffer lent for the unit's new parameters (ParamStager.lend),
+    # given to the record until the worker starts it (``claimed``); ``filled`` once the
+    # worker's run wrote them into it
+    params: torch.Tensor | None = None
+    claimed: bool = False
+    filled: bool = False
 
 
 def eligible(unit_step, unit: Unit) -> bool:
@@ -248,6 +257,14 @@ class StepAhead:
             for stager in self._stagers:
                 if isinstance(stager, GradStager):
                     stager.reclaim = self._reclaim_oldest
+        # step_in_forward: a record's lent parameter buffer is handed over under this
+        # lock, the worker taking it when it starts the unit (_run_in_forward)
+        self._claims = threading.Lock()
+        self._param_stagers = [s for s in self._stagers if isinstance(s, ParamStager)]
+        if in_forward:
+            for stager in self._param_stagers:
+                stager.on_give_back = self._lend_params
+                stager.reclaim_lent = self._reclaim_lent_params
 
     # ------------------------------------------------------------------ runtime events
     def backward_started(self) -> None:
@@ -547,6 +564,8 @@ class StepAhead:
             self.discard_all()
         if self._host.reclaim == self._reclaim_host:
             self._host.reclaim = None
+        for stager in self._param_stagers:
+            stager.on_give_back = stager.reclaim_lent = None
         for unit_step in self._steps.values():
             unit_step.unit.before_rewrite = None
 
@@ -716,22 +735,88 @@ class StepAhead:
             unit.grads.state().has_grad,
             rewrite,
         )
+        if _stages_params(unit) and unit.param_stager.spare > self._buffers_to_keep():
+            record.params = unit.param_stager.lend()
         try:
-            record.future = self._pool().submit(
-                unit_step.run_in_forward,
-                rewrite,
-                slots,
-                record.hyper,
-                record.multipliers,
-                record.has_grad,
-            )
+            record.future = self._pool().submit(self._run_in_forward, record, slots)
         except BaseException:
             rewrite.discard()
+            self._return_params(record)
             raise
         self._in_forward[id(unit)] = record
         self._arm(unit_step, True)
         self.stats.in_forward += 1
         return True
+
+    def _run_in_forward(self, record: _InForward, slots: list) -> None:
+        """The worker: ``record``'s step, leaving the new parameters in the staging buffer
+        lent to it, if one was by the time it starts."""
+        with self._claims:
+            record.claimed = True
+            params = record.params
+        unit_step = record.unit_step
+        out = None if params is None else unit_step.unit.param_stager.view(params, unit_step.unit)
+        unit_step.run_in_forward(
+            record.shadows,
+            slots,
+            record.hyper,
+            record.multipliers,
+            record.has_grad,
+            params_out=out,
+        )
+        record.filled = out is not None
+
+    def _buffers_to_keep(self, before: _InForward | None = None) -> int:
+        """Free parameter staging buffers not to lend: one while a unit forward uses
+        before ``before`` (or any, without it) will read its parameters from disk at its
+        fetch (its step has no buffer), so that fetch finds one free (fetches take one
+        at a time and give it back after the copy)."""
+        for record in self._in_forward.values():
+            if record is before:
+                break
+            if record.params is None and _stages_params(record.unit_step.unit):
+                return 1
+        return 0
+
+    def _lend_params(self) -> None:
+        """A parameter staging buffer came free: lend it to the first step in the next
+        forward the worker has not started and that has none (the worker runs them in
+        the order forward uses the units, so this is the next unit forward needs)."""
+        for record in self._in_forward.values():
+            unit = record.unit_step.unit
+            if record.claimed or record.params is not None or not _stages_params(unit):
+                continue
+            stager = unit.param_stager
+            if stager.spare <= self._buffers_to_keep(before=record):
+                return
+            slot = stager.lend()
+            with self._claims:
+                if not record.claimed:
+                    record.params = slot
+                    continue
+            stager.unlend(slot)  # started meanwhile: it reads from disk; the next one
+
+    def _reclaim_lent_params(self) -> bool:
+        """A fetch found every parameter staging buffer lent: finish the first step
+        holding one (its buffer is then staged, for its fetch, or returned)."""
+        for record in self._in_forward.values():
+            if record.params is not None:
+                self.finish_unit_in_forward(record.unit_step.unit)
+                return True
+        return False
+
+    def _return_params(self, record: _InForward, committed: bool = False) -> None:
+        """Give ``record``'s lent parameter buffer back once the worker is done with it:
+        staged for the unit's fetch when ``committed`` and filled, else unused."""
+        slot, record.params = record.params, None
+        if slot is None:
+            return
+        stager = record.unit_step.unit.param_stager
+        if committed and record.filled:
+            stager.stage(record.unit_step.unit, slot)
+            self.stats.params_staged += 1
+        else:
+            stager.unlend(slot)
 
     @staticmethod
     def _arrays_of(unit_step: StreamedUnitStep) -> list:
@@ -768,13 +853,16 @@ class StepAhead:
         record = self._in_forward.get(id(unit))
         if record is None:
             return
+        self._lend_params()  # to the units after it, before the worker reaches them
         unit_step = record.unit_step
         self._arm(unit_step, False)  # this thread's own reads and rewrites below go through
         try:
             if self._wait_worker(record) and record.shadows is not None:
                 unit_step.commit_speculation(record.shadows)
                 record.shadows = None
+                self._return_params(record, committed=True)
             else:  # failed on the worker (or here before): again, the ordinary way
+                self._return_params(record)
                 if record.shadows is not None:
                     record.shadows.discard()
                     record.shadows = None
@@ -792,9 +880,11 @@ class StepAhead:
 
     def _forget_in_forward(self, key: int) -> None:
         record = self._in_forward.pop(key)
+        if record.shadows is not None or record.params is not None:
+            self._wait_worker(record)  # never discard (or give back) under the worker
         if record.shadows is not None:
-            self._wait_worker(record)  # never discard under the worker
             record.shadows.discard()
+        self._return_params(record)
         self._arm(record.unit_step, False)
 
     # ------------------------------------------------------------------ internals
@@ -913,6 +1003,17 @@ class StepAhead:
             self._host.free(buffer)
         self._slot_buffers.clear()
         self._slots = None
+
+
+def _stages_params(unit: Unit) -> bool:
+    """A step of ``unit`` in the next forward can leave its new parameters in a
+    parameter staging buffer: its home is on disk, fetched through one, and every
+    element of it is rewritten by the step (no frozen tail without a master)."""
+    return (
+        unit.param_stager is not None
+        and isinstance(unit.home, DiskArray)
+        and unit.master_numel == unit.numel
+    )
 
 
 def _lent_label(unit: Unit) -> str:

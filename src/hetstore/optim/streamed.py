@@ -446,17 +446,19 @@ class StreamedUnitStep(UnitStates):
         hyper: dict,
         multipliers: list,
         has_grad: tuple[bool, ...],
+        params_out: torch.Tensor | None = None,
     ) -> None:
         """Any thread: the step :meth:`step` would take now, into ``rewrite``'s shadows,
         finished while the next forward runs (:meth:`StepAhead.defer`): the same group
         values ``hyper``, gradient flags ``has_grad`` and ``multipliers`` (clip, unscale)
         as that step, from the gradients where they are (missing ones in memory were
-        zeroed before, as the ordinary step zeroes them)."""
+        zeroed before, as the ordinary step zeroes them). ``params_out``: see
+        :meth:`ChunkedRewrite.write`."""
         in_memory = isinstance(self.unit.grad, torch.Tensor)
         read, fill = self._pipeline(
             multipliers, hyper, rewrite, live_grads=in_memory, has_grad=has_grad
         )
-        rewrite.write(self._chunks, slots, fill, read)
+        rewrite.write(self._chunks, slots, fill, read, params_out=params_out)
 
     def commit_speculation(self, rewrite: ChunkedRewrite) -> None:
         rewrite.commit()

@@ -45,7 +45,9 @@ Time (seconds per step)
   With ``step_in_forward`` what is left of those units' steps (all of them without
   ``overlap_step``, else the root's) runs on beside the next forward, in its order: each
   unit's forward waits for its own step, so the root's (first) hides behind nothing.
-  On a CPU device the worker's arithmetic again counts against it.
+  On a CPU device the worker's arithmetic again counts against it. Such a step leaves
+  its unit's new parameters in a staging buffer, so a disk home is read once a step
+  (in backward), not twice.
 """
 
 from __future__ import annotations
@@ -428,6 +430,19 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
     return max(-copies, hidden)
 
 
+def _steps_in_forward(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
+    """``step_in_forward`` finishes this unit's step during the next forward: a disk
+    unit's step that backward did not take (all of them without ``overlap_step``, the
+    root's with it)."""
+    return (
+        trace.step_in_forward
+        and not trace.step_in_backward
+        and _stepped_ahead(u, c)
+        and u.trainable_numel > 0
+        and (u.is_root or not trace.step_overlap)
+    )
+
+
 def _hidden_behind_forward(trace: Trace, choices, steps: list[float]) -> float:
     """Seconds of the disk units' steps left after backward that the next forward hides
     (``step_in_forward``; module doc). May be negative on a CPU device."""
@@ -435,10 +450,9 @@ def _hidden_behind_forward(trace: Trace, choices, steps: list[float]) -> float:
     left = [0.0] * len(units)
     arithmetic = 0.0
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
-        if _stepped_ahead(u, c) and u.trainable_numel > 0 and not trace.step_in_backward:
-            if u.is_root or not trace.step_overlap:
-                left[k] = steps[k]
-                arithmetic += _host_step_s(u, m)
+        if _steps_in_forward(trace, u, c):
+            left[k] = steps[k]
+            arithmetic += _host_step_s(u, m)
     if not any(left):
         return 0.0
     order = [k for k, u in enumerate(units) if u.is_root]  # fetched first
@@ -485,7 +499,10 @@ def times(
             else:
                 stall += copy
             if c.param == Tier.DISK:  # (a master that is the home is read as well)
-                read = fetches * u.param_bytes / m.disk_read
+                reads = fetches
+                if u.frozen_compute_numel == 0 and _steps_in_forward(trace, u, c):
+                    reads -= 1  # forward's fetch takes what the step left in staging
+                read = reads * u.param_bytes / m.disk_read
                 if depth > 0 and not u.is_root:
                     unit_transfer += read
                 else:

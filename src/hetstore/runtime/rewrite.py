@@ -181,11 +181,19 @@ class ChunkedRewrite:
             self.unit.home_stale = True  # until every in-place write is done
 
     def write(
-        self, spans: Sequence[_SpanLike], slots: list[Slot], fill: Fill, read: Read = None
+        self,
+        spans: Sequence[_SpanLike],
+        slots: list[Slot],
+        fill: Fill,
+        read: Read = None,
+        params_out: torch.Tensor | None = None,
     ) -> None:
         """Fill the shadows (see :meth:`run`); every write is finished on return. On an
         error the transfers still running are waited for and the error raised; the
-        caller discards."""
+        caller discards. ``params_out``: a host tensor of the unit's compute-dtype
+        parameters that also receives the new values, the same bytes the home's shadow
+        gets (a step in the next forward leaves them where the unit's fetch takes them,
+        instead of that fetch reading back what was just written)."""
         unit, shadows = self.unit, self._shadows
         reads: dict[int, list] = {}
         writes: dict[int, list] = {}
@@ -207,13 +215,16 @@ class ChunkedRewrite:
                 handles = [unit.master.write(master, span.start, into=shadows["master"])]
                 for key, array in self.states.items() if n_state > 0 else ():
                     handles.append(array.write(slot[key][:n_state], span.start, into=shadows[key]))
+                compute = master  # the chunk's new parameters as the home holds them
                 if self.home_on_disk:
-                    cast = slot["home"][:n]
-                    cast.copy_(master)
-                    handles.append(unit.home.write(cast, span.start, into=shadows.get("home")))
+                    compute = slot["home"][:n]
+                    compute.copy_(master)
+                    handles.append(unit.home.write(compute, span.start, into=shadows.get("home")))
                 elif unit.home is not unit.master:
                     self._touched_memory = True
                     unit.home[span.start : span.end].copy_(master)
+                if params_out is not None:
+                    params_out[span.start : span.end].copy_(compute)
                 if unit.has_device_copy and not self.speculative:
                     self._touched_memory = True
                     unit.write_device_copy(master, span.start)

@@ -7,7 +7,11 @@ tier, so the host memory a disk placement needs does not grow with the model:
   ``prefetch_depth + 1`` buffers of the largest unit's parameter bytes. A prefetch
   starts the disk read into a free buffer and never waits; a fetch takes the unit's
   staged buffer (or reads now), copies it to the device and gives the buffer back, so
-  the host copy is dropped right after upload.
+  the host copy is dropped right after upload. A step finished during the next forward
+  (``step_in_forward``) borrows free buffers (:meth:`ParamStager.lend`) and leaves the
+  unit's new parameters in one as its rewrite writes them to disk; its commit stages
+  the buffer as if prefetched (:meth:`ParamStager.stage`), so the unit's fetch does not
+  read back what the step just wrote.
 - :class:`GradStager`: fp32 gradients of units whose gradients live on disk, gathered in
   a host buffer while the unit's backward runs and written out (asynchronously) when the
   unit has all its gradients. Three buffers of the largest unit's trainable bytes: one
@@ -31,6 +35,7 @@ import torch
 from hetstore.footprints import GRAD_STAGING_SLOTS
 from hetstore.tiers import HostBuffer, HostTier
 from hetstore.tiers._hostmem import PAGE_SIZE, round_up
+from hetstore.tiers.flat import Done
 
 if TYPE_CHECKING:
     from hetstore.runtime.unit import Unit
@@ -78,6 +83,11 @@ class _Slots:
         self.free.append(slot)
 
     @property
+    def spare(self) -> int:
+        """Buffers :meth:`take` gives without one coming back first."""
+        return len(self.free) + self.count - len(self._buffers)
+
+    @property
     def unmade_bytes(self) -> int:
         """Host bytes the buffers not yet made will take when first used."""
         return (self.count - len(self._buffers)) * round_up(self.nbytes, PAGE_SIZE)
@@ -99,6 +109,12 @@ class ParamStager:
         # fetches that found their read already started (prefetched) / had to start it
         self.prefetched = 0
         self.unprefetched = 0
+        self.lent = 0  # buffers a step in the next forward is filling (lend)
+        # set by the optimizer's step ahead while it may borrow buffers: told when a
+        # fetch gives one back (it lends it on to the next unit's step), and asked to
+        # turn a lent buffer into a staged one when a fetch finds none free
+        self.on_give_back: Callable[[], None] | None = None
+        self.reclaim_lent: Callable[[], bool] | None = None
 
     @property
     def unmade_bytes(self) -> int:
@@ -125,10 +141,17 @@ class ParamStager:
         if slot is None and self._uploading and block:
             self._reclaim_uploads(block=True)
             slot = self._slots.take()
+        if slot is None and not self._staged and block and self.lent and self.reclaim_lent:
+            self.reclaim_lent()  # a step finished in forward stages (or returns) its buffer
+            slot = self._slots.take()
         if slot is None and self._staged and block:
             _, (slot, handle) = self._staged.popitem(last=False)  # drop the oldest prefetch
             handle.wait()
         return slot
+
+    def view(self, slot: torch.Tensor, unit: Unit) -> torch.Tensor:
+        """``unit``'s compute-dtype parameters at the head of ``slot``."""
+        return self._view(slot, unit)
 
     def _view(self, slot: torch.Tensor, unit: Unit) -> torch.Tensor:
         return slot[: unit.home_bytes].view(unit.compute_dtype)
@@ -163,8 +186,39 @@ class ParamStager:
         """Return a buffer from :meth:`take`; with ``event``, once that copy has finished."""
         if event is None:
             self._slots.give(slot)
+            if self.on_give_back is not None:
+                self.on_give_back()
         else:
             self._uploading.append((slot, event))
+
+    @property
+    def spare(self) -> int:
+        """Buffers :meth:`lend` could hand out now (free, or not made yet)."""
+        self._reclaim_uploads(block=False)
+        return self._slots.spare
+
+    def lend(self) -> torch.Tensor | None:
+        """A free buffer for another thread to fill with a unit's new parameters (a step
+        in the next forward); never waits, never drops a prefetch. Comes back through
+        :meth:`stage` or :meth:`unlend`; until then a fetch finding no buffer asks
+        ``reclaim_lent``."""
+        self._reclaim_uploads(block=False)
+        slot = self._slots.take()
+        if slot is not None:
+            self.lent += 1
+        return slot
+
+    def unlend(self, slot: torch.Tensor) -> None:
+        """A lent buffer back, unused (its filler is done with it)."""
+        self.lent -= 1
+        self._slots.give(slot)
+
+    def stage(self, unit: Unit, slot: torch.Tensor) -> None:
+        """A lent buffer now holds ``unit``'s current parameters (the step that filled it
+        was committed): the unit's next fetch takes it as a finished prefetch."""
+        self.lent -= 1
+        self.forget(unit)
+        self._staged[unit] = (slot, Done())
 
     def forget(self, unit: Unit) -> None:
         """Drop a prefetch that is stale (the unit's parameters changed on disk)."""
