@@ -404,3 +404,29 @@ def test_a_step_in_the_next_forward_saves_that_forwards_parameter_reads():
     assert times(lora, choices, 0, overlap=True)[1] == pytest.approx(
         times(lora_base, choices, 0, overlap=True)[1]
     )
+
+
+def test_the_plan_predicts_a_clip_that_bites_and_what_step_in_forward_saves_then():
+    """A clip that bites rolls back every step taken in backward: the estimate gives the
+    step time then, with the disk units' steps after backward (as overlap_step=False
+    predicts it) and with step_in_forward (as a trace without overlap_step but with it
+    predicts it), and the plan says so. Nothing when no unit is stepped on disk."""
+    choices = [ON_DISK] * 5
+    trace = disk_trace(forward_s=0.05)
+    after, in_forward = estimate(trace, choices, 1).clip_bites_s
+    assert after == pytest.approx(estimate(trace, choices, 1, overlap=False).step_s)
+    forward_only = replace(trace, step_overlap=False, step_in_forward=True)
+    assert in_forward == pytest.approx(estimate(forward_only, choices, 1).step_s)
+    assert in_forward < after
+    text = Plan.build(trace, choices, 1, Capacities(None, None, None), "manual").table()
+    assert "clip that bites" in text and "step_in_forward=True" in text
+
+    already = replace(trace, step_in_forward=True)
+    after_on, in_forward_on = estimate(already, choices, 1).clip_bites_s
+    assert after_on == pytest.approx(in_forward_on) == pytest.approx(in_forward)
+    text = Plan.build(already, choices, 1, Capacities(None, None, None), "manual").table()
+    assert "clip that bites" in text and "step_in_forward=True" not in text
+
+    on_host = [UnitChoice(param="cpu", optimizer="cpu")] * 5
+    assert estimate(trace, on_host, 1).clip_bites_s is None
+    assert estimate(replace(trace, step_in_backward=True), choices, 1).clip_bites_s is None

@@ -52,7 +52,7 @@ Time (seconds per step)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetstore.footprints import (
     LENT_MASTERS,
@@ -114,6 +114,11 @@ class Estimate:
     # spare several are held while earlier units' activations are still on disk; not
     # in ``disk``: none is taken where the room is not there
     disk_shadows: int = 0
+    # a gradient clip that bites (every step, early in training): the speculations in
+    # backward roll back and the disk units' steps are left after it. The step seconds
+    # then, as configured and with step_in_forward; None when no unit is stepped ahead
+    # on disk (or step_in_backward, which refuses a clip)
+    clip_bites_s: tuple[float, float] | None = None
 
     @property
     def step_s(self) -> float:
@@ -594,7 +599,27 @@ def estimate(
         host_shadows=shadows,
         host_lent=lent_master_bytes(trace, choices),
         disk_shadows=0 if overlap is False else _more_disk_shadows(trace, choices),
+        clip_bites_s=None if overlap is False else _when_a_clip_bites(trace, choices, depth),
     )
+
+
+def _when_a_clip_bites(
+    trace: Trace, choices: list[UnitChoice], depth: int
+) -> tuple[float, float] | None:
+    """See ``Estimate.clip_bites_s``: nothing is hidden behind backward; what is left
+    runs after it, or with ``step_in_forward`` beside the next forward."""
+    pairs = zip(trace.units, choices, strict=True)
+    if trace.step_in_backward or not any(
+        _stepped_ahead(u, c) and u.trainable_numel for u, c in pairs
+    ):
+        return None
+    bitten = replace(trace, step_overlap=False, step_overlap_memory=False)
+
+    def step_s(t: Trace) -> float:
+        compute, stall, exposed, optimizer, _ = times(t, choices, depth, t.step_in_forward)
+        return compute + stall + exposed + optimizer + t.overhead_s
+
+    return step_s(bitten), step_s(replace(bitten, step_in_forward=True))
 
 
 def _more_disk_shadows(trace: Trace, choices: list[UnitChoice]) -> int:

@@ -185,6 +185,20 @@ class Plan:
                 "take more than backward hides (on a CPU device they share its cores); "
                 f"without it the step would take {e.step_without_overlap_s * 1e3:.1f} ms"
             )
+        if e.clip_bites_s is not None:
+            after, in_forward = e.clip_bites_s
+            if in_forward >= after * 0.99:  # step_in_forward is on, or would not pay
+                lines.append(
+                    "a gradient clip that bites (often every step early in training) rolls "
+                    f"back the steps taken in backward: predicted step {after * 1e3:.1f} ms"
+                )
+            else:
+                lines.append(
+                    "a gradient clip that bites (often every step early in training) rolls "
+                    "back the steps taken in backward and leaves them after it: predicted "
+                    f"step {after * 1e3:.1f} ms; with step_in_forward=True they finish "
+                    f"during the next forward: {in_forward * 1e3:.1f} ms"
+                )
         if e.host_shadows:
             lines.append(
                 f"their host shadows take up to {format_size(e.host_shadows)} beside the "
@@ -215,10 +229,13 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
         units = tuple(UnitPlan(**{**u, "choice": UnitChoice(**u["choice"])}) for u in data["units"])
+        predicted = data["estimate"]
+        if predicted and predicted.get("clip_bites_s") is not None:  # (JSON has no tuples)
+            predicted["clip_bites_s"] = tuple(predicted["clip_bites_s"])
         return cls(
             units,
             data["prefetch_depth"],
-            Estimate(**data["estimate"]) if data["estimate"] else None,
+            Estimate(**predicted) if predicted else None,
             Capacities(**data["capacities"]),
             data["source"],
         )
