@@ -18,8 +18,10 @@ from hetstore.errors import ConfigError
 from hetstore.optim import step_ahead
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.staging import ParamStager
-from tests.models.gpt import batches
+from tests.models.gpt import GPT, batches
+from tests.test_host_offload import adamw
 from tests.test_step_ahead import (
+    WIDTH,
     assert_bitwise,
     assert_same_optimizer_state,
     config,
@@ -242,6 +244,40 @@ def test_the_next_forward_takes_the_stepped_parameters_instead_of_reading_them_b
     # at least the first units forward uses: they get the buffers free at the step
     assert len(staged) >= steps * min(depth + 1, units_of(on))
     assert sum(off_reads) - sum(on_reads) == sum(u.home_bytes for u in staged)
+
+
+def test_a_unit_without_a_step_pending_finds_a_staging_buffer_without_waiting(
+    tmp_path, monkeypatch
+):
+    """A frozen block has a disk home but no step: forward fetches it while the steps
+    of the units after it are pending. A buffer stays free for it, so its fetch never
+    has to finish a later unit's step to get one (that would make the forward wait for
+    the worker out of order); training stays bitwise."""
+    data = batches(4, vocab=64)
+    reclaims = []
+    reclaim = step_ahead.StepAhead._reclaim_lent_params
+
+    def counting(self):
+        reclaims.append(1)
+        return reclaim(self)
+
+    monkeypatch.setattr(step_ahead.StepAhead, "_reclaim_lent_params", counting)
+    results = []
+    for in_forward in (True, False):
+        torch.manual_seed(0)
+        model = GPT(width=WIDTH, depth=3)
+        for p in model.blocks[0].parameters():
+            p.requires_grad_(False)
+        opt = adamw([p for p in model.parameters() if p.requires_grad])
+        cfg = config(tmp_path / f"{in_forward}", False, "disk", step_in_forward=in_forward)
+        model, opt = hetstore.offload(model, opt, cfg)
+        results.append((model, opt, train(model, opt, data, clip=0.05)))
+    (on, on_opt, on_losses), (off, off_opt, off_losses) = results
+    assert on_losses == off_losses
+    assert_bitwise(on, off)
+    assert_same_optimizer_state(on_opt, off_opt)
+    assert on_opt.speculation_stats["params_staged"] > 0
+    assert not reclaims
 
 
 def test_step_in_forward_takes_true_or_false_only():

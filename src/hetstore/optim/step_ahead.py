@@ -260,6 +260,7 @@ class StepAhead:
         # step_in_forward: a record's lent parameter buffer is handed over under this
         # lock, the worker taking it when it starts the unit (_run_in_forward)
         self._claims = threading.Lock()
+        self._fetches_from_disk = False  # (set by defer; see _buffers_to_keep)
         self._param_stagers = [s for s in self._stagers if isinstance(s, ParamStager)]
         if in_forward:
             for stager in self._param_stagers:
@@ -695,9 +696,17 @@ class StepAhead:
         now)."""
         if not self.in_forward:
             return
-        order = {id(u): i for i, u in enumerate(self.use_order() if self.use_order else [])}
+        used = self.use_order() if self.use_order else []
+        order = {id(u): i for i, u in enumerate(used)}
         candidates = [s for s in unit_steps if self._can_defer(s)]
         candidates.sort(key=lambda s: order.get(id(s.unit), len(order)))
+        deferred = {id(s.unit) for s in candidates}
+        # a unit with a disk home that forward fetches without a step pending (frozen,
+        # no gradients, stepped in backward) reads its parameters into a free buffer
+        self._fetches_from_disk = any(
+            u.param_stager is not None and isinstance(u.home, DiskArray) and id(u) not in deferred
+            for u in used
+        )
         with self._own_allocations():
             for unit_step in candidates:
                 if self._start_in_forward(unit_step, multipliers(unit_step.unit)):
@@ -735,9 +744,9 @@ class StepAhead:
             unit.grads.state().has_grad,
             rewrite,
         )
-        if _stages_params(unit) and unit.param_stager.spare > self._buffers_to_keep():
-            record.params = unit.param_stager.lend()
         try:
+            if _stages_params(unit) and unit.param_stager.spare > self._buffers_to_keep():
+                record.params = unit.param_stager.lend()
             record.future = self._pool().submit(self._run_in_forward, record, slots)
         except BaseException:
             rewrite.discard()
@@ -770,7 +779,10 @@ class StepAhead:
         """Free parameter staging buffers not to lend: one while a unit forward uses
         before ``before`` (or any, without it) will read its parameters from disk at its
         fetch (its step has no buffer), so that fetch finds one free (fetches take one
-        at a time and give it back after the copy)."""
+        at a time and give it back after the copy), and one while forward fetches any
+        unit with a disk home that has no step pending."""
+        if self._fetches_from_disk:
+            return 1
         for record in self._in_forward.values():
             if record is before:
                 break
@@ -798,10 +810,15 @@ class StepAhead:
 
     def _reclaim_lent_params(self) -> bool:
         """A fetch found every parameter staging buffer lent: finish the first step
-        holding one (its buffer is then staged, for its fetch, or returned)."""
+        holding one (its buffer is then staged, for its fetch, or returned). A step that
+        fails here stays pending and raises at its own unit's use (its buffer was
+        returned before the retry): not at this fetch of another unit."""
         for record in self._in_forward.values():
             if record.params is not None:
-                self.finish_unit_in_forward(record.unit_step.unit)
+                try:
+                    self.finish_unit_in_forward(record.unit_step.unit)
+                except Exception:  # noqa: BLE001 - raised again at that unit's use
+                    pass
                 return True
         return False
 
@@ -879,9 +896,10 @@ class StepAhead:
         self._stop_worker_if_idle()
 
     def _forget_in_forward(self, key: int) -> None:
-        record = self._in_forward.pop(key)
+        record = self._in_forward[key]
         if record.shadows is not None or record.params is not None:
             self._wait_worker(record)  # never discard (or give back) under the worker
+        del self._in_forward[key]  # (after the wait: interrupted, it is still recorded)
         if record.shadows is not None:
             record.shadows.discard()
         self._return_params(record)

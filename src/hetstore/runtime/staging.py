@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hetstore.errors import OutOfTierMemory
 from hetstore.footprints import GRAD_STAGING_SLOTS
 from hetstore.tiers import HostBuffer, HostTier
 from hetstore.tiers._hostmem import PAGE_SIZE, round_up
@@ -147,6 +148,11 @@ class ParamStager:
         if slot is None and self._staged and block:
             _, (slot, handle) = self._staged.popitem(last=False)  # drop the oldest prefetch
             handle.wait()
+        if slot is None and block:
+            raise RuntimeError(
+                f"hetstore: no parameter staging buffer came free ({self._slots.count} "
+                f"made, {self.lent} lent to steps in the next forward): this is a bug"
+            )
         return slot
 
     def view(self, slot: torch.Tensor, unit: Unit) -> torch.Tensor:
@@ -203,7 +209,10 @@ class ParamStager:
         :meth:`stage` or :meth:`unlend`; until then a fetch finding no buffer asks
         ``reclaim_lent``."""
         self._reclaim_uploads(block=False)
-        slot = self._slots.take()
+        try:
+            slot = self._slots.take()
+        except OutOfTierMemory:  # its first use, and the pool cannot grow: not now
+            return None
         if slot is not None:
             self.lent += 1
         return slot
@@ -216,8 +225,8 @@ class ParamStager:
     def stage(self, unit: Unit, slot: torch.Tensor) -> None:
         """A lent buffer now holds ``unit``'s current parameters (the step that filled it
         was committed): the unit's next fetch takes it as a finished prefetch."""
-        self.lent -= 1
         self.forget(unit)
+        self.lent -= 1
         self._staged[unit] = (slot, Done())
 
     def forget(self, unit: Unit) -> None:
