@@ -355,13 +355,19 @@ def test_host_units_hide_behind_backward_on_a_gpu_and_cost_on_a_cpu():
     assert "costs" in plan.table() and "host shadows take up to" in plan.table()
 
 
-def test_steps_left_after_backward_hide_behind_the_next_forward_except_the_roots():
+def test_steps_left_after_backward_hide_behind_the_next_forward_except_the_roots(
+    monkeypatch,
+):
     """``step_in_forward`` without ``overlap_step``: every disk unit's step runs on
     beside the next forward, which fetches the root first (its step hides behind
     nothing) and then each block after its own step: a long forward hides the blocks'
     steps, as a long backward does with ``overlap_step``. With both, backward hides the
     blocks' and the forward nothing more. On a CPU device the worker's arithmetic counts
-    against it."""
+    against it. (Without reading ahead during backward: that takes the root's reads
+    off the forward's path too, tested below.)"""
+    from hetstore.planner import cost
+
+    monkeypatch.setattr(cost, "READ_AHEAD_UNITS", 0)
     choices = [ON_DISK] * 5
     forward_only = replace(disk_trace(forward_s=10.0), step_overlap=False, step_in_forward=True)
     serial = estimate(forward_only, choices, 1, overlap=False)
@@ -430,3 +436,31 @@ def test_the_plan_predicts_a_clip_that_bites_and_what_step_in_forward_saves_then
     on_host = [UnitChoice(param="cpu", optimizer="cpu")] * 5
     assert estimate(trace, on_host, 1).clip_bites_s is None
     assert estimate(replace(trace, step_in_backward=True), choices, 1).clip_bites_s is None
+
+
+def test_the_first_units_read_ahead_during_backward_shorten_a_disk_bound_forward(
+    monkeypatch,
+):
+    """Every disk unit stepped during the next forward, whose compute is short: the
+    forward waits for the worker, and reading the first READ_AHEAD_UNITS units' masters
+    and states during backward takes those reads off its path. The plan reports the
+    host memory it takes; none without step_in_forward or with compact states."""
+    from hetstore.planner import cost
+
+    choices = [ON_DISK] * 5
+    # a host step far faster than the disk: each step is its reads plus its writes
+    fast_host = replace(GPU, host_step=1e15)
+    trace = replace(
+        disk_trace(forward_s=1e-4, machine=fast_host), step_overlap=False, step_in_forward=True
+    )
+    with_ahead = estimate(trace, choices, 1)
+    monkeypatch.setattr(cost, "READ_AHEAD_UNITS", 0)
+    without = estimate(trace, choices, 1)
+    monkeypatch.undo()
+    first = [trace.units[-1], *trace.units[:3]]  # the root, then the first blocks
+    reads = sum((u.master_bytes + u.state_bytes) / GPU.disk_read for u in first)
+    assert without.step_s - with_ahead.step_s == pytest.approx(reads)
+    assert with_ahead.host_read_ahead == sum(u.master_bytes + u.state_bytes for u in first)
+    text = Plan.build(trace, choices, 1, Capacities(None, None, None), "manual").table()
+    assert "read during backward" in text
+    assert estimate(replace(trace, step_in_forward=False), choices, 1).host_read_ahead == 0

@@ -188,16 +188,17 @@ def test_a_step_that_keeps_failing_raises_at_the_use_and_loses_nothing(tmp_path,
 
 
 def _train_counting_reads(model, opt, data) -> tuple[list[float], list[int]]:
-    """Losses, and the disk bytes read from each optimizer.step() to the end of the next
-    forward (the steps finished in that forward and its fetches)."""
+    """Losses, and the disk bytes read from each backward to the end of the next forward
+    (its fetches, what it reads ahead, the steps finished in that forward and its
+    fetches)."""
     disk = hetstore.state_of(model).runtime.units[0].tiers.disk
     losses, reads = [], []
     x, y = data[0]
     loss = model(x, y)
     for x, y in data[1:]:
+        before = disk.stats()["bytes_read"]
         loss.backward()
         losses.append(loss.item())
-        before = disk.stats()["bytes_read"]
         opt.step()
         opt.zero_grad()
         loss = model(x, y)
@@ -278,6 +279,149 @@ def test_a_unit_without_a_step_pending_finds_a_staging_buffer_without_waiting(
     assert_same_optimizer_state(on_opt, off_opt)
     assert on_opt.speculation_stats["params_staged"] > 0
     assert not reclaims
+
+
+def _train_reading_ahead(tmp_path, name: str, data, *, units: int, clip=None, overlap=False):
+    """Train with at most ``units`` units read ahead; the losses, and per step the disk
+    bytes read in backward and in the next forward (with optimizer.step())."""
+    model, opt = fresh()
+    cfg = config(tmp_path / name, overlap, "disk", step_in_forward=True)
+    model, opt = hetstore.offload(model, opt, cfg)
+    disk = hetstore.state_of(model).runtime.units[0].tiers.disk
+    ahead = opt.step_ahead
+    losses, in_backward, in_forward = [], [], []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step_ahead, "READ_AHEAD_UNITS", units)
+        # (staged parameters, which depend on the worker's pace, would blur the count)
+        patch.setattr(step_ahead, "_stages_params", lambda unit: False)
+        x, y = data[0]
+        loss = model(x, y)
+        for x, y in data[1:]:
+            start = disk.stats()["bytes_read"]
+            loss.backward()
+            for record in ahead._read_ahead.values():  # (the worker's reads are async)
+                ahead._wait_worker(record)
+            middle = disk.stats()["bytes_read"]
+            losses.append(loss.item())
+            if clip is not None:
+                opt.clip_grad_norm_(clip)
+            opt.step()
+            opt.zero_grad()
+            loss = model(x, y)
+            in_backward.append(middle - start)
+            in_forward.append(disk.stats()["bytes_read"] - middle)
+    return model, opt, losses, in_backward, in_forward
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["alone", "after-a-clip-that-bit"])
+def test_the_first_units_states_are_read_during_backward_for_their_step_in_forward(
+    tmp_path, overlap
+):
+    """Every step will run in the next forward (no overlap_step, or after a clip that
+    bit): backward reads the first units' masters and states into host memory, and
+    their steps read them there. The same losses, weights and states bit for bit as
+    without; the next forward reads exactly those bytes less, backward as much more."""
+    data = batches(4, vocab=64)
+    clip = 0.05 if overlap else None
+    on, on_opt, on_losses, on_bwd, on_fwd = _train_reading_ahead(
+        tmp_path, "on", data, units=2, clip=clip, overlap=overlap
+    )
+    off, off_opt, off_losses, off_bwd, off_fwd = _train_reading_ahead(
+        tmp_path, "off", data, units=0, clip=clip, overlap=overlap
+    )
+    assert on_losses == off_losses
+    assert_bitwise(on, off)
+    assert_same_optimizer_state(on_opt, off_opt)
+    runtime = hetstore.state_of(on).runtime
+    first = [u for u in runtime.use_order() if u.trainable_numel][:2]
+    per_step = sum(
+        u.master.nbytes + sum(a.nbytes for a in on_opt.step_ahead._steps[id(u)].states.values())
+        for u in first
+    )
+    # the first backward reads ahead only once a clip bit (with overlap_step)
+    steps_ahead = len(data) - 1 - (1 if overlap else 0)
+    assert on_opt.speculation_stats["read_ahead"] == 2 * steps_ahead
+    assert off_opt.speculation_stats["read_ahead"] == 0
+    moved = [off - on for off, on in zip(off_fwd, on_fwd, strict=True)]
+    assert moved == [on - off for on, off in zip(on_bwd, off_bwd, strict=True)]
+    # from the second step on (the first has no states yet: its masters only)
+    assert moved[1:] == [per_step] * (len(data) - 2)
+    if not overlap:  # (with it, the first step's speculations read when the worker does)
+        assert 0 < moved[0] < per_step
+    assert not on_opt.step_ahead._read_ahead  # each step freed what it read ahead
+
+
+def test_what_was_read_ahead_gives_way_to_a_host_allocation_and_to_a_rewrite(tmp_path):
+    """Memory read ahead only saves time: a host allocation that finds no room frees
+    it (the step then reads the disk), and so does a rewrite of the unit's master
+    (here a state-dict load between backward and step); training stays exact."""
+    data = batches(3, vocab=64)
+    results = []
+    for name in ("reclaimed", "plain"):
+        model, opt = fresh()
+        cfg = config(tmp_path / name, False, "disk", step_in_forward=True)
+        model, opt = hetstore.offload(model, opt, cfg)
+        host = hetstore.state_of(model).tiers.host
+        for i, (x, y) in enumerate(data):
+            model(x, y).backward()
+            if name == "reclaimed":
+                held = host.account.current
+                assert opt.step_ahead._read_ahead
+                if i == 0:
+                    assert host.reclaim()  # what an allocation without room calls
+                    assert not opt.step_ahead._read_ahead
+                    assert host.account.current < held
+                else:
+                    model.load_state_dict(model.state_dict())
+                    assert not opt.step_ahead._read_ahead
+            else:
+                model.load_state_dict(model.state_dict()) if i else None
+            opt.step()
+            opt.zero_grad()
+        results.append((model, opt))
+    (a, a_opt), (b, b_opt) = results
+    assert a_opt.speculation_stats["read_ahead"] == 0
+    assert_bitwise(a, b)
+    assert_same_optimizer_state(a_opt, b_opt)
+
+
+EXITS_AFTER_A_LAST_STEP = """
+import sys, time
+import torch, hetstore
+from tests.models.gpt import batches
+from tests.test_step_ahead import config, fresh
+model, opt = fresh()
+model, opt = hetstore.offload(model, opt, config(sys.argv[1], False, "disk", step_in_forward=True))
+for x, y in batches(2, vocab=64):
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+assert opt.step_ahead._in_forward  # the last step's units: still to land
+print("left", time.perf_counter(), flush=True)
+"""
+
+
+def test_a_program_whose_last_step_has_no_forward_after_it_exits_promptly(tmp_path):
+    """The steps of the last optimizer.step() run on with no forward to give their
+    parameter buffers back: the worker must not wait for buffers then, or the
+    interpreter, which joins it at exit, would hang."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS_AFTER_A_LAST_STEP, str(tmp_path / "offload")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    ended = time.perf_counter()
+    assert done.returncode == 0, done.stderr
+    left = float(done.stdout.split()[-1])
+    assert ended - left < 10, f"{ended - left:.1f} s from the last step to the exit"
 
 
 def test_step_in_forward_takes_true_or_false_only():

@@ -25,6 +25,10 @@ GRAD_STAGING_SLOTS = 3
 # the end of the unit's backward instead of freed (a CPU device, optim.step_ahead): as many
 # as the steps in backward the gradient stager's buffers let run at once
 LENT_MASTERS = GRAD_STAGING_SLOTS
+# step_in_forward after a clip that bit: the first units the next forward uses whose
+# masters and optimizer states are read into host memory during backward (whose disk
+# is mostly idle), so that forward does not wait for those reads (optim.step_ahead)
+READ_AHEAD_UNITS = 4
 # the streamed step: chunk i is stepped while chunk i+1 is read and chunk i-1 written
 STREAMED_STEP_SLOT_SETS = 3
 

@@ -73,13 +73,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetstore.errors import OutOfTierMemory
-from hetstore.footprints import LENT_MASTERS
+from hetstore.footprints import LENT_MASTERS, READ_AHEAD_UNITS
 from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
 from hetstore.runtime.staging import GradStager, ParamStager, stagers_of
 from hetstore.tiers._hostmem import PAGE_SIZE, round_up
-from hetstore.tiers.flat import DiskArray
+from hetstore.tiers.flat import DiskArray, wait_all
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -109,6 +109,9 @@ class SpeculationStats:
     # of those, steps that left their unit's new parameters in a staging buffer for its
     # fetch (else the fetch reads them back from disk)
     params_staged: int = 0
+    # and steps that read their master and states from host memory, read during the
+    # backward before (after a clip that bit: the first units the next forward uses)
+    read_ahead: int = 0
     # steps in backward that read the master from the unit's lent device copy instead of
     # from disk (a CPU device)
     master_from_memory: int = 0
@@ -151,6 +154,23 @@ class _InForward:
     params: torch.Tensor | None = None
     claimed: bool = False
     filled: bool = False
+    wants_params: bool = False  # its unit can take its parameters from a staging buffer
+    read_ahead: _ReadAhead | None = None  # the master and states it reads, in memory
+
+
+@dataclass
+class _ReadAhead:
+    """A disk unit's master and optimizer states read into host memory during backward,
+    for its step in the next forward to read instead of the disk; valid while the unit's
+    ``state_version`` (loads, edits) and ``param_version`` (every step) are the ones
+    they were read at."""
+
+    unit_step: StreamedUnitStep
+    arrays: dict[str, torch.Tensor]  # "master" and each state key: the unit's whole
+    buffers: list  # the host buffers they are views of
+    versions: tuple[int, int]  # the unit's (state_version, param_version) read at
+    future: Future | None = None
+    ok: bool | None = None
 
 
 def eligible(unit_step, unit: Unit) -> bool:
@@ -259,8 +279,12 @@ class StepAhead:
                     stager.reclaim = self._reclaim_oldest
         # step_in_forward: a record's lent parameter buffer is handed over under this
         # lock, the worker taking it when it starts the unit (_run_in_forward)
-        self._claims = threading.Lock()
+        # a step in the next forward waits for a buffer for its parameters under this
+        # condition, until one is lent or a caller waits for the worker (``_waiting``)
+        self._claims = threading.Condition()
+        self._waiting = 0
         self._fetches_from_disk = False  # (set by defer; see _buffers_to_keep)
+        self._read_ahead: dict[int, _ReadAhead] = {}  # unit id -> read during backward
         self._param_stagers = [s for s in self._stagers if isinstance(s, ParamStager)]
         if in_forward:
             for stager in self._param_stagers:
@@ -273,6 +297,7 @@ class StepAhead:
         self.backwards += 1
         if self.consume:
             self._check_fresh_backward()
+        self._start_read_ahead()
 
     def backward_ended(self) -> None:
         """Every unit is released: finish and commit the steps taken in backward."""
@@ -547,10 +572,11 @@ class StepAhead:
     def _stop_worker_if_idle(self) -> None:
         """No speculation and no step in the next forward left: the worker and its
         buffers go."""
-        if self._pending or self._in_forward:
+        if self._pending or self._in_forward or self._read_ahead:
             return
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            with self._hurry():
+                self._executor.shutdown(wait=True)
             self._executor = None
         self._free_slots()  # the worker is gone: nothing reads them
 
@@ -562,6 +588,7 @@ class StepAhead:
         finally:
             for key in list(self._in_forward):
                 self._forget_in_forward(key)
+            self._drop_read_ahead()
             self.discard_all()
         if self._host.reclaim == self._reclaim_host:
             self._host.reclaim = None
@@ -587,6 +614,9 @@ class StepAhead:
         ahead."""
         if not self._reclaiming_allowed:
             return False
+        if self._read_ahead:  # the disk has the same values
+            self._drop_read_ahead()
+            return True
         for spec in self._pending.values():
             if spec.master is not None:  # a lent master: the disk has the same values
                 self._wait_worker(spec)
@@ -711,6 +741,7 @@ class StepAhead:
             for unit_step in candidates:
                 if self._start_in_forward(unit_step, multipliers(unit_step.unit)):
                     started.add(id(unit_step.unit))
+        self._drop_read_ahead()  # of units not stepped in forward after all
 
     def _can_defer(self, unit_step) -> bool:
         unit = unit_step.unit
@@ -745,8 +776,10 @@ class StepAhead:
             rewrite,
         )
         try:
-            if _stages_params(unit) and unit.param_stager.spare > self._buffers_to_keep():
+            record.wants_params = _stages_params(unit)
+            if record.wants_params and unit.param_stager.spare > self._buffers_to_keep():
                 record.params = unit.param_stager.lend()
+            record.read_ahead = self._take_read_ahead(unit)
             record.future = self._pool().submit(self._run_in_forward, record, slots)
         except BaseException:
             rewrite.discard()
@@ -761,6 +794,19 @@ class StepAhead:
         """The worker: ``record``'s step, leaving the new parameters in the staging buffer
         lent to it, if one was by the time it starts."""
         with self._claims:
+            # wait for a buffer to be lent (forward gives one back as it takes the unit
+            # before's) rather than go on without: the unit's fetch would then read its
+            # parameters from disk, beside this worker's reads. Not when the caller
+            # waits for the worker: nothing would be given back until it is done. Nor
+            # once the program is exiting (a last step with no forward after it: the
+            # interpreter joins this thread).
+            while (
+                record.params is None
+                and record.wants_params
+                and not self._waiting
+                and not _EXITING.is_set()
+            ):
+                self._claims.wait(timeout=0.05)
             record.claimed = True
             params = record.params
         unit_step = record.unit_step
@@ -772,8 +818,89 @@ class StepAhead:
             record.multipliers,
             record.has_grad,
             params_out=out,
+            read_ahead=None if record.read_ahead is None else record.read_ahead.arrays,
         )
         record.filled = out is not None
+
+    # ------------------------------------------------------------------ read ahead
+    # After a clip that bit (or without overlap_step) every disk unit's step runs during
+    # the next forward, in its order, and that forward waits for each: the first units'
+    # reads of master and states are on its critical path, while the backward before
+    # leaves the disk mostly idle. So at the start of that backward the worker reads the
+    # first READ_AHEAD_UNITS units' masters and states into host memory, where the host
+    # tier has room beside what backward will still allocate (memory held only to save
+    # time: a host allocation that finds no room drops them first).
+    def _start_read_ahead(self) -> None:
+        if (
+            not self.in_forward
+            or self.consume
+            or self.suspended
+            or self.backwards < self.expected  # not the last micro-batch's backward
+            or (self.speculate and not self.hold_back)  # steps taken in backward instead
+            or self.use_order is None
+        ):
+            return
+        with self._own_allocations():
+            for unit in self.use_order():
+                if len(self._read_ahead) >= READ_AHEAD_UNITS:
+                    return
+                unit_step = self._steps.get(id(unit))
+                if id(unit) in self._read_ahead or not _reads_ahead(unit_step, unit):
+                    continue
+                if not self._read_ahead_into_memory(unit_step):
+                    return
+
+    def _read_ahead_into_memory(self, unit_step: StreamedUnitStep) -> bool:
+        """Allocate ``unit_step``'s unit's master and states in host memory and have the
+        worker read them; False when the host has no room for them."""
+        unit = unit_step.unit
+        arrays = {"master": unit.master}
+        if not unit_step._states_absent:
+            arrays.update(unit_step.states)
+        need = sum(round_up(a.numel * a.dtype.itemsize, PAGE_SIZE) for a in arrays.values())
+        if not self._host.account.would_fit(need + self._staging_to_come()):
+            return False
+        record = _ReadAhead(unit_step, {}, [], _versions(unit))
+        try:
+            for key, array in arrays.items():
+                buffer = self._host.allocate(
+                    array.numel * array.dtype.itemsize, f"read ahead {unit.name} {key}", array.dtype
+                )
+                record.buffers.append(buffer)
+                record.arrays[key] = buffer.tensor[: array.numel]
+        except OutOfTierMemory:  # the pool could not grow (fragmentation): not now
+            self._free_read_ahead(record)
+            return False
+        record.future = self._pool().submit(_read_into, dict(arrays), record.arrays)
+        self._read_ahead[id(unit)] = record
+        return True
+
+    def _take_read_ahead(self, unit: Unit) -> _ReadAhead | None:
+        """What was read ahead for ``unit``, if it is still its master and states (and
+        the worker read it without error)."""
+        record = self._read_ahead.pop(id(unit), None)
+        if record is None:
+            return None
+        if not self._wait_worker(record) or record.versions != _versions(unit):
+            self._free_read_ahead(record)
+            return None
+        self.stats.read_ahead += 1
+        return record
+
+    def _drop_read_ahead(self, unit: Unit | None = None) -> None:
+        """Free what was read ahead (for ``unit`` only, or for every unit)."""
+        keys = list(self._read_ahead) if unit is None else [id(unit)]
+        for key in keys:
+            record = self._read_ahead.pop(key, None)
+            if record is not None:
+                self._free_read_ahead(record)
+
+    def _free_read_ahead(self, record: _ReadAhead) -> None:
+        if record.future is not None:
+            self._wait_worker(record)  # never free a buffer the worker reads into
+        for buffer in record.buffers:
+            self._host.free(buffer)
+        record.buffers.clear()
 
     def _buffers_to_keep(self, before: _InForward | None = None) -> int:
         """Free parameter staging buffers not to lend: one while a unit forward uses
@@ -790,6 +917,19 @@ class StepAhead:
                 return 1
         return 0
 
+    @contextlib.contextmanager
+    def _hurry(self):
+        """Around a wait for the worker: a step waiting for a parameter buffer goes on
+        without one meanwhile (nothing would be given back until the wait is over)."""
+        with self._claims:
+            self._waiting += 1
+            self._claims.notify_all()
+        try:
+            yield
+        finally:
+            with self._claims:
+                self._waiting -= 1
+
     def _lend_params(self) -> None:
         """A parameter staging buffer came free: lend it to the first step in the next
         forward the worker has not started and that has none (the worker runs them in
@@ -805,6 +945,7 @@ class StepAhead:
             with self._claims:
                 if not record.claimed:
                     record.params = slot
+                    self._claims.notify_all()
                     continue
             stager.unlend(slot)  # started meanwhile: it reads from disk; the next one
 
@@ -824,7 +965,11 @@ class StepAhead:
 
     def _return_params(self, record: _InForward, committed: bool = False) -> None:
         """Give ``record``'s lent parameter buffer back once the worker is done with it:
-        staged for the unit's fetch when ``committed`` and filled, else unused."""
+        staged for the unit's fetch when ``committed`` and filled, else unused; and free
+        what was read ahead for it."""
+        read_ahead, record.read_ahead = record.read_ahead, None
+        if read_ahead is not None:
+            self._free_read_ahead(read_ahead)
         slot, record.params = record.params, None
         if slot is None:
             return
@@ -897,7 +1042,7 @@ class StepAhead:
 
     def _forget_in_forward(self, key: int) -> None:
         record = self._in_forward[key]
-        if record.shadows is not None or record.params is not None:
+        if record.shadows is not None or record.params is not None or record.read_ahead:
             self._wait_worker(record)  # never discard (or give back) under the worker
         del self._in_forward[key]  # (after the wait: interrupted, it is still recorded)
         if record.shadows is not None:
@@ -909,6 +1054,7 @@ class StepAhead:
     def _drop(self, unit: Unit) -> None:
         """The unit's master or states are about to be rewritten outside a step."""
         self._cancel(id(unit))
+        self._drop_read_ahead(unit)
 
     def _cancel(self, key: int) -> None:
         spec = self._pending.get(key)
@@ -919,13 +1065,12 @@ class StepAhead:
         spec.shadows.discard()
         self.stats.cancelled += 1
 
-    @staticmethod
-    def _finished(spec: _Speculation, keep_failed_grads: bool = False) -> bool:
+    def _finished(self, spec: _Speculation, keep_failed_grads: bool = False) -> bool:
         """Wait for the worker (once: the outcome is kept in ``spec.ok``) and give back
         the gradient buffer it read; False when the step failed (the ordinary step then
         runs, and raises if the cause persists). ``keep_failed_grads``: a step in
         backward that failed writes its gradients to disk instead, for that step."""
-        StepAhead._wait_worker(spec)
+        self._wait_worker(spec)
         # (an interrupt of this thread while it waits propagates, and the buffer stays
         # lent: the worker may still be reading it)
         _give_back_master(spec)
@@ -938,16 +1083,12 @@ class StepAhead:
                 unit.grad_stager.flush_lent(unit)
         return spec.ok
 
-    @staticmethod
-    def _wait_worker(job: _Speculation | _InForward) -> bool:
+    def _wait_worker(self, job: _Speculation | _InForward | _ReadAhead) -> bool:
         """Wait for the worker's run of ``job`` (once: the outcome is kept in ``job.ok``);
         False when it raised (the caller steps the unit the ordinary way instead)."""
         if job.ok is None:
-            try:
-                job.future.result()
-                job.ok = True
-            except Exception:  # noqa: BLE001 - the worker's error: the step is dropped
-                job.ok = False
+            with self._hurry():
+                job.ok = _outcome(job.future)
         return job.ok
 
     def _inputs_hold(self, spec: _Speculation) -> bool:
@@ -1021,6 +1162,49 @@ class StepAhead:
             self._host.free(buffer)
         self._slot_buffers.clear()
         self._slots = None
+
+
+def _reads_ahead(unit_step, unit: Unit) -> bool:
+    """A unit whose step in the next forward can read its master and states from host
+    memory read during backward: stepped there at all, in the fp32 format (the compact
+    ones carry block scales besides), its home not behind its master."""
+    return (
+        isinstance(unit_step, StreamedUnitStep)
+        and eligible(unit_step, unit)
+        and unit_step.format.exact
+        and not unit_step.scales
+        and not unit.home_stale
+    )
+
+
+# The interpreter is exiting: set just before it joins worker threads (CPython's hook
+# for this, the one concurrent.futures uses; registered after its own, so called first),
+# so a step in the next forward stops waiting for a parameter buffer no forward will
+# give back. Process-wide, like the exit it reports.
+_EXITING = threading.Event()
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_EXITING.set)
+else:  # no such hook (another interpreter): never wait
+    _EXITING.set()
+
+
+def _outcome(future: Future) -> bool:
+    """Wait for ``future``: True when it ran, False when it raised (the worker's error:
+    the job is dropped, and the caller does it the ordinary way)."""
+    try:
+        future.result()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _versions(unit: Unit) -> tuple[int, int]:
+    return unit.state_version, unit.param_version
+
+
+def _read_into(arrays: dict[str, DiskArray], into: dict[str, torch.Tensor]) -> None:
+    """The worker: read each disk array whole into its host tensor."""
+    wait_all([array.read(into[key], 0) for key, array in arrays.items()])
 
 
 def _stages_params(unit: Unit) -> bool:

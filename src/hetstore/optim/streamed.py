@@ -447,16 +447,23 @@ class StreamedUnitStep(UnitStates):
         multipliers: list,
         has_grad: tuple[bool, ...],
         params_out: torch.Tensor | None = None,
+        read_ahead: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Any thread: the step :meth:`step` would take now, into ``rewrite``'s shadows,
         finished while the next forward runs (:meth:`StepAhead.defer`): the same group
         values ``hyper``, gradient flags ``has_grad`` and ``multipliers`` (clip, unscale)
         as that step, from the gradients where they are (missing ones in memory were
         zeroed before, as the ordinary step zeroes them). ``params_out``: see
-        :meth:`ChunkedRewrite.write`."""
+        :meth:`ChunkedRewrite.write`. ``read_ahead``: the whole master (``"master"``)
+        and states (by key), read from disk earlier, copied from instead of read."""
         in_memory = isinstance(self.unit.grad, torch.Tensor)
         read, fill = self._pipeline(
-            multipliers, hyper, rewrite, live_grads=in_memory, has_grad=has_grad
+            multipliers,
+            hyper,
+            rewrite,
+            live_grads=in_memory,
+            has_grad=has_grad,
+            read_ahead=read_ahead,
         )
         rewrite.write(self._chunks, slots, fill, read, params_out=params_out)
 
@@ -473,11 +480,14 @@ class StreamedUnitStep(UnitStates):
         live_grads: bool = False,
         has_grad: tuple[bool, ...] | None = None,
         master: torch.Tensor | None = None,
+        read_ahead: dict[str, torch.Tensor] | None = None,
     ):
         unit = self.unit
         if grads is None and isinstance(unit.grad, torch.Tensor):
             grads = unit.grad
         grad_on_disk = grads is None
+        if read_ahead is not None:
+            master = read_ahead["master"]
 
         def read(c: _Chunk, slot) -> list:
             into = slot["master"][: c.end - c.start]
@@ -491,7 +501,11 @@ class StreamedUnitStep(UnitStates):
                 if grad_on_disk:
                     handles.append(unit.grad.read(slot["grad"][:n_state], c.start))
                 for key, array in self.states.items():
-                    if not self._states_absent:
+                    if self._states_absent:
+                        continue
+                    if read_ahead is not None:
+                        slot[key][:n_state].copy_(read_ahead[key][c.start : c.start + n_state])
+                    else:
                         handles.append(array.read(slot[key][:n_state], c.start))
             return handles
 

@@ -56,6 +56,7 @@ from dataclasses import dataclass, replace
 
 from hetstore.footprints import (
     LENT_MASTERS,
+    READ_AHEAD_UNITS,
     activation_staging_units,
     grad_staging_bytes,
     param_staging_bytes,
@@ -119,6 +120,10 @@ class Estimate:
     # then, as configured and with step_in_forward; None when no unit is stepped ahead
     # on disk (or step_in_backward, which refuses a clip)
     clip_bites_s: tuple[float, float] | None = None
+    # host bytes read ahead during backward for the steps in the next forward when every
+    # one runs there (step_in_forward after a clip that bites), at most; not in ``host``:
+    # only where the host has room, and given back first when it has none
+    host_read_ahead: int = 0
 
     @property
     def step_s(self) -> float:
@@ -435,6 +440,41 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
     return max(-copies, hidden)
 
 
+def _forward_order(units) -> list[int]:
+    """Unit indices in the order forward fetches them: the root first."""
+    return [k for k, u in enumerate(units) if u.is_root] + [
+        k for k, u in enumerate(units) if not u.is_root
+    ]
+
+
+def _read_ahead(trace: Trace, choices: list[UnitChoice]) -> list[int]:
+    """The units whose masters and states are read into host memory during backward
+    for their steps in the next forward (optim.step_ahead): the first
+    ``READ_AHEAD_UNITS`` that forward uses among those stepped there, when every disk
+    unit is (no overlap_step, or a clip that bites: see ``clip_bites_s``); fp32 states
+    only."""
+    if trace.step_overlap or trace.step_overlap_memory:
+        return []
+    units = trace.units
+    found = [
+        k
+        for k in _forward_order(units)
+        if _steps_in_forward(trace, units[k], choices[k]) and not units[k].compact_states
+    ]
+    return found[:READ_AHEAD_UNITS]
+
+
+def read_ahead_bytes(trace: Trace, choices: list[UnitChoice]) -> int:
+    """Host bytes read ahead during backward after a clip that bites (``_read_ahead``),
+    at most: beside the host peak, only where the host has room."""
+    bitten = replace(trace, step_overlap=False, step_overlap_memory=False)
+    return sum(
+        _paged(_master_bytes(trace.units[k], choices[k]))
+        + _paged(trace.units[k].state_bytes, trace.units[k].state_arrays)
+        for k in _read_ahead(bitten, choices)
+    )
+
+
 def _steps_in_forward(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
     """``step_in_forward`` finishes this unit's step during the next forward: a disk
     unit's step that backward did not take (all of them without ``overlap_step``, the
@@ -460,12 +500,16 @@ def _hidden_behind_forward(trace: Trace, choices, steps: list[float]) -> float:
             arithmetic += _host_step_s(u, m)
     if not any(left):
         return 0.0
-    order = [k for k, u in enumerate(units) if u.is_root]  # fetched first
-    order += [k for k, u in enumerate(units) if not u.is_root]
+    order = _forward_order(units)
+    work = list(left)
+    for k in _read_ahead(trace, choices):  # their reads hidden behind backward's idle disk
+        u, c = units[k], choices[k]
+        read = (_master_bytes(u, c) + u.state_bytes) / m.disk_read
+        work[k] = max(_host_step_s(u, m), left[k] - read)
     clock = worker = waited = 0.0
     for k in order:
-        if left[k]:
-            worker += left[k]  # the worker starts when optimizer.step() returns
+        if work[k]:
+            worker += work[k]  # the worker starts when optimizer.step() returns
             waited += max(0.0, worker - clock)
             clock = max(clock, worker)
         clock += _compute_s(units[k], trace) - _backward_s(units[k], trace)
@@ -600,6 +644,7 @@ def estimate(
         host_lent=lent_master_bytes(trace, choices),
         disk_shadows=0 if overlap is False else _more_disk_shadows(trace, choices),
         clip_bites_s=None if overlap is False else _when_a_clip_bites(trace, choices, depth),
+        host_read_ahead=read_ahead_bytes(trace, choices) if trace.step_in_forward else 0,
     )
 
 

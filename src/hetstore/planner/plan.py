@@ -199,6 +199,12 @@ class Plan:
                     f"step {after * 1e3:.1f} ms; with step_in_forward=True they finish "
                     f"during the next forward: {in_forward * 1e3:.1f} ms"
                 )
+        if e.host_read_ahead:
+            lines.append(
+                "when every step runs during the next forward, the first units' masters and "
+                f"states are read during backward: up to {format_size(e.host_read_ahead)} of "
+                "host memory beside the peak above, where the host has room"
+            )
         if e.host_shadows:
             lines.append(
                 f"their host shadows take up to {format_size(e.host_shadows)} beside the "
