@@ -385,6 +385,27 @@ def test_what_was_read_ahead_gives_way_to_a_host_allocation_and_to_a_rewrite(tmp
     assert_same_optimizer_state(a_opt, b_opt)
 
 
+def test_steps_finish_during_the_loops_own_work_between_step_and_forward(tmp_path):
+    """Between optimizer.step() and the next forward a loop loads data and logs: the
+    steps run on meanwhile, all of them, not only those that found a parameter buffer
+    free (those wait for one only once forward runs and gives them back)."""
+    import time
+
+    data = batches(2, vocab=64)
+    model, opt = offloaded(tmp_path, "on", "disk", True)
+    x, y = data[0]
+    model(x, y).backward()
+    opt.step()
+    pending = list(opt.step_ahead._in_forward.values())
+    assert len(pending) == units_of(model)
+    deadline = time.monotonic() + 30
+    while not all(r.future.done() for r in pending) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(r.future.done() for r in pending)
+    opt.zero_grad()
+    model(*data[1])  # lands them
+
+
 EXITS_AFTER_A_LAST_STEP = """
 import sys, time
 import torch, hetstore

@@ -283,12 +283,13 @@ class StepAhead:
         # condition, until one is lent or a caller waits for the worker (``_waiting``)
         self._claims = threading.Condition()
         self._waiting = 0
+        self._forward_running = False  # a fetch gave a buffer back since the last defer
         self._fetches_from_disk = False  # (set by defer; see _buffers_to_keep)
         self._read_ahead: dict[int, _ReadAhead] = {}  # unit id -> read during backward
         self._param_stagers = [s for s in self._stagers if isinstance(s, ParamStager)]
         if in_forward:
             for stager in self._param_stagers:
-                stager.on_give_back = self._lend_params
+                stager.on_give_back = self._fetch_gave_back
                 stager.reclaim_lent = self._reclaim_lent_params
 
     # ------------------------------------------------------------------ runtime events
@@ -726,6 +727,8 @@ class StepAhead:
         now)."""
         if not self.in_forward:
             return
+        with self._claims:
+            self._forward_running = False
         used = self.use_order() if self.use_order else []
         order = {id(u): i for i, u in enumerate(used)}
         candidates = [s for s in unit_steps if self._can_defer(s)]
@@ -794,15 +797,17 @@ class StepAhead:
         """The worker: ``record``'s step, leaving the new parameters in the staging buffer
         lent to it, if one was by the time it starts."""
         with self._claims:
-            # wait for a buffer to be lent (forward gives one back as it takes the unit
-            # before's) rather than go on without: the unit's fetch would then read its
-            # parameters from disk, beside this worker's reads. Not when the caller
-            # waits for the worker: nothing would be given back until it is done. Nor
-            # once the program is exiting (a last step with no forward after it: the
-            # interpreter joins this thread).
+            # once forward runs, wait for a buffer to be lent (forward gives one back as
+            # it takes the unit before's) rather than go on without: the unit's fetch
+            # would then read its parameters from disk, beside this worker's reads.
+            # Before forward runs (the loop's data loading, logging) go on: the steps
+            # are best done by then. Not while the caller waits for the worker either
+            # (nothing would be given back until it is done), nor once the program is
+            # exiting (the interpreter joins this thread).
             while (
                 record.params is None
                 and record.wants_params
+                and self._forward_running
                 and not self._waiting
                 and not _EXITING.is_set()
             ):
@@ -929,6 +934,12 @@ class StepAhead:
         finally:
             with self._claims:
                 self._waiting -= 1
+
+    def _fetch_gave_back(self) -> None:
+        """A fetch gave its parameter buffer back: forward runs; lend it on."""
+        with self._claims:
+            self._forward_running = True
+        self._lend_params()
 
     def _lend_params(self) -> None:
         """A parameter staging buffer came free: lend it to the first step in the next
