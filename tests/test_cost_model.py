@@ -412,15 +412,29 @@ def test_a_step_in_the_next_forward_saves_that_forwards_parameter_reads():
     )
 
 
-def test_the_plan_predicts_a_clip_that_bites_and_what_step_in_forward_saves_then():
+def test_the_plan_predicts_a_clip_that_bites_and_what_step_in_forward_saves_then(
+    monkeypatch,
+):
     """A clip that bites rolls back every step taken in backward: the estimate gives the
     step time then, with the disk units' steps after backward (as overlap_step=False
-    predicts it) and with step_in_forward (as a trace without overlap_step but with it
-    predicts it), and the plan says so. Nothing when no unit is stepped on disk."""
+    predicts it, less the first units' reads, read ahead during backward) and with
+    step_in_forward (as a trace without overlap_step but with it predicts it), and the
+    plan says so. Nothing when no unit is stepped on disk."""
+    from hetstore.planner import cost
+
     choices = [ON_DISK] * 5
     trace = disk_trace(forward_s=0.05)
     after, in_forward = estimate(trace, choices, 1).clip_bites_s
-    assert after == pytest.approx(estimate(trace, choices, 1, overlap=False).step_s)
+    serial = estimate(trace, choices, 1, overlap=False).step_s
+    first = trace.units[:4]  # optimizer.step()'s order: the units'
+    reads = sum((u.master_bytes + u.state_bytes) / GPU.disk_read for u in first)
+    assert after == pytest.approx(serial - reads)
+    assert estimate(trace, choices, 1).host_read_ahead == sum(
+        u.master_bytes + u.state_bytes for u in first
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr(cost, "READ_AHEAD_UNITS", 0)
+        assert estimate(trace, choices, 1).clip_bites_s[0] == pytest.approx(serial)
     forward_only = replace(trace, step_overlap=False, step_in_forward=True)
     assert in_forward == pytest.approx(estimate(forward_only, choices, 1).step_s)
     assert in_forward < after
@@ -463,4 +477,5 @@ def test_the_first_units_read_ahead_during_backward_shorten_a_disk_bound_forward
     assert with_ahead.host_read_ahead == sum(u.master_bytes + u.state_bytes for u in first)
     text = Plan.build(trace, choices, 1, Capacities(None, None, None), "manual").table()
     assert "read during backward" in text
-    assert estimate(replace(trace, step_in_forward=False), choices, 1).host_read_ahead == 0
+    overlap_off = replace(trace, step_in_forward=False)  # no step ahead: nothing reads ahead
+    assert estimate(overlap_off, choices, 1).host_read_ahead == 0

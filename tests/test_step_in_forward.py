@@ -281,11 +281,13 @@ def test_a_unit_without_a_step_pending_finds_a_staging_buffer_without_waiting(
     assert not reclaims
 
 
-def _train_reading_ahead(tmp_path, name: str, data, *, units: int, clip=None, overlap=False):
+def _train_reading_ahead(
+    tmp_path, name: str, data, *, units: int, clip=None, overlap=False, in_forward=True
+):
     """Train with at most ``units`` units read ahead; the losses, and per step the disk
     bytes read in backward and in the next forward (with optimizer.step())."""
     model, opt = fresh()
-    cfg = config(tmp_path / name, overlap, "disk", step_in_forward=True)
+    cfg = config(tmp_path / name, overlap, "disk", step_in_forward=in_forward)
     model, opt = hetstore.offload(model, opt, cfg)
     disk = hetstore.state_of(model).runtime.units[0].tiers.disk
     ahead = opt.step_ahead
@@ -313,27 +315,33 @@ def _train_reading_ahead(tmp_path, name: str, data, *, units: int, clip=None, ov
     return model, opt, losses, in_backward, in_forward
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["alone", "after-a-clip-that-bit"])
-def test_the_first_units_states_are_read_during_backward_for_their_step_in_forward(
-    tmp_path, overlap
+@pytest.mark.parametrize(
+    "overlap, in_forward",
+    [(False, True), (True, True), (True, False)],
+    ids=["in-forward-alone", "in-forward-after-a-clip-that-bit", "in-step-after-a-clip-that-bit"],
+)
+def test_the_first_units_states_are_read_during_backward_for_their_step(
+    tmp_path, overlap, in_forward
 ):
-    """Every step will run in the next forward (no overlap_step, or after a clip that
-    bit): backward reads the first units' masters and states into host memory, and
-    their steps read them there. The same losses, weights and states bit for bit as
-    without; the next forward reads exactly those bytes less, backward as much more."""
+    """No step will be taken in backward (a clip bit, or step_in_forward without
+    overlap_step): backward reads the first units' masters and states into host memory,
+    and their steps, in the next forward or in optimizer.step(), read them there. The
+    same losses, weights and states bit for bit as without; the step and the next
+    forward read exactly those bytes less, backward as much more."""
     data = batches(4, vocab=64)
     clip = 0.05 if overlap else None
     on, on_opt, on_losses, on_bwd, on_fwd = _train_reading_ahead(
-        tmp_path, "on", data, units=2, clip=clip, overlap=overlap
+        tmp_path, "on", data, units=2, clip=clip, overlap=overlap, in_forward=in_forward
     )
     off, off_opt, off_losses, off_bwd, off_fwd = _train_reading_ahead(
-        tmp_path, "off", data, units=0, clip=clip, overlap=overlap
+        tmp_path, "off", data, units=0, clip=clip, overlap=overlap, in_forward=in_forward
     )
     assert on_losses == off_losses
     assert_bitwise(on, off)
     assert_same_optimizer_state(on_opt, off_opt)
     runtime = hetstore.state_of(on).runtime
-    first = [u for u in runtime.use_order() if u.trainable_numel][:2]
+    order = runtime.use_order() if in_forward else [s.unit for s in on_opt._unit_steps]
+    first = [u for u in order if u.trainable_numel][:2]
     per_step = sum(
         u.master.nbytes + sum(a.nbytes for a in on_opt.step_ahead._steps[id(u)].states.values())
         for u in first

@@ -544,11 +544,13 @@ class OffloadedOptimizer(Optimizer):
             if not unit.grads.any():
                 continue  # like torch: parameters without a gradient are not stepped
             self._warn_missing(unit)
+            # (taken while the unit's versions are still those it was read at)
+            ahead = None if self.step_ahead is None else self.step_ahead.take_read_ahead(unit)
             # an in-memory master that is also the home changes in place: the values
             # forward sees move from here, even if the step then fails
             unit.param_version += 1
             if isinstance(unit_step, UnitStates):
-                unit_step.step(self._factors_for(unit))
+                self._step_streamed(unit_step, ahead)
                 continue
             unit.grads.fill_missing()
             for inner, outer in zip(
@@ -559,10 +561,24 @@ class OffloadedOptimizer(Optimizer):
             unit_step.optimizer.step()
             unit.refresh_after_step()
         self._resume_at = 0
+        if self.step_ahead is not None:
+            self.step_ahead.drop_read_ahead()
         self._forget_this_step()
         if self._on_step is not None:
             self._on_step()
         return None
+
+    def _step_streamed(self, unit_step: UnitStates, ahead) -> None:
+        """The unit's chunked step; from its master and states read into host memory
+        during backward, ``ahead``, where they were (a clip that bit: ``StepAhead``)."""
+        unit = unit_step.unit
+        if ahead is None:
+            unit_step.step(self._factors_for(unit))
+            return
+        try:
+            unit_step.step(self._factors_for(unit), read_ahead=ahead.arrays)
+        finally:
+            self.step_ahead.give_back_read_ahead(ahead)
 
     def _factors_for(self, unit: Unit) -> list:
         """What the step multiplies ``unit``'s gradients by as it reads them: the clip's

@@ -828,25 +828,30 @@ class StepAhead:
         record.filled = out is not None
 
     # ------------------------------------------------------------------ read ahead
-    # After a clip that bit (or without overlap_step) every disk unit's step runs during
-    # the next forward, in its order, and that forward waits for each: the first units'
-    # reads of master and states are on its critical path, while the backward before
-    # leaves the disk mostly idle. So at the start of that backward the worker reads the
-    # first READ_AHEAD_UNITS units' masters and states into host memory, where the host
-    # tier has room beside what backward will still allocate (memory held only to save
-    # time: a host allocation that finds no room drops them first).
+    # After a clip that bit (or with step_in_forward and without overlap_step) no disk
+    # unit is stepped during backward: every step runs after it, in optimizer.step(), or
+    # during the next forward, which waits for each. Either way the first units' reads
+    # of master and states are on the critical path, while backward leaves the disk
+    # mostly idle. So at the start of that backward the worker reads the first
+    # READ_AHEAD_UNITS units' masters and states (in the order they will be stepped)
+    # into host memory, where the host tier has room beside what backward will still
+    # allocate (memory held only to save time: a host allocation that finds no room
+    # drops them first).
     def _start_read_ahead(self) -> None:
         if (
-            not self.in_forward
-            or self.consume
+            self.consume
             or self.suspended
             or self.backwards < self.expected  # not the last micro-batch's backward
             or (self.speculate and not self.hold_back)  # steps taken in backward instead
-            or self.use_order is None
+            or (self.in_forward and self.use_order is None)
         ):
             return
+        if self.in_forward:
+            order = self.use_order()
+        else:  # optimizer.step()'s order
+            order = [s.unit for s in self._steps.values()]
         with self._own_allocations():
-            for unit in self.use_order():
+            for unit in order:
                 if len(self._read_ahead) >= READ_AHEAD_UNITS:
                     return
                 unit_step = self._steps.get(id(unit))
@@ -879,6 +884,19 @@ class StepAhead:
         record.future = self._pool().submit(_read_into, dict(arrays), record.arrays)
         self._read_ahead[id(unit)] = record
         return True
+
+    def take_read_ahead(self, unit: Unit) -> _ReadAhead | None:
+        """``optimizer.step()``'s own step of ``unit``: what was read ahead for it (its
+        ``arrays`` for ``StreamedUnitStep.step(read_ahead=)``); hand it back with
+        :meth:`give_back_read_ahead` once that step is done."""
+        return self._take_read_ahead(unit)
+
+    def give_back_read_ahead(self, record: _ReadAhead) -> None:
+        self._free_read_ahead(record)
+
+    def drop_read_ahead(self) -> None:
+        """The end of ``optimizer.step()``: what no step used goes."""
+        self._drop_read_ahead()
 
     def _take_read_ahead(self, unit: Unit) -> _ReadAhead | None:
         """What was read ahead for ``unit``, if it is still its master and states (and

@@ -292,11 +292,13 @@ class StreamedUnitStep(UnitStates):
         *,
         hyper: dict | None = None,
         has_grad: tuple[bool, ...] | None = None,
+        read_ahead: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Step every segment of the unit; all-or-nothing (see module doc). ``hyper`` and
         ``has_grad``: the group values and gradient flags taken when the step was called
         (a step finished in the next forward that failed on the worker runs again here,
-        after ``zero_grad`` or a scheduler may have changed the live ones)."""
+        after ``zero_grad`` or a scheduler may have changed the live ones).
+        ``read_ahead``: see :meth:`run_in_forward`."""
         unit = self.unit
         grad_on_disk = isinstance(unit.grad, DiskArray)
         if unit.grad_stager is not None:
@@ -312,7 +314,9 @@ class StreamedUnitStep(UnitStates):
             rewrite.discard()
             raise
         try:
-            read, fill = self._pipeline(grad_multipliers, hyper, rewrite, has_grad=has_grad)
+            read, fill = self._pipeline(
+                grad_multipliers, hyper, rewrite, has_grad=has_grad, read_ahead=read_ahead
+            )
             rewrite.run(self._chunks, sets, fill, read)
         finally:
             for buffer in buffers:

@@ -447,31 +447,41 @@ def _forward_order(units) -> list[int]:
     ]
 
 
-def _read_ahead(trace: Trace, choices: list[UnitChoice]) -> list[int]:
+def _read_ahead(trace: Trace, choices: list[UnitChoice], bitten: bool = False) -> list[int]:
     """The units whose masters and states are read into host memory during backward
-    for their steps in the next forward (optim.step_ahead): the first
-    ``READ_AHEAD_UNITS`` that forward uses among those stepped there, when every disk
-    unit is (no overlap_step, or a clip that bites: see ``clip_bites_s``); fp32 states
-    only."""
-    if trace.step_overlap or trace.step_overlap_memory:
+    for their steps (optim.step_ahead) when no step is taken in backward: a clip that
+    bites (``bitten``: see ``clip_bites_s``), or ``step_in_forward`` without
+    ``overlap_step``. The first ``READ_AHEAD_UNITS`` stepped ahead, in the order they
+    are stepped (the next forward's with ``step_in_forward``, else the units'); fp32
+    states only."""
+    if not bitten and (
+        trace.step_overlap or trace.step_overlap_memory or not trace.step_in_forward
+    ):
         return []
     units = trace.units
+    order = _forward_order(units) if trace.step_in_forward else range(len(units))
     found = [
         k
-        for k in _forward_order(units)
-        if _steps_in_forward(trace, units[k], choices[k]) and not units[k].compact_states
+        for k in order
+        if _stepped_ahead(units[k], choices[k])
+        and units[k].trainable_numel > 0
+        and not units[k].compact_states
     ]
     return found[:READ_AHEAD_UNITS]
+
+
+def _read_ahead_s(u: UnitTrace, c: UnitChoice, m: MachineRates) -> float:
+    """The disk seconds of the master and states a read ahead takes off a step."""
+    return (_master_bytes(u, c) + u.state_bytes) / m.disk_read
 
 
 def read_ahead_bytes(trace: Trace, choices: list[UnitChoice]) -> int:
     """Host bytes read ahead during backward after a clip that bites (``_read_ahead``),
     at most: beside the host peak, only where the host has room."""
-    bitten = replace(trace, step_overlap=False, step_overlap_memory=False)
     return sum(
         _paged(_master_bytes(trace.units[k], choices[k]))
         + _paged(trace.units[k].state_bytes, trace.units[k].state_arrays)
-        for k in _read_ahead(bitten, choices)
+        for k in _read_ahead(trace, choices, bitten=True)
     )
 
 
@@ -504,8 +514,7 @@ def _hidden_behind_forward(trace: Trace, choices, steps: list[float]) -> float:
     work = list(left)
     for k in _read_ahead(trace, choices):  # their reads hidden behind backward's idle disk
         u, c = units[k], choices[k]
-        read = (_master_bytes(u, c) + u.state_bytes) / m.disk_read
-        work[k] = max(_host_step_s(u, m), left[k] - read)
+        work[k] = max(_host_step_s(u, m), left[k] - _read_ahead_s(u, c, m))
     clock = worker = waited = 0.0
     for k in order:
         if work[k]:
@@ -520,11 +529,16 @@ def _hidden_behind_forward(trace: Trace, choices, steps: list[float]) -> float:
 
 
 def times(
-    trace: Trace, choices: list[UnitChoice], depth: int, overlap: bool | None = None
+    trace: Trace,
+    choices: list[UnitChoice],
+    depth: int,
+    overlap: bool | None = None,
+    bitten: bool = False,
 ) -> tuple[float, ...]:
     """(compute, stall, exposed, optimizer left after backward, optimizer hidden behind
     it) seconds of ``choices`` (see module doc); ``overlap`` (``overlap_step``) defaults
-    to the trace's."""
+    to the trace's. ``bitten``: a clip bites, and the steps left in ``optimizer.step()``
+    read the first units' states read ahead during backward."""
     if overlap is None:
         overlap = (
             trace.step_overlap
@@ -602,6 +616,10 @@ def times(
             if c.param == Tier.DEVICE:
                 steps[-1] += u.param_bytes / m.to_device
     exposed = max(0.0, overlappable - compute) + (fill / depth if depth else 0.0)
+    if bitten and not trace.step_in_forward:  # (in forward: _hidden_behind_forward)
+        for k in _read_ahead(trace, choices, bitten=True):
+            u, c = trace.units[k], choices[k]
+            steps[k] = max(_host_step_s(u, m), steps[k] - _read_ahead_s(u, c, m))
     hidden = 0.0
     if overlap:
         hidden = _hidden_behind_backward(trace, choices, steps)
@@ -644,7 +662,26 @@ def estimate(
         host_lent=lent_master_bytes(trace, choices),
         disk_shadows=0 if overlap is False else _more_disk_shadows(trace, choices),
         clip_bites_s=None if overlap is False else _when_a_clip_bites(trace, choices, depth),
-        host_read_ahead=read_ahead_bytes(trace, choices) if trace.step_in_forward else 0,
+        host_read_ahead=0 if overlap is False else _read_ahead_bytes_if_any(trace, choices),
+    )
+
+
+def _read_ahead_bytes_if_any(trace: Trace, choices: list[UnitChoice]) -> int:
+    """``read_ahead_bytes`` where the runtime has a step ahead to read them (a unit is
+    stepped ahead on disk, not inside backward)."""
+    if _when_a_clip_bites_applies(trace, choices):
+        return read_ahead_bytes(trace, choices)
+    return 0
+
+
+def _when_a_clip_bites_applies(trace: Trace, choices: list[UnitChoice]) -> bool:
+    """Units are stepped ahead on disk (by ``overlap_step`` or ``step_in_forward``), not
+    inside backward (``step_in_backward`` refuses a clip)."""
+    pairs = zip(trace.units, choices, strict=True)
+    return (
+        not trace.step_in_backward
+        and (trace.step_overlap or trace.step_in_forward)
+        and any(_stepped_ahead(u, c) and u.trainable_numel for u, c in pairs)
     )
 
 
@@ -653,15 +690,14 @@ def _when_a_clip_bites(
 ) -> tuple[float, float] | None:
     """See ``Estimate.clip_bites_s``: nothing is hidden behind backward; what is left
     runs after it, or with ``step_in_forward`` beside the next forward."""
-    pairs = zip(trace.units, choices, strict=True)
-    if trace.step_in_backward or not any(
-        _stepped_ahead(u, c) and u.trainable_numel for u, c in pairs
-    ):
+    if not _when_a_clip_bites_applies(trace, choices):
         return None
     bitten = replace(trace, step_overlap=False, step_overlap_memory=False)
 
     def step_s(t: Trace) -> float:
-        compute, stall, exposed, optimizer, _ = times(t, choices, depth, t.step_in_forward)
+        compute, stall, exposed, optimizer, _ = times(
+            t, choices, depth, t.step_in_forward, bitten=True
+        )
         return compute + stall + exposed + optimizer + t.overhead_s
 
     return step_s(bitten), step_s(replace(bitten, step_in_forward=True))
