@@ -359,6 +359,45 @@ def test_the_first_units_states_are_read_during_backward_for_their_step(
     assert not on_opt.step_ahead._read_ahead  # each step freed what it read ahead
 
 
+def test_a_step_after_a_clip_leaves_no_read_ahead_and_no_worker_behind(tmp_path):
+    """optimizer.step() without step_in_forward, after a clip that bit: it used what
+    backward read ahead, and freed the rest; the worker thread, which holds the model,
+    goes with them (a model dropped between steps leaves nothing running)."""
+    data = batches(3, vocab=64)
+    model, opt = fresh()
+    model, opt = hetstore.offload(model, opt, config(tmp_path, True, "disk"))
+    for x, y in data:
+        model(x, y).backward()
+        opt.clip_grad_norm_(0.05)
+        opt.step()
+        assert not opt.step_ahead._read_ahead
+        assert opt.step_ahead._executor is None  # (before zero_grad, which stops it too)
+        opt.zero_grad()
+    assert opt.speculation_stats["read_ahead"] > 0
+
+
+def test_nothing_is_read_ahead_where_the_steps_chunk_buffers_would_not_fit_beside_it(
+    tmp_path, monkeypatch
+):
+    """A read-ahead in use cannot give way to the chunk buffers its step then makes, so
+    none is made unless the host keeps room for those too: with a host tier that has
+    room for the read-ahead but not for both, nothing is read ahead, and the steps
+    (which then find their buffers) train as before."""
+    data = batches(3, vocab=64)
+    model, opt = fresh()
+    cfg = config(tmp_path, True, "disk", offload_cpu_size=2**30)
+    model, opt = hetstore.offload(model, opt, cfg)
+    # chunk buffers as large as the host's whole capacity: no room beside them
+    monkeypatch.setattr(step_ahead.StepAhead, "_slot_bytes", lambda self: 2**30)
+    for x, y in data:
+        model(x, y).backward()
+        opt.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+    assert opt.speculation_stats["read_ahead"] == 0
+    assert opt.speculation_stats["held_back"] > 0  # (a read-ahead would have been tried)
+
+
 def test_what_was_read_ahead_gives_way_to_a_host_allocation_and_to_a_rewrite(tmp_path):
     """Memory read ahead only saves time: a host allocation that finds no room frees
     it (the step then reads the disk), and so does a rewrite of the unit's master

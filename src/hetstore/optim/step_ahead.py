@@ -868,7 +868,9 @@ class StepAhead:
         if not unit_step._states_absent:
             arrays.update(unit_step.states)
         need = sum(round_up(a.numel * a.dtype.itemsize, PAGE_SIZE) for a in arrays.values())
-        if not self._host.account.would_fit(need + self._staging_to_come()):
+        # beside it, the chunk buffers the step that reads it will make (the worker's, or
+        # optimizer.step()'s own): a read ahead in use cannot give way to them
+        if not self._host.account.would_fit(need + self._slot_bytes() + self._staging_to_come()):
             return False
         record = _ReadAhead(unit_step, {}, [], _versions(unit))
         try:
@@ -895,16 +897,20 @@ class StepAhead:
         self._free_read_ahead(record)
 
     def drop_read_ahead(self) -> None:
-        """The end of ``optimizer.step()``: what no step used goes."""
+        """The end of ``optimizer.step()``: what no step used goes (and the worker, if
+        nothing is left for it)."""
         self._drop_read_ahead()
+        self._stop_worker_if_idle()
 
     def _take_read_ahead(self, unit: Unit) -> _ReadAhead | None:
         """What was read ahead for ``unit``, if it is still its master and states (and
         the worker read it without error)."""
-        record = self._read_ahead.pop(id(unit), None)
+        record = self._read_ahead.get(id(unit))
         if record is None:
             return None
-        if not self._wait_worker(record) or record.versions != _versions(unit):
+        ok = self._wait_worker(record)
+        del self._read_ahead[id(unit)]  # (after the wait: interrupted, it is still held)
+        if not ok or record.versions != _versions(unit):
             self._free_read_ahead(record)
             return None
         self.stats.read_ahead += 1
@@ -914,8 +920,10 @@ class StepAhead:
         """Free what was read ahead (for ``unit`` only, or for every unit)."""
         keys = list(self._read_ahead) if unit is None else [id(unit)]
         for key in keys:
-            record = self._read_ahead.pop(key, None)
+            record = self._read_ahead.get(key)
             if record is not None:
+                self._wait_worker(record)  # (before it leaves: interrupted, it is still held)
+                del self._read_ahead[key]
                 self._free_read_ahead(record)
 
     def _free_read_ahead(self, record: _ReadAhead) -> None:
@@ -1044,6 +1052,8 @@ class StepAhead:
         record = self._in_forward.get(id(unit))
         if record is None:
             return
+        with self._claims:  # a unit is used: forward runs (on CUDA a fetch gives its
+            self._forward_running = True  # buffer back only once its upload is done)
         self._lend_params()  # to the units after it, before the worker reaches them
         unit_step = record.unit_step
         self._arm(unit_step, False)  # this thread's own reads and rewrites below go through
@@ -1162,15 +1172,8 @@ class StepAhead:
         None when the host tier has no room for them beside what backward still needs."""
         if self._slots is not None:
             return self._slots
-        names: dict[str, torch.dtype] = {}
-        for unit_step in self._streamed:
-            names.update(unit_step.slot_names())
-        numel = max(s.longest_chunk for s in self._streamed)
-        # one set per chunk in flight: a unit of one chunk steps from one set (the
-        # planner counts the same, footprints.streamed_step_bytes)
-        sets = max(s.slot_sets for s in self._streamed)
-        need = sets * sum(round_up(numel * dtype.itemsize, PAGE_SIZE) for dtype in names.values())
-        if not self._host.account.would_fit(need + self._staging_to_come()):
+        sets, names, numel = self._slot_shape()
+        if not self._host.account.would_fit(self._slot_bytes() + self._staging_to_come()):
             # the rest of backward must still find its staging buffers: never take
             # host memory it will need (its stagers make theirs on first use)
             return None
@@ -1181,6 +1184,22 @@ class StepAhead:
         except OutOfTierMemory:  # the pool could not grow (fragmentation): not now
             return None
         return self._slots
+
+    def _slot_shape(self) -> tuple[int, dict[str, torch.dtype], int]:
+        """The worker's chunk buffers: (sets, buffer names and dtypes, elements each)."""
+        names: dict[str, torch.dtype] = {}
+        for unit_step in self._streamed:
+            names.update(unit_step.slot_names())
+        numel = max(s.longest_chunk for s in self._streamed)
+        # one set per chunk in flight: a unit of one chunk steps from one set (the
+        # planner counts the same, footprints.streamed_step_bytes)
+        sets = max(s.slot_sets for s in self._streamed)
+        return sets, names, numel
+
+    def _slot_bytes(self) -> int:
+        """Host bytes of the worker's chunk buffers (as much as any streamed step's)."""
+        sets, names, numel = self._slot_shape()
+        return sets * sum(round_up(numel * d.itemsize, PAGE_SIZE) for d in names.values())
 
     def _staging_to_come(self) -> int:
         """Host bytes the parameter and gradient stagers have not made yet."""
