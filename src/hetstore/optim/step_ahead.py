@@ -65,6 +65,7 @@ on the caller's thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -277,9 +278,7 @@ class StepAhead:
             for stager in self._stagers:
                 if isinstance(stager, GradStager):
                     stager.reclaim = self._reclaim_oldest
-        # step_in_forward: a record's lent parameter buffer is handed over under this
-        # lock, the worker taking it when it starts the unit (_run_in_forward)
-        # a step in the next forward waits for a buffer for its parameters under this
+        # step_in_forward: a step in the next forward waits for a buffer for its parameters under this
         # condition, until one is lent or a caller waits for the worker (``_waiting``)
         self._claims = threading.Condition()
         self._waiting = 0
@@ -782,11 +781,11 @@ class StepAhead:
             record.wants_params = _stages_params(unit)
             if record.wants_params and unit.param_stager.spare > self._buffers_to_keep():
                 record.params = unit.param_stager.lend()
-            record.read_ahead = self._take_read_ahead(unit)
+            record.read_ahead = self.take_read_ahead(unit)
             record.future = self._pool().submit(self._run_in_forward, record, slots)
         except BaseException:
             rewrite.discard()
-            self._return_params(record)
+            self._give_back_borrowed(record)
             raise
         self._in_forward[id(unit)] = record
         self._arm(unit_step, True)
@@ -881,20 +880,11 @@ class StepAhead:
                 record.buffers.append(buffer)
                 record.arrays[key] = buffer.tensor[: array.numel]
         except OutOfTierMemory:  # the pool could not grow (fragmentation): not now
-            self._free_read_ahead(record)
+            self.give_back_read_ahead(record)
             return False
         record.future = self._pool().submit(_read_into, dict(arrays), record.arrays)
         self._read_ahead[id(unit)] = record
         return True
-
-    def take_read_ahead(self, unit: Unit) -> _ReadAhead | None:
-        """``optimizer.step()``'s own step of ``unit``: what was read ahead for it (its
-        ``arrays`` for ``StreamedUnitStep.step(read_ahead=)``); hand it back with
-        :meth:`give_back_read_ahead` once that step is done."""
-        return self._take_read_ahead(unit)
-
-    def give_back_read_ahead(self, record: _ReadAhead) -> None:
-        self._free_read_ahead(record)
 
     def drop_read_ahead(self) -> None:
         """The end of ``optimizer.step()``: what no step used goes (and the worker, if
@@ -902,16 +892,18 @@ class StepAhead:
         self._drop_read_ahead()
         self._stop_worker_if_idle()
 
-    def _take_read_ahead(self, unit: Unit) -> _ReadAhead | None:
+    def take_read_ahead(self, unit: Unit) -> _ReadAhead | None:
         """What was read ahead for ``unit``, if it is still its master and states (and
-        the worker read it without error)."""
+        the worker read it without error): its ``arrays`` for the step's
+        ``read_ahead=``. Hand it back with :meth:`give_back_read_ahead` once that step
+        is done."""
         record = self._read_ahead.get(id(unit))
         if record is None:
             return None
         ok = self._wait_worker(record)
         del self._read_ahead[id(unit)]  # (after the wait: interrupted, it is still held)
         if not ok or record.versions != _versions(unit):
-            self._free_read_ahead(record)
+            self.give_back_read_ahead(record)
             return None
         self.stats.read_ahead += 1
         return record
@@ -924,9 +916,9 @@ class StepAhead:
             if record is not None:
                 self._wait_worker(record)  # (before it leaves: interrupted, it is still held)
                 del self._read_ahead[key]
-                self._free_read_ahead(record)
+                self.give_back_read_ahead(record)
 
-    def _free_read_ahead(self, record: _ReadAhead) -> None:
+    def give_back_read_ahead(self, record: _ReadAhead) -> None:
         if record.future is not None:
             self._wait_worker(record)  # never free a buffer the worker reads into
         for buffer in record.buffers:
@@ -944,7 +936,7 @@ class StepAhead:
         for record in self._in_forward.values():
             if record is before:
                 break
-            if record.params is None and _stages_params(record.unit_step.unit):
+            if record.params is None and record.wants_params:
                 return 1
         return 0
 
@@ -972,10 +964,9 @@ class StepAhead:
         forward the worker has not started and that has none (the worker runs them in
         the order forward uses the units, so this is the next unit forward needs)."""
         for record in self._in_forward.values():
-            unit = record.unit_step.unit
-            if record.claimed or record.params is not None or not _stages_params(unit):
+            if record.claimed or record.params is not None or not record.wants_params:
                 continue
-            stager = unit.param_stager
+            stager = record.unit_step.unit.param_stager
             if stager.spare <= self._buffers_to_keep(before=record):
                 return
             slot = stager.lend()
@@ -1000,13 +991,13 @@ class StepAhead:
                 return True
         return False
 
-    def _return_params(self, record: _InForward, committed: bool = False) -> None:
-        """Give ``record``'s lent parameter buffer back once the worker is done with it:
-        staged for the unit's fetch when ``committed`` and filled, else unused; and free
-        what was read ahead for it."""
+    def _give_back_borrowed(self, record: _InForward, committed: bool = False) -> None:
+        """Give back what ``record`` borrowed, once the worker is done with it: what was
+        read ahead for it, and its lent parameter buffer (staged for the unit's fetch
+        when ``committed`` and filled, else unused)."""
         read_ahead, record.read_ahead = record.read_ahead, None
         if read_ahead is not None:
-            self._free_read_ahead(read_ahead)
+            self.give_back_read_ahead(read_ahead)
         slot, record.params = record.params, None
         if slot is None:
             return
@@ -1061,9 +1052,9 @@ class StepAhead:
             if self._wait_worker(record) and record.shadows is not None:
                 unit_step.commit_speculation(record.shadows)
                 record.shadows = None
-                self._return_params(record, committed=True)
+                self._give_back_borrowed(record, committed=True)
             else:  # failed on the worker (or here before): again, the ordinary way
-                self._return_params(record)
+                self._give_back_borrowed(record)
                 if record.shadows is not None:
                     record.shadows.discard()
                     record.shadows = None
@@ -1086,7 +1077,7 @@ class StepAhead:
         del self._in_forward[key]  # (after the wait: interrupted, it is still recorded)
         if record.shadows is not None:
             record.shadows.discard()
-        self._return_params(record)
+        self._give_back_borrowed(record)
         self._arm(record.unit_step, False)
 
     # ------------------------------------------------------------------ internals
@@ -1172,7 +1163,7 @@ class StepAhead:
         None when the host tier has no room for them beside what backward still needs."""
         if self._slots is not None:
             return self._slots
-        sets, names, numel = self._slot_shape()
+        sets, names, numel = self._slot_shape
         if not self._host.account.would_fit(self._slot_bytes() + self._staging_to_come()):
             # the rest of backward must still find its staging buffers: never take
             # host memory it will need (its stagers make theirs on first use)
@@ -1185,8 +1176,10 @@ class StepAhead:
             return None
         return self._slots
 
+    @functools.cached_property
     def _slot_shape(self) -> tuple[int, dict[str, torch.dtype], int]:
-        """The worker's chunk buffers: (sets, buffer names and dtypes, elements each)."""
+        """The worker's chunk buffers: (sets, buffer names and dtypes, elements each);
+        the unit steps are fixed for the step ahead's life."""
         names: dict[str, torch.dtype] = {}
         for unit_step in self._streamed:
             names.update(unit_step.slot_names())
@@ -1198,7 +1191,7 @@ class StepAhead:
 
     def _slot_bytes(self) -> int:
         """Host bytes of the worker's chunk buffers (as much as any streamed step's)."""
-        sets, names, numel = self._slot_shape()
+        sets, names, numel = self._slot_shape
         return sets * sum(round_up(numel * d.itemsize, PAGE_SIZE) for d in names.values())
 
     def _staging_to_come(self) -> int:

@@ -120,9 +120,9 @@ class Estimate:
     # then, as configured and with step_in_forward; None when no unit is stepped ahead
     # on disk (or step_in_backward, which refuses a clip)
     clip_bites_s: tuple[float, float] | None = None
-    # host bytes read ahead during backward for the steps in the next forward when every
-    # one runs there (step_in_forward after a clip that bites), at most; not in ``host``:
-    # only where the host has room, and given back first when it has none
+    # host bytes read ahead during backward for the first units' steps when none is
+    # taken in backward (a clip that bites), at most; not in ``host``: only where the
+    # host has room, and given back first when it has none
     host_read_ahead: int = 0
 
     @property
@@ -647,6 +647,7 @@ def estimate(
             for u, c in zip(trace.units, choices, strict=True)
             if _memory_stepped_ahead(trace, u, c)
         )
+    clip_bites = None if overlap is False else _when_a_clip_bites(trace, choices, depth)
     return Estimate(
         device,
         host,
@@ -661,27 +662,8 @@ def estimate(
         host_shadows=shadows,
         host_lent=lent_master_bytes(trace, choices),
         disk_shadows=0 if overlap is False else _more_disk_shadows(trace, choices),
-        clip_bites_s=None if overlap is False else _when_a_clip_bites(trace, choices, depth),
-        host_read_ahead=0 if overlap is False else _read_ahead_bytes_if_any(trace, choices),
-    )
-
-
-def _read_ahead_bytes_if_any(trace: Trace, choices: list[UnitChoice]) -> int:
-    """``read_ahead_bytes`` where the runtime has a step ahead to read them (a unit is
-    stepped ahead on disk, not inside backward)."""
-    if _when_a_clip_bites_applies(trace, choices):
-        return read_ahead_bytes(trace, choices)
-    return 0
-
-
-def _when_a_clip_bites_applies(trace: Trace, choices: list[UnitChoice]) -> bool:
-    """Units are stepped ahead on disk (by ``overlap_step`` or ``step_in_forward``), not
-    inside backward (``step_in_backward`` refuses a clip)."""
-    pairs = zip(trace.units, choices, strict=True)
-    return (
-        not trace.step_in_backward
-        and (trace.step_overlap or trace.step_in_forward)
-        and any(_stepped_ahead(u, c) and u.trainable_numel for u, c in pairs)
+        clip_bites_s=clip_bites,
+        host_read_ahead=0 if clip_bites is None else read_ahead_bytes(trace, choices),
     )
 
 
@@ -689,8 +671,15 @@ def _when_a_clip_bites(
     trace: Trace, choices: list[UnitChoice], depth: int
 ) -> tuple[float, float] | None:
     """See ``Estimate.clip_bites_s``: nothing is hidden behind backward; what is left
-    runs after it, or with ``step_in_forward`` beside the next forward."""
-    if not _when_a_clip_bites_applies(trace, choices):
+    runs after it, or with ``step_in_forward`` beside the next forward. None unless
+    units are stepped ahead on disk (by ``overlap_step`` or ``step_in_forward``), not
+    inside backward (``step_in_backward`` refuses a clip)."""
+    pairs = zip(trace.units, choices, strict=True)
+    if (
+        trace.step_in_backward
+        or not (trace.step_overlap or trace.step_in_forward)
+        or not any(_stepped_ahead(u, c) and u.trainable_numel for u, c in pairs)
+    ):
         return None
     bitten = replace(trace, step_overlap=False, step_overlap_memory=False)
 

@@ -201,9 +201,9 @@ class Plan:
                 )
         if e.host_read_ahead:
             lines.append(
-                "when every step runs during the next forward, the first units' masters and "
-                f"states are read during backward: up to {format_size(e.host_read_ahead)} of "
-                "host memory beside the peak above, where the host has room"
+                "when a clip bites, the first units' masters and states are read during "
+                f"backward for their steps: up to {format_size(e.host_read_ahead)} of host "
+                "memory beside the peak above, where the host has room"
             )
         if e.host_shadows:
             lines.append(

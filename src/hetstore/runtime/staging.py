@@ -157,9 +157,6 @@ class ParamStager:
 
     def view(self, slot: torch.Tensor, unit: Unit) -> torch.Tensor:
         """``unit``'s compute-dtype parameters at the head of ``slot``."""
-        return self._view(slot, unit)
-
-    def _view(self, slot: torch.Tensor, unit: Unit) -> torch.Tensor:
         return slot[: unit.home_bytes].view(unit.compute_dtype)
 
     def prefetch(self, unit: Unit) -> None:
@@ -168,7 +165,7 @@ class ParamStager:
             return
         slot = self._take(block=False)
         if slot is not None:
-            self._staged[unit] = (slot, unit.home.read(self._view(slot, unit)))
+            self._staged[unit] = (slot, unit.home.read(self.view(slot, unit)))
 
     def take(self, unit: Unit) -> tuple[torch.Tensor, torch.Tensor]:
         """``(buffer, parameters)``: ``unit``'s parameters read (or waited for) now into a
@@ -177,7 +174,7 @@ class ParamStager:
         if staged is None:
             self.unprefetched += 1
             slot = self._take(block=True)
-            staged = (slot, unit.home.read(self._view(slot, unit)))
+            staged = (slot, unit.home.read(self.view(slot, unit)))
         else:
             self.prefetched += 1
         slot, handle = staged
@@ -186,7 +183,7 @@ class ParamStager:
         except BaseException:
             self._slots.give(slot)
             raise
-        return slot, self._view(slot, unit)
+        return slot, self.view(slot, unit)
 
     def give_back(self, slot: torch.Tensor, event: torch.cuda.Event | None = None) -> None:
         """Return a buffer from :meth:`take`; with ``event``, once that copy has finished."""
