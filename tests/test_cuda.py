@@ -242,3 +242,43 @@ def test_cuda_activation_offload_parity_and_freed_memory(tmp_path, acts):
     torch.testing.assert_close(loss, ref_loss, **TIGHT)
     for key, value in ref.state_dict().items():
         torch.testing.assert_close(mine.state_dict()[key].cuda(), value, **TIGHT)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip-bites"])
+def test_cuda_steps_in_the_next_forward_match_the_ordinary_step(tmp_path, clip):
+    """``step_in_forward`` on CUDA, everything on disk: the steps run during the next
+    forward (their new parameters handed to the fetch, the first units' states read
+    during backward when the clip bites) train bit for bit like the ordinary step."""
+    data = batches(4)
+    runs = []
+    for in_forward in (True, False):
+        torch.manual_seed(0)
+        model = GPT(width=64, depth=4)
+        model, opt = hetstore.offload(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+            cuda_config(
+                "disk",
+                "disk",
+                offload_path=str(tmp_path / str(in_forward)),
+                step_in_forward=in_forward,
+            ),
+        )
+        losses = []
+        for x, y in data:
+            loss = model(x.cuda(), y.cuda())
+            loss.backward()
+            if clip is not None:
+                opt.clip_grad_norm_(clip)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((model, opt, losses))
+    (on, on_opt, on_losses), (off, _, off_losses) = runs
+    assert on_losses == off_losses
+    for key, value in off.state_dict().items():
+        assert torch.equal(on.state_dict()[key], value), key
+    stats = on_opt.speculation_stats
+    assert stats["in_forward"] > 0, stats
+    if clip is not None:
+        assert stats["read_ahead"] > 0, stats

@@ -8,7 +8,10 @@ One command on a machine with CUDA:
 Each variant ``PARAM-OPTIM`` is ``offload_param``-``offload_optimizer``, with
 ``overlap_step='auto'`` (on a GPU: units with states in host memory or on disk are
 stepped during backward); ``PARAM-OPTIM:no-overlap`` sets ``overlap_step=False`` (every
-unit stepped in ``optimizer.step()``), the comparison for the overlap. Prints, per
+unit stepped in ``optimizer.step()``), the comparison for the overlap;
+``PARAM-OPTIM:in-forward`` sets ``step_in_forward=True`` (disk units' steps run during
+the next forward). ``--clip C`` clips every model's gradients at C before its step
+(hetstore's ``clip_grad_norm_``, torch's for plain). Prints, per
 row: the median step time and its ratio to plain PyTorch (measured in the same run, the
 steps interleaved so that machine noise hits all alike), the time in forward, backward
 and the optimizer step, the CUDA allocator's peak (the model's own: what it holds between steps plus the most its
@@ -32,7 +35,16 @@ import hetstore
 from hetstore.demo.gpt import GPT
 
 
-def timed_step(model, optimizer, x, y) -> tuple[list[float], float]:
+def clip(model, optimizer, max_norm: float | None) -> None:
+    if max_norm is None:
+        return
+    if hasattr(optimizer, "clip_grad_norm_"):
+        optimizer.clip_grad_norm_(max_norm)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def timed_step(model, optimizer, x, y, max_norm=None) -> tuple[list[float], float]:
     marks = []
     torch.cuda.synchronize()
     marks.append(time.perf_counter())
@@ -42,6 +54,7 @@ def timed_step(model, optimizer, x, y) -> tuple[list[float], float]:
     loss.backward()
     torch.cuda.synchronize()
     marks.append(time.perf_counter())
+    clip(model, optimizer, max_norm)
     optimizer.step()
     optimizer.zero_grad()
     torch.cuda.synchronize()
@@ -57,7 +70,7 @@ def settled_allocated() -> int:
     return torch.cuda.memory_allocated()
 
 
-def busy_fraction(model, optimizer, x, y) -> float:
+def busy_fraction(model, optimizer, x, y, max_norm=None) -> float:
     """Share of one step's wall time during which the GPU ran a kernel or a copy."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -65,6 +78,7 @@ def busy_fraction(model, optimizer, x, y) -> float:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         model(x, y).backward()
+        clip(model, optimizer, max_norm)
         optimizer.step()
         optimizer.zero_grad()
         torch.cuda.synchronize()
@@ -96,6 +110,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--variants", default="cpu-cpu,cpu-cpu:no-overlap,none-cpu,disk-disk")
+    parser.add_argument("--clip", type=float, default=None, help="clip gradients at this norm")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu needs CUDA; run it on a machine with a GPU")
@@ -111,8 +126,8 @@ def main() -> None:
     offload_dir = tempfile.mkdtemp(prefix="hetstore-gpu-bench-")
     for variant in args.variants.split(","):
         placement, _, flag = variant.partition(":")
-        if flag not in ("", "no-overlap"):
-            raise SystemExit(f"variant {variant!r}: the only suffix is ':no-overlap'")
+        if flag not in ("", "no-overlap", "in-forward"):
+            raise SystemExit(f"variant {variant!r}: a suffix is ':no-overlap' or ':in-forward'")
         param, optim = placement.split("-")
         model = copy.deepcopy(base)
         config = hetstore.OffloadConfig(
@@ -120,7 +135,8 @@ def main() -> None:
             offload_optimizer=optim,
             device="cuda",
             offload_path=offload_dir,
-            overlap_step=False if flag else "auto",
+            overlap_step=False if flag == "no-overlap" else "auto",
+            step_in_forward=flag == "in-forward",
         )
         before = settled_allocated()
         runs[variant] = hetstore.offload(
@@ -143,7 +159,7 @@ def main() -> None:
     x, y = batch()
     for name, (model, opt) in runs.items():
         before = settled_allocated()
-        timed_step(model, opt, x, y)
+        timed_step(model, opt, x, y, args.clip)
         resident[name] = settled_allocated() - before + allocated_at_build[name]
     phases = {name: [] for name in runs}
     peaks = dict.fromkeys(runs, 0)
@@ -154,16 +170,17 @@ def main() -> None:
         for name, (model, opt) in runs.items():
             start = settled_allocated()
             torch.cuda.reset_peak_memory_stats()
-            times, losses[name] = timed_step(model, opt, x, y)
+            times, losses[name] = timed_step(model, opt, x, y, args.clip)
             above = torch.cuda.max_memory_allocated() - start
             peaks[name] = max(peaks[name], resident[name] + above)
             phases[name].append(times)
         diff = max(diff, max(abs(v - losses["plain"]) for v in losses.values()))
-    busy = {name: busy_fraction(model, opt, x, y) for name, (model, opt) in runs.items()}
+    busy = {name: busy_fraction(model, opt, x, y, args.clip) for name, (model, opt) in runs.items()}
 
     print(
         f"{torch.cuda.get_device_name()}: GPT {n_params / 1e6:.0f}M params, "
-        f"batch {args.batch}x{args.ctx}, {args.steps} timed steps, AdamW fused"
+        f"batch {args.batch}x{args.ctx}, {args.steps} timed steps, AdamW fused, "
+        f"clip {args.clip}"
     )
     print("| variant | step s | / plain | fwd s | bwd s | opt s | CUDA peak (own) | GPU busy |")
     print("|---|---|---|---|---|---|---|---|")
