@@ -279,6 +279,9 @@ def test_cuda_steps_in_the_next_forward_match_the_ordinary_step(tmp_path, clip):
     for key, value in off.state_dict().items():
         assert torch.equal(on.state_dict()[key], value), key
     stats = on_opt.speculation_stats
-    assert stats["in_forward"] > 0, stats
-    if clip is not None:
+    # on a GPU the steps overlap backward where they can ('auto'); what is not committed
+    # there runs in the next forward
+    assert stats["in_forward"] + stats["committed"] == 5 * len(data), stats  # 4 blocks, root
+    if clip is not None:  # the clip bit: the steps of the next backwards are held back
+        assert stats["in_forward"] >= 5 * (len(data) - 1), stats
         assert stats["read_ahead"] > 0, stats

@@ -101,6 +101,37 @@ def busy_fraction(model, optimizer, x, y, max_norm=None) -> float:
     return busy / 1e6 / wall
 
 
+def write_spans(runs, x, y, max_norm, path) -> None:
+    """Two more steps per variant with hetstore's step machinery timed per thread
+    (spans.py): a summary printed, every span written to ``path`` as JSON."""
+    import json
+
+    from spans import record_spans, summary
+
+    everything = {}
+    for name, (model, opt) in runs.items():
+        torch.cuda.synchronize()
+        with record_spans() as spans:
+            for step in range(2):  # two: work a step leaves to the next forward is seen
+                spans.mark(f"forward {step}")
+                loss = model(x, y)
+                torch.cuda.synchronize()
+                spans.mark(f"backward {step}")
+                loss.backward()
+                torch.cuda.synchronize()
+                spans.mark(f"step {step}")
+                clip(model, opt, max_norm)
+                opt.step()
+                opt.zero_grad()
+                torch.cuda.synchronize()
+            spans.mark("end")
+        print(f"spans of {name}:")
+        print("\n".join(summary(spans)))
+        everything[name] = spans.records
+    with open(path, "w") as f:
+        json.dump(everything, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=1024)
@@ -111,6 +142,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--variants", default="cpu-cpu,cpu-cpu:no-overlap,none-cpu,disk-disk")
     parser.add_argument("--clip", type=float, default=None, help="clip gradients at this norm")
+    parser.add_argument(
+        "--spans", default=None, help="write per-thread spans of one more step per variant here"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu needs CUDA; run it on a machine with a GPU")
@@ -175,6 +209,8 @@ def main() -> None:
             peaks[name] = max(peaks[name], resident[name] + above)
             phases[name].append(times)
         diff = max(diff, max(abs(v - losses["plain"]) for v in losses.values()))
+    if args.spans:
+        write_spans(runs, x, y, args.clip, args.spans)
     busy = {name: busy_fraction(model, opt, x, y, args.clip) for name, (model, opt) in runs.items()}
 
     print(

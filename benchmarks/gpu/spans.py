@@ -1,0 +1,94 @@
+"""Wall-clock spans of hetstore's step machinery, per thread, for one benchmark step.
+
+``record_spans()`` wraps a fixed list of methods (the speculative step on the worker,
+its commit, the ordinary unit step, gradient-copy waits, the home refresh) so that each
+call appends ``(name, thread, start, end)``; the benchmark marks its own phases with
+``mark``. Used by ``offload_step.py --spans FILE`` to tell where an overlapped step's
+time goes on a GPU machine, where a profiler of CPU threads is not at hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+
+from hetstore.optim import step_ahead
+from hetstore.optim.in_memory import InMemoryUnitStep
+from hetstore.optim.offloaded import OffloadedOptimizer
+from hetstore.runtime import grad_sink, staging
+from hetstore.runtime.unit import Unit
+
+WRAPPED = [
+    (InMemoryUnitStep, "begin_speculation"),
+    (InMemoryUnitStep, "run_speculation"),
+    (InMemoryUnitStep, "commit_speculation"),
+    (step_ahead.StepAhead, "settle"),
+    (step_ahead.StepAhead, "grads_final"),
+    (OffloadedOptimizer, "step"),
+    (Unit, "refresh_after_step"),
+    (grad_sink.GradSink, "wait_copies"),
+    (step_ahead.StepAhead, "_run_in_forward"),
+    (step_ahead.StepAhead, "finish_unit_in_forward"),
+    (step_ahead.StepAhead, "_start_read_ahead"),
+    (step_ahead, "_read_into"),
+    (staging.ParamStager, "take"),
+    (staging.ParamStager, "lend"),
+    (Unit, "fetch"),
+    (Unit, "wait_ready"),
+]
+
+
+class Spans:
+    def __init__(self):
+        self.records: list[tuple[str, str, float, float]] = []
+        self.origin = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter() - self.origin
+        self.records.append((name, "mark", now, now))
+
+
+@contextlib.contextmanager
+def record_spans():
+    spans = Spans()
+    saved = []
+    for owner, name in WRAPPED:
+        original = getattr(owner, name)
+        saved.append((owner, name, original))
+
+        label = f"{getattr(owner, '__name__', '?').rsplit('.', 1)[-1]}.{name}"
+        setattr(owner, name, _timed(original, label, spans))
+    try:
+        yield spans
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def _timed(original, label: str, spans: Spans):
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter() - spans.origin
+        try:
+            return original(*args, **kwargs)
+        finally:
+            end = time.perf_counter() - spans.origin
+            spans.records.append((label, threading.current_thread().name, start, end))
+
+    return wrapper
+
+
+def summary(spans: Spans) -> list[str]:
+    """Per method and thread: calls, total seconds, and the last end."""
+    rows: dict[tuple[str, str], list[float]] = {}
+    for name, thread, start, end in spans.records:
+        row = rows.setdefault((name, thread), [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += end - start
+        row[2] = max(row[2], end)
+    lines = [f"  {'span':44s} {'thread':24s} calls  total s  last end s"]
+    for (name, thread), (calls, total, last) in sorted(rows.items(), key=lambda r: r[1][2]):
+        lines.append(f"  {name:44s} {thread[:24]:24s} {calls:5d} {total:8.4f} {last:10.4f}")
+    return lines
