@@ -73,7 +73,10 @@ def test_cuda_parity_with_plain_pytorch(tmp_path, param, optim):
         torch.testing.assert_close(loss.item(), gpu_loss.item(), **TIGHT)
     if optim == "cpu":  # overlap_step='auto': on a GPU the host steps beside backward
         stats = opt.speculation_stats
-        assert stats["committed"] == stats["started"] == 4 * 4, stats  # 4 blocks, not the root
+        # paced (optim.pace): the first step takes every block ahead, the next at least
+        # the first of each backward; the rest are the ordinary step's
+        assert stats["committed"] == stats["started"] >= 4 + 3, stats
+        assert stats["started"] + stats["too_late"] == 4 * 4, stats  # 4 blocks, not root
     for key, value in gpu.state_dict().items():
         got = mine.state_dict()[key].cuda()
         if ref is not None:

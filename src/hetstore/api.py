@@ -301,6 +301,8 @@ def offload(
             shards=shards,
             overlap_step=config.overlaps_disk_steps,
             overlap_memory_step=config.overlaps_memory_steps(device),
+            # 'auto': only the units the worker can finish before optimizer.step()
+            pace_memory_steps=config.overlap_step == "auto",
             root=root,
             step_in_backward=config.step_in_backward,
             step_in_forward=config.step_in_forward,

@@ -60,6 +60,7 @@ class OffloadedOptimizer(Optimizer):
         shards: ShardGroup | None = None,
         overlap_step: bool = False,
         overlap_memory_step: bool = False,
+        pace_memory_steps: bool = False,
         root: Unit | None = None,
         step_in_backward: bool = False,
         step_in_forward: bool = False,
@@ -99,6 +100,7 @@ class OffloadedOptimizer(Optimizer):
         self._released = False  # hetstore.release(model) freed the units' buffers
         self.step_in_backward = step_in_backward and shards is None
         self._overlap = (overlap_step, overlap_memory_step, step_in_forward)
+        self._pace_memory_steps = pace_memory_steps  # see optim.pace
         self._root = root
         self.step_ahead: StepAhead | None = None
         self.grad_norms: RecordedNorms | None = None
@@ -137,6 +139,7 @@ class OffloadedOptimizer(Optimizer):
                 consume=self.step_in_backward,
                 speculate=overlap_step or overlap_memory_step,
                 in_forward=step_in_forward,
+                pace=self._pace_memory_steps,
             )
         # the clip's norms of disk gradients, taken in backward (the runtime tells it
         # when a unit's gradients are final); with or without the step ahead

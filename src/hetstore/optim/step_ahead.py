@@ -67,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -76,6 +77,7 @@ import torch
 from hetstore.errors import OutOfTierMemory
 from hetstore.footprints import LENT_MASTERS, READ_AHEAD_UNITS
 from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
+from hetstore.optim.pace import StepPace
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
 from hetstore.runtime.staging import GradStager, ParamStager, stagers_of
@@ -116,6 +118,9 @@ class SpeculationStats:
     # steps in backward that read the master from the unit's lent device copy instead of
     # from disk (a CPU device)
     master_from_memory: int = 0
+    # host-memory units not stepped ahead because the worker would not have finished
+    # them before optimizer.step() (overlap_step='auto'; see optim.pace): stepped there
+    too_late: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -228,12 +233,16 @@ class StepAhead:
         *,
         speculate: bool = True,
         in_forward: bool = False,
+        pace: bool = False,
     ):
         self._steps = {id(s.unit): s for s in unit_steps}
         # step units during backward (overlap_step, step_in_backward); and finish the
         # ordinary step of disk units during the next forward (step_in_forward)
         self.speculate = speculate or consume
         self.in_forward = in_forward
+        # host-memory units are stepped ahead only when the worker is predicted to
+        # finish them before optimizer.step() (overlap_step='auto'); else all of them
+        self._pace = StepPace() if pace else None
         self._in_forward: dict[int, _InForward] = {}  # in the order the worker runs them
         # the units in the order the next forward uses them (the runtime's), else None
         self.use_order: Callable[[], list[Unit]] | None = None
@@ -295,6 +304,8 @@ class StepAhead:
     def backward_started(self) -> None:
         self.finish_in_forward()  # the gradients they read are about to be written
         self.backwards += 1
+        if self._pace is not None:
+            self._pace.backward_started()
         if self.consume:
             self._check_fresh_backward()
         self._start_read_ahead()
@@ -442,6 +453,9 @@ class StepAhead:
         """A step of a unit whose master and states are in host memory, into host
         shadows (:mod:`hetstore.optim.in_memory`), or None when the host tier has no
         room for them beside what the rest of backward will still allocate."""
+        if self._pace is not None and not self._pace.admit(unit.master_numel):
+            self.stats.too_late += 1  # optimizer.step() steps it, sooner than we would
+            return None
         hyper = self._hyper_now(unit)
         need = unit_step.shadow_bytes(hyper)
         if not self._host.account.would_fit(need + self._staging_to_come()):
@@ -455,13 +469,23 @@ class StepAhead:
         try:
             spec = self._speculation(unit_step, shadows, hyper)
             spec.future = self._pool().submit(
-                unit_step.run_speculation, shadows, spec.factor, unit.grads.copies_event()
+                self._run_in_memory, unit_step, shadows, spec.factor, unit.grads.copies_event()
             )
         except BaseException:
             shadows.discard()
             raise
         self.stats.started += 1
         return spec
+
+    def _run_in_memory(self, unit_step: InMemoryUnitStep, shadows, factor, copies) -> None:
+        """Worker: a host-memory unit's speculative step, timed for the pace (without
+        the wait for the gradients' copies, which is backward's time, not the step's)."""
+        if copies is not None:
+            copies.synchronize()  # on this thread: backward's never waits for them
+        start = time.perf_counter()
+        unit_step.run_speculation(shadows, factor)
+        if self._pace is not None:
+            self._pace.ran(unit_step.unit.master_numel, time.perf_counter() - start)
 
     # ------------------------------------------------------------------ optimizer events
     def settle(self, disk_grad_factors: list, committed: set[int], clipped: bool = False) -> None:
@@ -471,6 +495,8 @@ class StepAhead:
         speculation took none. ``clipped``: a clip scaled the gradients this step (the
         next step's speculations are held back, see ``hold_back``)."""
         self.hold_back = clipped
+        if self._pace is not None:
+            self._pace.step_called()
         # what the ordinary step multiplies gradients on disk by; factors of exactly 1.0
         # (a clip that does not bite) change nothing
         factors = [float(f) for f in disk_grad_factors if float(f) != 1.0]
