@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
 import hetstore
@@ -26,48 +25,63 @@ class Clock:
         return self.now
 
 
-def test_every_unit_is_admitted_until_the_worker_and_the_step_were_measured():
-    clock = Clock()
-    pace = StepPace(clock)
+def steps(pace: StepPace, clock: Clock, admitted_ms: list[float], step_at_ms: float) -> list:
+    """One backward: a unit's gradients final at each time of ``admitted_ms`` (ms from
+    backward start), each speculation taking 10 ms of a worker that runs them in turn;
+    optimizer.step() at ``step_at_ms``. Returns what was admitted."""
+    start = clock.now
     pace.backward_started()
-    assert all(pace.admit(10**9) for _ in range(5))
-    pace.ran(1000, 1.0)  # measured: the worker's speed, not yet when the step comes
-    assert pace.admit(10**9)
-
-
-def test_units_are_admitted_while_the_worker_is_predicted_to_finish_before_the_step():
-    clock = Clock()
-    pace = StepPace(clock)
-    # (binary fractions of a second: the sums below are exact)
-    pace.backward_started()
-    clock.now += 0.125  # optimizer.step() came 125 ms after backward started
+    admitted = []
+    for at in admitted_ms:
+        clock.now = start + at / 1000
+        admitted.append(pace.admit())
+    clock.now = start + step_at_ms / 1000
     pace.step_called()
-    pace.ran(1000, 0.03125)  # 31.25 us per element
-    assert pace.until_step == 0.125
-    pace.backward_started()
-    clock.now += 0.03125
-    # the worker is idle: 31.25 + 3 x 31.25 = 125 ms, the fourth would end at 156.25
-    assert [pace.admit(1000) for _ in range(4)] == [True, True, True, False]
-    clock.now += 0.0625  # a unit whose gradients come late, with work still queued
-    assert not pace.admit(1)  # it would start when the queue ends, at the deadline
-    pace.backward_started()
-    clock.now += 0.200  # a backward far longer than the estimate: one is still admitted
-    assert pace.admit(1000) and not pace.admit(1000)
+    worker = start
+    for at, ok in zip(admitted_ms, admitted, strict=True):
+        if ok:
+            worker = max(worker, start + at / 1000) + 0.010
+            clock.now = worker
+            pace.ran(0.010)
+    pace.settled()
+    clock.now = max(clock.now, start + step_at_ms / 1000) + 1.0
+    return admitted
 
 
-def test_the_estimates_follow_new_measurements():
+def test_every_unit_is_stepped_ahead_while_the_worker_finishes_before_the_step():
     clock = Clock()
     pace = StepPace(clock)
-    pace.ran(100, 1.0)
-    pace.ran(100, 3.0)
-    assert pace.per_element == pytest.approx(0.02)  # halfway: the newest weighs half
-    for seconds in (0.1, 0.3):
-        pace.backward_started()
-        clock.now += seconds
-        pace.step_called()
-    assert pace.until_step == pytest.approx(0.2)
-    pace.step_called()  # no backward since: nothing to measure
-    assert pace.until_step == pytest.approx(0.2)
+    for _ in range(3):  # 8 units of 10 ms from 5 ms on: done at 85 ms, step at 100
+        assert all(steps(pace, clock, [5 + i for i in range(8)], 100))
+    assert pace.limit is None
+
+
+def test_a_late_worker_leaves_as_many_units_to_the_step_as_it_was_late_by():
+    clock = Clock()
+    pace = StepPace(clock)
+    grads = [5 + i for i in range(12)]  # 12 units: the worker would end at 125 ms
+    assert all(steps(pace, clock, grads, 80))  # 45 ms late: 5 units fewer
+    assert pace.limit == 7
+    assert steps(pace, clock, grads, 80) == [True] * 7 + [False] * 5
+    assert pace.limit == 7  # done at 75 ms: 5 ms idle holds no more unit
+    # a longer backward: 30 ms idle before the step, three more fit (the refused ones)
+    assert sum(steps(pace, clock, grads, 105)) == 7
+    assert pace.limit == 10
+    # however late, one unit a backward stays stepped ahead (and keeps measuring)
+    steps(pace, clock, grads, 1)
+    assert pace.limit == 1
+    assert steps(pace, clock, grads, 1) == [True] + [False] * 11
+
+
+def test_a_step_without_a_speculation_changes_nothing():
+    clock = Clock()
+    pace = StepPace(clock)
+    steps(pace, clock, [5] * 4, 10)  # late: 35 ms
+    limit = pace.limit
+    pace.backward_started()
+    pace.step_called()
+    pace.settled()
+    assert pace.limit == limit
 
 
 def paced(tmp_path, monkeypatch, overlap):
@@ -111,6 +125,7 @@ def test_a_worker_too_slow_for_backward_leaves_the_late_units_to_the_ordinary_st
     assert units >= 3
     # step 1 steps every unit ahead (and measures); steps 2-4 at least the first each
     assert stats["started"] == stats["committed"] >= units + 3
+    assert on_opt.step_ahead._pace.limit < units
     assert stats["too_late"] > 0
     assert stats["started"] + stats["too_late"] == units * len(data)
 

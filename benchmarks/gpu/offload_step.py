@@ -232,7 +232,9 @@ def main() -> None:
     for name, (_, opt) in runs.items():
         stats = getattr(opt, "speculation_stats", None)
         if stats:
-            print(f"{name}: steps taken during backward {stats}")
+            pace = getattr(opt.step_ahead, "_pace", None)
+            limit = f"; paced to {pace.limit} units a backward" if pace and pace.limit else ""
+            print(f"{name}: steps taken during backward {stats}{limit}")
 
 
 if __name__ == "__main__":

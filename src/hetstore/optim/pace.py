@@ -1,75 +1,77 @@
-"""Which host-memory steps to take during backward: only those the worker can finish
+"""Which host-memory steps to take during backward: only as many as the worker finishes
 before ``optimizer.step()`` comes.
 
 A speculative step of a unit in host memory (:mod:`hetstore.optim.in_memory`) first
 copies the live master and states into shadows, so it moves about twice the bytes of
-the ordinary step: measured on an H100 host, 8-10 ms for a unit the ordinary step
-takes ~3 ms for (docs/BENCHMARKS.md). Taken during backward it costs nothing; still
+the ordinary step: on an H100 machine's host, 8-10 ms for a unit the ordinary step
+takes ~3 ms for (docs/BENCHMARKS.md). Finished during backward it costs nothing; still
 running when ``optimizer.step()`` waits for it, it costs more than the ordinary step
-would have. So, with ``overlap_step='auto'``, a unit is stepped ahead only when the
-worker is predicted to finish it before the step: from the last steps, how long after
-backward started ``optimizer.step()`` came, and how many seconds per element the
-worker's steps took. The units left over (those whose gradients come last) are stepped
-the ordinary way, exactly as without overlap: pacing never changes a result, only
-which of two exact paths a unit takes.
+would have. So, with ``overlap_step='auto'``, at most ``limit`` units of a backward are
+stepped ahead (the first whose gradients are final); the rest take the ordinary step,
+exactly as without overlap: pacing never changes a result, only which of two exact
+paths a unit takes.
 
-Until both have been measured once, every unit is stepped ahead (and measured); after,
-the first unit of each backward always is, so the estimate keeps following the worker.
+The limit follows what each step measured, not a model of the machine (on a GPU the
+worker waits for gradients the device produces later than the host's autograd sees
+them, by an amount no model here knows): when the worker finished the last admitted
+unit ``late`` seconds after ``optimizer.step()`` came, the next backward admits
+``ceil(late / t)`` fewer units, ``t`` being the worker's mean time per unit; when it
+was idle for a while before the step and the limit had turned units away, as many more
+as that idle time held. No limit until a step was late: every unit is stepped ahead.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 __all__ = ["StepPace"]
 
-# weight of the newest measurement in the running estimates
-NEWEST = 0.5
-
 
 class StepPace:
-    """The running estimates, and the worker's predicted finish of what it was given."""
+    """The limit, and what the current backward's speculations measured."""
 
     def __init__(self, clock=time.perf_counter):
         self._clock = clock
-        self._backward_start: float | None = None
-        self.until_step: float | None = None  # seconds from backward start to step()
-        self.per_element: float | None = None  # the worker's seconds per element
-        self._worker_free: float = 0.0  # when the worker is predicted to be idle
-        self._admitted = 0  # since backward started
+        self.limit: int | None = None  # units stepped ahead per backward; None: all
+        self._admitted = 0  # this backward's
+        self._refused = 0
+        self._step_at: float | None = None  # when optimizer.step() came
+        self._last_end: float | None = None  # when the worker finished its last one
+        self._worker_seconds = 0.0
+        self._ran = 0
 
     def backward_started(self) -> None:
-        self._backward_start = self._clock()
-        self._worker_free = self._backward_start
-        self._admitted = 0
+        """A backward (the last micro-batch's counts) starts: count anew."""
+        self._admitted = self._refused = self._ran = 0
+        self._worker_seconds = 0.0
+        self._step_at = self._last_end = None
 
-    def step_called(self) -> None:
-        """``optimizer.step()`` came: how long after backward started."""
-        if self._backward_start is not None:
-            self.until_step = _blend(self.until_step, self._clock() - self._backward_start)
-            self._backward_start = None
-
-    def ran(self, numel: int, seconds: float) -> None:
-        """The worker stepped ``numel`` elements ahead in ``seconds`` (its own time, not
-        counting a wait for the gradients' copies)."""
-        if numel > 0:
-            self.per_element = _blend(self.per_element, seconds / numel)
-
-    def admit(self, numel: int) -> bool:
-        """Whether a step of ``numel`` elements, queued behind what the worker has, is
-        predicted to end before ``optimizer.step()``; if so it counts as queued."""
-        now = self._clock()
-        start = max(now, self._worker_free)
-        if self.per_element is None or self.until_step is None or self._backward_start is None:
-            self._worker_free = start  # nothing measured yet: admit, and learn
-            return True
-        end = start + numel * self.per_element
-        if self._admitted and end > self._backward_start + self.until_step:
+    def admit(self) -> bool:
+        """Whether the unit whose gradients are now final is stepped ahead."""
+        if self.limit is not None and self._admitted >= self.limit:
+            self._refused += 1
             return False
-        self._worker_free = end
         self._admitted += 1
         return True
 
+    def ran(self, seconds: float) -> None:
+        """Worker: a speculative step took ``seconds`` of its time and ended now."""
+        self._worker_seconds += seconds
+        self._ran += 1
+        self._last_end = self._clock()
 
-def _blend(old: float | None, new: float) -> float:
-    return new if old is None else (1 - NEWEST) * old + NEWEST * new
+    def step_called(self) -> None:
+        """``optimizer.step()`` came (before it waits for the worker)."""
+        self._step_at = self._clock()
+
+    def settled(self) -> None:
+        """``optimizer.step()`` has waited for every speculation: set the next limit."""
+        if not self._ran or self._step_at is None or self._last_end is None:
+            return
+        per_unit = self._worker_seconds / self._ran
+        late = self._last_end - self._step_at
+        if late > 0:
+            self.limit = max(1, self._admitted - math.ceil(late / per_unit))
+        elif self._refused:
+            self.limit = self._admitted + min(self._refused, math.floor(-late / per_unit))

@@ -240,8 +240,8 @@ class StepAhead:
         # ordinary step of disk units during the next forward (step_in_forward)
         self.speculate = speculate or consume
         self.in_forward = in_forward
-        # host-memory units are stepped ahead only when the worker is predicted to
-        # finish them before optimizer.step() (overlap_step='auto'); else all of them
+        # host-memory units are stepped ahead only as many as the worker finishes
+        # before optimizer.step() (overlap_step='auto'); else all of them
         self._pace = StepPace() if pace else None
         self._in_forward: dict[int, _InForward] = {}  # in the order the worker runs them
         # the units in the order the next forward uses them (the runtime's), else None
@@ -453,7 +453,7 @@ class StepAhead:
         """A step of a unit whose master and states are in host memory, into host
         shadows (:mod:`hetstore.optim.in_memory`), or None when the host tier has no
         room for them beside what the rest of backward will still allocate."""
-        if self._pace is not None and not self._pace.admit(unit.master_numel):
+        if self._pace is not None and not self._pace.admit():
             self.stats.too_late += 1  # optimizer.step() steps it, sooner than we would
             return None
         hyper = self._hyper_now(unit)
@@ -485,7 +485,7 @@ class StepAhead:
         start = time.perf_counter()
         unit_step.run_speculation(shadows, factor)
         if self._pace is not None:
-            self._pace.ran(unit_step.unit.master_numel, time.perf_counter() - start)
+            self._pace.ran(time.perf_counter() - start)
 
     # ------------------------------------------------------------------ optimizer events
     def settle(self, disk_grad_factors: list, committed: set[int], clipped: bool = False) -> None:
@@ -532,6 +532,8 @@ class StepAhead:
                         spec.shadows.discard()
                         self.stats.rolled_back += 1
                         outcomes[key] = False
+                if self._pace is not None:
+                    self._pace.settled()  # the worker is done: how late it was
         finally:
             self.discard_all()  # after an error: nothing may stay pending
             self.step_ended()
