@@ -561,7 +561,10 @@ class OffloadedOptimizer(Optimizer):
             ):
                 for key, value in self._hyper(outer).items():
                     inner[key] = value
-            unit_step.optimizer.step()
+            if self.step_ahead is not None:
+                self.step_ahead.on_worker(unit_step.optimizer.step)
+            else:
+                unit_step.optimizer.step()
             unit.refresh_after_step()
         self._resume_at = 0
         if self.step_ahead is not None:
