@@ -355,6 +355,52 @@ def test_host_units_hide_behind_backward_on_a_gpu_and_cost_on_a_cpu():
     assert "costs" in plan.table() and "host shadows take up to" in plan.table()
 
 
+def test_a_measured_copy_rate_prices_the_copy_into_the_shadows():
+    """``host_copy`` measured: a speculative step's copies take bytes / rate (on an
+    H100 machine's host a third of the fused step's rate per byte); a backward too short
+    for them hides less of the step, a long one all of it, as before."""
+    from hetstore.planner.cost import _shadow_copy_s
+
+    n = 4 * MiB
+    slow = replace(GPU, host_copy=4e9)
+    block = unit("blocks.0", n)
+    assert _shadow_copy_s(block, slow) == pytest.approx(4 * n * 4 / 4e9)  # 4 arrays
+    assert _shadow_copy_s(block, GPU) == pytest.approx(n / GPU.host_step * 8 / 7)
+    for forward_s, shorter in ((0.0025, True), (10.0, False)):
+        trace = replace(disk_trace(forward_s), step_overlap_memory=True)
+        priced = estimate(replace(trace, machine=slow), [ON_HOST] * 5, 1)
+        unpriced = estimate(trace, [ON_HOST] * 5, 1)
+        if shorter:
+            assert priced.optimizer_hidden_s < unpriced.optimizer_hidden_s
+        else:
+            assert priced.optimizer_hidden_s == pytest.approx(unpriced.optimizer_hidden_s)
+
+
+def test_paced_host_steps_take_only_what_the_backward_hides():
+    """'auto' paces (optim.pace): a backward too short for every block's speculation
+    steps ahead those the worker ends by its end, and the others after it the ordinary
+    way, so the overlap never costs on a GPU; unpaced (``overlap_step=True``), the late
+    ones delay the step. A long backward takes them all either way."""
+    slow = replace(GPU, host_copy=4e9)
+    for forward_s in (0.0025, 10.0):
+        trace = replace(disk_trace(forward_s, slow), step_overlap_memory=True)
+        serial = estimate(trace, [ON_HOST] * 5, 1, overlap=False)
+        every = estimate(trace, [ON_HOST] * 5, 1)
+        paced = estimate(replace(trace, pace_memory_steps=True), [ON_HOST] * 5, 1)
+        assert paced.optimizer_hidden_s >= max(every.optimizer_hidden_s, 0.0)
+        assert paced.optimizer_s <= serial.optimizer_s
+        if forward_s > 1:
+            assert paced.optimizer_hidden_s == pytest.approx(every.optimizer_hidden_s)
+        else:
+            assert every.optimizer_hidden_s < 0 < paced.optimizer_hidden_s
+
+
+def test_the_host_copy_rate_is_measured():
+    from hetstore.planner.machine import _host_copy_rate
+
+    assert 0 < _host_copy_rate(1 << 16) < float("inf")
+
+
 def test_steps_left_after_backward_hide_behind_the_next_forward_except_the_roots(
     monkeypatch,
 ):

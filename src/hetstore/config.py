@@ -246,8 +246,10 @@ class OffloadConfig:
             "changed what the step would read: exact either way. 'auto': units whose "
             "states and parameters are on disk (their step is disk IO), and units whose "
             "states are in host memory when the compute device is a GPU (the host steps "
-            "beside the GPU's backward; on a CPU device the two would share cores). True: "
-            "both kinds on any device; False: neither. Not sharded units. A shadow holds "
+            "beside the GPU's backward; on a CPU device the two would share cores), and of "
+            "those only as many as the host finishes before optimizer.step() comes, the "
+            "rest stepped there (measured each step). True: both kinds, every unit, on "
+            "any device; False: neither. Not sharded units. A shadow holds "
             "one more copy of a unit's master and states (on disk, or in host memory) "
             "until the step, within the tier's room."
         ),

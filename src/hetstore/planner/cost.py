@@ -398,17 +398,23 @@ def _fetched_in_place(c: UnitChoice, m: MachineRates) -> bool:
 
 def _shadow_copy_s(u: UnitTrace, m) -> float:
     """Seconds of a memory unit's copy into its shadows: the master, the gradient and
-    each state read and written once, at the rate the fused step moves its arrays (which
-    reads master, gradient and states and writes master and states: 3 + 2 x states)."""
+    each state read and written once, at the measured copy rate (``host_copy``); else
+    at the rate the fused step moves its arrays (it reads master, gradient and states
+    and writes master and states: 3 + 2 x states), which on an H100 machine's host was
+    3x too fast (docs/BENCHMARKS.md)."""
     arrays = 2 + u.state_count  # master, gradient (read ahead into its own), states
+    if m.host_copy:
+        return arrays * u.trainable_numel * 4 / m.host_copy
     return _host_step_s(u, m) * 2 * arrays / (3 + 2 * u.state_count)
 
 
 def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
     """Seconds of the steps of units stepped ahead that backward hides (module doc).
     A unit stepped into host shadows costs the worker its copy into them besides the
-    arithmetic it saves. May be negative: on a CPU device the worker's arithmetic and
-    copies take backward's cores and hide nothing."""
+    arithmetic it saves; paced ('auto', optim.pace), such a unit is stepped ahead only
+    if the worker ends it by the end of backward (the first always is). May be
+    negative: on a CPU device the worker's arithmetic and copies take backward's cores
+    and hide nothing."""
     units, m = trace.units, trace.machine
     disk_overlap = trace.step_overlap or trace.step_in_backward
     saved = [0.0] * len(units)  # what it takes off the step after backward
@@ -429,11 +435,20 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
     backward = [_backward_s(u, trace) for u in units]
     order = [k for k in reversed(range(len(units))) if not units[k].is_root]
     order += [k for k, u in enumerate(units) if u.is_root]  # its gradients come last
+    end, paced, admitted = sum(backward), trace.pace_memory_steps, 0
     clock = worker = 0.0
     for k in order:
         clock += backward[k]
-        if work[k]:
-            worker = max(clock, worker) + work[k]
+        if not work[k]:
+            continue
+        in_memory = _memory_stepped_ahead(trace, units[k], choices[k])
+        if paced and in_memory and admitted and max(clock, worker) + work[k] > end:
+            copies -= work[k] - saved[k]  # stepped after backward instead
+            arithmetic -= work[k]
+            saved[k] = work[k] = 0.0
+            continue
+        admitted += in_memory
+        worker = max(clock, worker) + work[k]
     hidden = sum(saved) - max(0.0, worker - clock)
     if m.device == "cpu":  # the worker's arithmetic and copies share backward's cores
         hidden -= arithmetic

@@ -26,7 +26,10 @@ class MachineRates:
     elements per second a compact ``optimizer_state_format`` decodes and encodes, on top
     of the step (0 when the states are stepped as they are stored: fp32). ``flops``: the
     device's achieved FLOP/s, used to turn counted FLOPs into time when no time was
-    measured.
+    measured. ``host_copy``: bytes per second an fp32 ``copy_`` between host buffers
+    writes (each also read), on cold caches: what a speculative step's copy into its
+    shadows moves at (measured on an H100 machine's host at about a third of the fused
+    step's rate per byte); 0 when not measured, and the copy is priced at the step's.
     """
 
     to_device: float
@@ -39,6 +42,7 @@ class MachineRates:
     copies_overlap: bool = False
     device: str = "cpu"
     state_codec: float = 0.0
+    host_copy: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,9 @@ class Trace:
     # units whose states are in host memory are stepped during backward as well
     # (``overlap_step``: 'auto' on a GPU, or True)
     step_overlap_memory: bool = False
+    # of those, only as many as the worker finishes by the end of backward ('auto':
+    # optim.pace); the rest are stepped after it, the ordinary way
+    pace_memory_steps: bool = False
     # ``step_in_backward``: those units are stepped inside backward from gradients in
     # memory, which never reach the disk (no gradient bytes there, nor their traffic)
     step_in_backward: bool = False
@@ -166,6 +173,7 @@ class Trace:
             "measured",
             "step_overlap",
             "step_overlap_memory",
+            "pace_memory_steps",
             "step_in_backward",
             "step_in_forward",
             "compute_basis",
