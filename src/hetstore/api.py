@@ -303,6 +303,7 @@ def offload(
             overlap_memory_step=config.overlaps_memory_steps(device),
             # 'auto': only the units the worker can finish before optimizer.step()
             pace_memory_steps=config.overlap_step == "auto",
+            step_in_forward_memory=config.steps_memory_in_forward(device),
             root=root,
             step_in_backward=config.step_in_backward,
             step_in_forward=config.step_in_forward,

@@ -278,7 +278,10 @@ class OffloadConfig:
             "and the result is bitwise the ordinary step's. It hides the steps that "
             "overlap_step cannot hide in backward: after a clip that bit, the root unit's, "
             "rollbacks. A step that fails on its thread runs again at that use, and raises "
-            "there if it fails again (not at optimizer.step())."
+            "there if it fails again (not at optimizer.step()). On a GPU, units whose "
+            "states are in host memory too: their ordinary step runs in place on the host "
+            "beside the next forward, each before its unit's fetch (one that fails raises "
+            "at that use, the unit partly stepped as after a failed optimizer.step())."
         ),
     )
 
@@ -386,6 +389,13 @@ class OffloadConfig:
             device = torch.device(device) if device is not None else self.resolved_device()
             return device.type == "cuda"
         return self.overlap_step
+
+    def steps_memory_in_forward(self, device: torch.device | str | None = None) -> bool:
+        """``step_in_forward``: units with states in host memory finish their ordinary
+        step during the next forward too, on a GPU (on a CPU device that forward would
+        compute on the cores the step needs)."""
+        device = torch.device(device) if device is not None else self.resolved_device()
+        return self.step_in_forward and device.type == "cuda"
 
     def resolved_device(self) -> torch.device:
         """The compute device: 'auto' becomes cuda when available, else cpu."""

@@ -190,6 +190,9 @@ def save(
     if isinstance(optimizer, OffloadedOptimizer):
         optimizer.check_between_steps()
     runtime = _runtime(model)
+    if runtime is not None:
+        for unit in runtime.units:
+            unit.finish_pending_step()  # a step still running on (step_in_forward) lands
     names = _param_names(model)
     extra_tensors: dict[str, torch.Tensor] = {}
     extra_json = None if extra is None else tagged.encode(extra, extra_tensors)

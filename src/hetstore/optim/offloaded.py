@@ -61,6 +61,7 @@ class OffloadedOptimizer(Optimizer):
         overlap_step: bool = False,
         overlap_memory_step: bool = False,
         pace_memory_steps: bool = False,
+        step_in_forward_memory: bool = False,
         root: Unit | None = None,
         step_in_backward: bool = False,
         step_in_forward: bool = False,
@@ -101,6 +102,7 @@ class OffloadedOptimizer(Optimizer):
         self.step_in_backward = step_in_backward and shards is None
         self._overlap = (overlap_step, overlap_memory_step, step_in_forward)
         self._pace_memory_steps = pace_memory_steps  # see optim.pace
+        self._step_in_forward_memory = step_in_forward_memory
         self._root = root
         self.step_ahead: StepAhead | None = None
         self.grad_norms: RecordedNorms | None = None
@@ -130,8 +132,17 @@ class OffloadedOptimizer(Optimizer):
                 and s.unit is not self._root
                 and s.can_speculate(self._flat)
             ]
+        # host units whose ordinary step runs on, in place, during the next forward
+        # (step_in_forward on a GPU): not sharded (a fetch gathers every rank's shard)
+        in_place = []
+        if step_in_forward and self._step_in_forward_memory and self.shards is None:
+            in_place = [
+                s
+                for s in self._unit_steps
+                if isinstance(s, InMemoryUnitStep) and s.can_speculate(self._flat)
+            ]
         self.step_ahead = None
-        if ahead:
+        if ahead or in_place:
             self.step_ahead = StepAhead(
                 ahead,
                 self._hyper,
@@ -140,6 +151,7 @@ class OffloadedOptimizer(Optimizer):
                 speculate=overlap_step or overlap_memory_step,
                 in_forward=step_in_forward,
                 pace=self._pace_memory_steps,
+                in_place=in_place,
             )
         # the clip's norms of disk gradients, taken in backward (the runtime tells it
         # when a unit's gradients are final); with or without the step ahead
@@ -528,7 +540,8 @@ class OffloadedOptimizer(Optimizer):
             later = [
                 s
                 for s in self._unit_steps[self._resume_at :]
-                if id(s.unit) not in self._stepped_ahead and isinstance(s, UnitStates)
+                if id(s.unit) not in self._stepped_ahead
+                and isinstance(s, (UnitStates, InMemoryUnitStep))
             ]
             for unit_step in later:
                 if unit_step.unit.grads.any():

@@ -165,6 +165,19 @@ class _InForward:
 
 
 @dataclass
+class _InPlace:
+    """A host-memory unit's ordinary step that ``optimizer.step()`` handed to the worker
+    (``step_in_forward`` on a GPU): in place on the live master and states, with the
+    group values of that call, waited for before the unit's next use. Nothing to commit
+    or discard: once the worker starts it, it is the step, as in ``optimizer.step()``."""
+
+    unit_step: InMemoryUnitStep
+    hyper: dict[int, dict]
+    future: Future | None = None
+    ok: bool | None = None
+
+
+@dataclass
 class _ReadAhead:
     """A disk unit's master and optimizer states read into host memory during backward,
     for its step in the next forward to read instead of the disk; valid while the unit's
@@ -234,8 +247,14 @@ class StepAhead:
         speculate: bool = True,
         in_forward: bool = False,
         pace: bool = False,
+        in_place: list[InMemoryUnitStep] = (),
     ):
         self._steps = {id(s.unit): s for s in unit_steps}
+        # host-memory units whose ordinary step runs on during the next forward, in
+        # place (step_in_forward on a GPU); and those running now
+        self._in_place_steps = {id(s.unit): s for s in in_place}
+        self._in_place: dict[int, _InPlace] = {}
+        unit_steps = list(unit_steps) or list(in_place)  # (the tiers of either)
         # step units during backward (overlap_step, step_in_backward); and finish the
         # ordinary step of disk units during the next forward (step_in_forward)
         self.speculate = speculate or consume
@@ -601,7 +620,7 @@ class StepAhead:
     def _stop_worker_if_idle(self) -> None:
         """No speculation and no step in the next forward left: the worker and its
         buffers go."""
-        if self._pending or self._in_forward or self._read_ahead:
+        if self._pending or self._in_forward or self._in_place or self._read_ahead:
             return
         if self._executor is not None:
             with self._hurry():
@@ -617,6 +636,11 @@ class StepAhead:
         finally:
             for key in list(self._in_forward):
                 self._forget_in_forward(key)
+            for record in list(self._in_place.values()):
+                try:
+                    self._finish_in_place(record)
+                except Exception:  # noqa: BLE001 - released: nothing reads it
+                    pass
             self._drop_read_ahead()
             self.discard_all()
         if self._host.reclaim == self._reclaim_host:
@@ -760,6 +784,7 @@ class StepAhead:
         used = self.use_order() if self.use_order else []
         order = {id(u): i for i, u in enumerate(used)}
         candidates = [s for s in unit_steps if self._can_defer(s)]
+        candidates += [s for s in unit_steps if self._can_defer_in_place(s)]
         candidates.sort(key=lambda s: order.get(id(s.unit), len(order)))
         deferred = {id(s.unit) for s in candidates}
         # a unit with a disk home that forward fetches without a step pending (frozen,
@@ -770,8 +795,11 @@ class StepAhead:
         )
         with self._own_allocations():
             for unit_step in candidates:
-                if self._start_in_forward(unit_step, multipliers(unit_step.unit)):
-                    started.add(id(unit_step.unit))
+                if isinstance(unit_step, InMemoryUnitStep):
+                    self._start_in_place(unit_step)
+                elif not self._start_in_forward(unit_step, multipliers(unit_step.unit)):
+                    continue
+                started.add(id(unit_step.unit))
         self._drop_read_ahead()  # of units not stepped in forward after all
 
     def _can_defer(self, unit_step) -> bool:
@@ -783,6 +811,43 @@ class StepAhead:
             and not unit.home_stale
             and unit.grads.any()
         )
+
+    def _can_defer_in_place(self, unit_step) -> bool:
+        unit = unit_step.unit
+        return (
+            id(unit) in self._in_place_steps
+            and not unit.materialized  # a device copy would be stale until it lands
+            and isinstance(unit.home, torch.Tensor)  # (a disk home's write allocates)
+            and unit.grads.any()
+        )
+
+    def _start_in_place(self, unit_step: InMemoryUnitStep) -> None:
+        """Hand ``unit_step``'s ordinary step to the worker, as ``optimizer.step()`` would
+        run it now: the same group values, the missing gradients zeroed here."""
+        unit = unit_step.unit
+        unit.grads.fill_missing()
+        record = _InPlace(unit_step, self._hyper_now(unit))
+        unit.param_version += 1  # as the ordinary step moves it before stepping
+        record.future = self._pool().submit(_step_in_place, record)
+        self._in_place[id(unit)] = record
+        unit.pending_step = self.finish_unit_in_forward
+        self.stats.in_forward += 1
+
+    def _finish_in_place(self, record: _InPlace) -> None:
+        """Wait for ``record``'s step. One that failed on the worker may have stepped
+        part of the unit, as a failure inside ``optimizer.step()`` would: its error is
+        raised here, once, and the unit is left as the worker left it."""
+        unit = record.unit_step.unit
+        ok = self._wait_worker(record)
+        del self._in_place[id(unit)]
+        unit.pending_step = None
+        self._stop_worker_if_idle()
+        if not ok:
+            raise RuntimeError(
+                f"hetstore: the optimizer step of unit {unit.name!r}, run on during the next "
+                "forward (step_in_forward=True), failed part-way; its weights and states "
+                "may be partly stepped, as after a failure inside optimizer.step()"
+            ) from record.future.exception()
 
     def _start_in_forward(self, unit_step: StreamedUnitStep, multipliers: list) -> bool:
         unit = unit_step.unit
@@ -1063,12 +1128,18 @@ class StepAhead:
         """Commit every step running in the next forward (waiting for the worker)."""
         for record in list(self._in_forward.values()):
             self.finish_unit_in_forward(record.unit_step.unit)
+        for record in list(self._in_place.values()):
+            self._finish_in_place(record)
 
     def finish_unit_in_forward(self, unit: Unit) -> None:
         """Wait for ``unit``'s step in the next forward and commit it. One the worker
         could not finish is run again here, the ordinary way, with the same inputs; if
         that fails too the error is raised and the step stays pending (every later use
         of the unit tries it again: nothing sees the unit as stepped until it is)."""
+        in_place = self._in_place.get(id(unit))
+        if in_place is not None:
+            self._finish_in_place(in_place)
+            return
         record = self._in_forward.get(id(unit))
         if record is None:
             return
@@ -1280,6 +1351,18 @@ def _outcome(future: Future) -> bool:
 
 def _versions(unit: Unit) -> tuple[int, int]:
     return unit.state_version, unit.param_version
+
+
+def _step_in_place(record: _InPlace) -> None:
+    """The worker: a host-memory unit's ordinary step, exactly as ``optimizer.step()``
+    runs it (its inner optimizer with the call's group values), then the copies the
+    unit's fetch reads refreshed."""
+    unit_step = record.unit_step
+    for inner, outer in zip(unit_step.optimizer.param_groups, unit_step.groups, strict=True):
+        for key, value in record.hyper[outer].items():
+            inner[key] = value
+    unit_step.optimizer.step()
+    unit_step.unit.refresh_after_step()
 
 
 def _read_into(arrays: dict[str, DiskArray], into: dict[str, torch.Tensor]) -> None:
