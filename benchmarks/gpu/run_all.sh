@@ -15,6 +15,7 @@ timeout "${TESTS_S:-180}" python3 -m pytest -q -p no:cacheprovider -m cuda --tim
     tests/test_cuda.py tests/test_device_tier.py tests/test_grad_contract.py \
     2>&1 | tee "$OUT/cuda_tests.log"
 timeout "${BENCH_S:-150}" python3 benchmarks/gpu/offload_step.py --steps 4 \
-    --variants cpu-cpu,cpu-cpu:no-overlap,none-cpu,disk-cpu 2>&1 | tee "$OUT/bench.log"
+    --variants cpu-cpu,cpu-cpu:in-forward,cpu-cpu:no-overlap,none-cpu,disk-cpu \
+    2>&1 | tee "$OUT/bench.log"
 timeout "${DISK_S:-110}" python3 benchmarks/gpu/offload_step.py --steps 3 --clip 1.0 \
     --variants disk-disk,disk-disk:in-forward 2>&1 | tee "$OUT/bench_disk_clip.log"

@@ -408,13 +408,14 @@ def _shadow_copy_s(u: UnitTrace, m) -> float:
     return _host_step_s(u, m) * 2 * arrays / (3 + 2 * u.state_count)
 
 
-def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
+def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> tuple[float, set[int]]:
     """Seconds of the steps of units stepped ahead that backward hides (module doc).
     A unit stepped into host shadows costs the worker its copy into them besides the
     arithmetic it saves; paced ('auto', optim.pace), such a unit is stepped ahead only
     if the worker ends it by the end of backward (the first always is). May be
     negative: on a CPU device the worker's arithmetic and copies take backward's cores
-    and hide nothing."""
+    and hide nothing. Also returns the indices of the host-memory units it steps in
+    backward (the others are ``optimizer.step()``'s, or the next forward's)."""
     units, m = trace.units, trace.machine
     disk_overlap = trace.step_overlap or trace.step_in_backward
     saved = [0.0] * len(units)  # what it takes off the step after backward
@@ -431,11 +432,11 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
             copies += copy
             arithmetic += work[k]
     if not any(work):
-        return 0.0
+        return 0.0, set()
     backward = [_backward_s(u, trace) for u in units]
     order = [k for k in reversed(range(len(units))) if not units[k].is_root]
     order += [k for k, u in enumerate(units) if u.is_root]  # its gradients come last
-    end, paced, admitted = sum(backward), trace.pace_memory_steps, 0
+    end, paced, admitted = sum(backward), trace.pace_memory_steps, set()
     clock = worker = 0.0
     for k in order:
         clock += backward[k]
@@ -447,12 +448,13 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
             arithmetic -= work[k]
             saved[k] = work[k] = 0.0
             continue
-        admitted += in_memory
+        if in_memory:
+            admitted.add(k)
         worker = max(clock, worker) + work[k]
     hidden = sum(saved) - max(0.0, worker - clock)
     if m.device == "cpu":  # the worker's arithmetic and copies share backward's cores
         hidden -= arithmetic
-    return max(-copies, hidden)
+    return max(-copies, hidden), admitted
 
 
 def _forward_order(units) -> list[int]:
@@ -513,14 +515,34 @@ def _steps_in_forward(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
     )
 
 
-def _hidden_behind_forward(trace: Trace, choices, steps: list[float]) -> float:
-    """Seconds of the disk units' steps left after backward that the next forward hides
-    (``step_in_forward``; module doc). May be negative on a CPU device."""
+def _memory_in_forward(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
+    """``step_in_forward`` on a GPU finishes this host-memory unit's ordinary step in
+    place during the next forward (optim.step_ahead's ``_InPlace``): its parameters are
+    fetched from a home in host memory, its states are fp32 in host memory."""
+    m = trace.machine
+    return (
+        trace.step_in_forward
+        and m is not None
+        and m.device == "cuda"
+        and c.optimizer == Tier.HOST
+        and c.param == Tier.HOST
+        and not u.compact_states
+        and u.trainable_numel > 0
+    )
+
+
+def _hidden_behind_forward(
+    trace: Trace, choices, steps: list[float], in_backward: set[int] = frozenset()
+) -> float:
+    """Seconds of the steps left after backward that the next forward hides
+    (``step_in_forward``; module doc): disk units', and on a GPU host-memory units' not
+    stepped in backward (``in_backward``). May be negative on a CPU device."""
     units, m = trace.units, trace.machine
     left = [0.0] * len(units)
     arithmetic = 0.0
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
-        if _steps_in_forward(trace, u, c):
+        in_memory = _memory_in_forward(trace, u, c) and k not in in_backward
+        if in_memory or _steps_in_forward(trace, u, c):
             left[k] = steps[k]
             arithmetic += _host_step_s(u, m)
     if not any(left):
@@ -637,9 +659,9 @@ def times(
             steps[k] = max(_host_step_s(u, m), steps[k] - _read_ahead_s(u, c, m))
     hidden = 0.0
     if overlap:
-        hidden = _hidden_behind_backward(trace, choices, steps)
+        hidden, in_backward = _hidden_behind_backward(trace, choices, steps)
         if trace.step_in_forward:
-            hidden += _hidden_behind_forward(trace, choices, steps)
+            hidden += _hidden_behind_forward(trace, choices, steps, in_backward)
     return compute, stall, exposed, sum(steps) - hidden, hidden
 
 
