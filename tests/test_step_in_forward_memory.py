@@ -181,3 +181,100 @@ def test_the_pending_steps_use_the_values_of_the_optimizer_step_call(tmp_path, m
     assert on_opt.speculation_stats["in_forward"] == units_of(on) * len(data)
     assert_bitwise(on, off)
     assert_same_optimizer_state(on_opt, off_opt)
+
+
+@pytest.fixture
+def held(monkeypatch):
+    """The worker's in-place steps wait for this gate (set: they run at once)."""
+    import threading
+
+    from hetstore.optim import step_ahead
+
+    gate = threading.Event()
+    gate.set()
+    original = step_ahead._step_in_place
+
+    def wait_for_gate(record):
+        assert gate.wait(30), "the test never let the worker go"
+        return original(record)
+
+    monkeypatch.setattr(step_ahead, "_step_in_place", wait_for_gate)
+    return gate
+
+
+def snapshot(model) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def stepped_and_held(tmp_path, held):
+    """A model whose second step's in-place steps are pending, the worker held until
+    0.5 s from now; and its weights before that step."""
+    import threading
+
+    data = batches(2, vocab=64)
+    model, opt = host(tmp_path, "held", True)
+    train(model, opt, data[:1])
+    opt.finish_steps_in_forward()
+    before = snapshot(model)
+    x, y = data[1]
+    model(x, y).backward()
+    held.clear()
+    opt.step()
+    assert opt.step_ahead._in_place
+    threading.Timer(0.5, held.set).start()
+    return model, opt, before
+
+
+def test_the_models_state_dict_waits_for_the_pending_steps(tmp_path, held):
+    model, opt, before = stepped_and_held(tmp_path, held)
+    during = snapshot(model)  # waits for the worker
+    opt.finish_steps_in_forward()
+    after = snapshot(model)
+    assert all(torch.equal(during[k], after[k]) for k in after)
+    assert not all(torch.equal(before[k], after[k]) for k in after)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "hetstore.load"])
+def test_weights_loaded_while_steps_are_pending_are_not_stepped_over(tmp_path, held, how):
+    """model.load_state_dict() and hetstore.load() without the optimizer: the pending
+    step lands first, then the loaded weights replace it, as in plain PyTorch."""
+    model, opt, before = stepped_and_held(tmp_path, held)
+    held.set()
+    hetstore.save(tmp_path / "ckpt", model, opt)  # (lands the steps; saved as stepped)
+    saved = snapshot(model)
+    x, y = batches(3, vocab=64)[2]
+    model(x, y).backward()
+    held.clear()
+    opt.step()
+    import threading
+
+    threading.Timer(0.5, held.set).start()
+    if how == "load_state_dict":
+        model.load_state_dict(saved)
+    else:
+        hetstore.load(tmp_path / "ckpt", model)
+    opt.finish_steps_in_forward()
+    got = snapshot(model)
+    assert all(torch.equal(got[k], saved[k]) for k in saved)
+
+
+def test_a_model_dropped_without_release_leaves_no_worker_thread(tmp_path):
+    import gc
+    import threading
+    import time
+
+    def workers():
+        return [t for t in threading.enumerate() if t.name.startswith("hetstore-step-ahead")]
+
+    gc.collect()
+    assert not workers()
+    model, opt = host(tmp_path, "dropped", True)
+    train(model, opt, batches(1, vocab=64))  # its steps still pending in the worker
+    assert workers()
+    del model, opt
+    for _ in range(20):
+        gc.collect()
+        if not workers():
+            break
+        time.sleep(0.1)
+    assert not workers()

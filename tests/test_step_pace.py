@@ -60,10 +60,12 @@ def test_a_late_worker_leaves_as_many_units_to_the_step_as_it_was_late_by():
     clock = Clock()
     pace = StepPace(clock)
     grads = [5 + i for i in range(12)]  # 12 units: the worker would end at 125 ms
-    assert all(steps(pace, clock, grads, 80))  # 45 ms late: 5 units fewer
+    assert all(steps(pace, clock, grads, 78))  # 47 ms late: 5 units fewer
     assert pace.limit == 7
-    assert steps(pace, clock, grads, 80) == [True] * 7 + [False] * 5
-    assert pace.limit == 7  # done at 75 ms: 5 ms idle holds no more unit
+    assert steps(pace, clock, grads, 78) == [True] * 7 + [False] * 5
+    assert pace.limit == 7  # done at 75 ms: 3 ms idle holds no more unit
+    steps(pace, clock, grads, 71)  # 4 ms late, less than half a unit: it still pays
+    assert pace.limit == 7
     # a longer backward: 30 ms idle before the step, three more fit (the refused ones)
     assert sum(steps(pace, clock, grads, 105)) == 7
     assert pace.limit == 10

@@ -160,10 +160,8 @@ def main() -> None:
     offload_dir = tempfile.mkdtemp(prefix="hetstore-gpu-bench-")
     for variant in args.variants.split(","):
         placement, _, flag = variant.partition(":")
-        if flag not in ("", "no-overlap", "in-forward", "main-step"):
-            raise SystemExit(
-                f"variant {variant!r}: a suffix is ':no-overlap', ':in-forward' or ':main-step'"
-            )
+        if flag not in ("", "no-overlap", "in-forward"):
+            raise SystemExit(f"variant {variant!r}: a suffix is ':no-overlap' or ':in-forward'")
         param, optim = placement.split("-")
         model = copy.deepcopy(base)
         config = hetstore.OffloadConfig(
@@ -179,8 +177,7 @@ def main() -> None:
             model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), config
         )
         allocated_at_build[variant] = settled_allocated() - before
-        if flag == "main-step":  # optimizer.step()'s ordinary steps on the main thread
-            runs[variant][1].step_ahead.ordinary_on_worker = False
+
     del base
 
     g = torch.Generator().manual_seed(1)

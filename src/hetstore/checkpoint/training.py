@@ -1107,6 +1107,7 @@ def _prod(shape) -> int:
 
 
 def _load_unit(unit: Unit, ckpt, names, optimizer, groups_tensors, buffers: _Buffers) -> None:
+    unit.finish_pending_step()  # (step_in_forward) not stepped over what is loaded
     entries = [(names[id(e.param)], e) for e in unit.entries]
     if unit.shards is not None:
         _load_shard(unit, entries, ckpt, optimizer)

@@ -353,6 +353,8 @@ class OffloadedOptimizer(Optimizer):
         return self._found_inf
 
     def _unscale_now(self) -> bool:
+        if self.step_ahead is not None:
+            self.step_ahead.caller_waits()
         inv = 1.0 / self.loss_scaler.scale
         if self.shards is not None:
             views = self._grad_shards()
@@ -421,6 +423,8 @@ class OffloadedOptimizer(Optimizer):
         scaled as the step reads them.
         """
         self._check_alive("clip_grad_norm_")
+        if self.step_ahead is not None:
+            self.step_ahead.caller_waits()
         self.finish_steps_in_forward()
         if self.step_in_backward:
             raise ConfigError(
@@ -512,6 +516,8 @@ class OffloadedOptimizer(Optimizer):
             raise ValueError("OffloadedOptimizer.step does not take a closure")
         if self._on_step_begin is not None:
             self._on_step_begin()
+        if self.step_ahead is not None:
+            self.step_ahead.caller_waits()
         self.finish_steps_in_forward()  # the last step's, if no forward came between
         self._check_chunked_state_keys()
         if self._resume_at == 0:
@@ -574,10 +580,7 @@ class OffloadedOptimizer(Optimizer):
             ):
                 for key, value in self._hyper(outer).items():
                     inner[key] = value
-            if self.step_ahead is not None:
-                self.step_ahead.on_worker(unit_step.optimizer.step)
-            else:
-                unit_step.optimizer.step()
+            unit_step.optimizer.step()
             unit.refresh_after_step()
         self._resume_at = 0
         if self.step_ahead is not None:

@@ -14,10 +14,12 @@ paths a unit takes.
 The limit follows what each step measured, not a model of the machine (on a GPU the
 worker waits for gradients the device produces later than the host's autograd sees
 them, by an amount no model here knows): when the worker finished the last admitted
-unit ``late`` seconds after ``optimizer.step()`` came, the next backward admits
-``ceil(late / t)`` fewer units, ``t`` being the worker's mean time per unit; when it
-was idle for a while before the step and the limit had turned units away, as many more
-as that idle time held. No limit until a step was late: every unit is stepped ahead.
+unit ``late`` seconds after the caller first waited for it (``optimizer.step()``, or
+before it a hetstore clip or fp16's unscale), the next backward admits
+``round(late / t)`` fewer units, ``t`` being the worker's mean time per unit (late by
+less than half a unit costs less than the unit saves: no change); when it was idle for a
+while before that and the limit had turned units away, as many more as that idle time
+held. No limit until a step was late: every unit is stepped ahead.
 """
 
 from __future__ import annotations
@@ -62,16 +64,21 @@ class StepPace:
         self._last_end = self._clock()
 
     def step_called(self) -> None:
-        """``optimizer.step()`` came (before it waits for the worker)."""
-        self._step_at = self._clock()
+        """The caller waits for the worker from now (``optimizer.step()``, or a clip or
+        fp16's unscale before it): the first such moment since backward started counts."""
+        if self._step_at is None:
+            self._step_at = self._clock()
 
     def settled(self) -> None:
         """``optimizer.step()`` has waited for every speculation: set the next limit."""
         if not self._ran or self._step_at is None or self._last_end is None:
             return
         per_unit = self._worker_seconds / self._ran
+        if per_unit <= 0:
+            return
         late = self._last_end - self._step_at
-        if late > 0:
-            self.limit = max(1, self._admitted - math.ceil(late / per_unit))
-        elif self._refused:
+        fewer = round(late / per_unit)
+        if fewer > 0:
+            self.limit = max(1, self._admitted - fewer)
+        elif late < 0 and self._refused:
             self.limit = self._admitted + min(self._refused, math.floor(-late / per_unit))

@@ -254,7 +254,7 @@ class StepAhead:
         # place (step_in_forward on a GPU); and those running now
         self._in_place_steps = {id(s.unit): s for s in in_place}
         self._in_place: dict[int, _InPlace] = {}
-        unit_steps = list(unit_steps) or list(in_place)  # (the tiers of either)
+        first = (list(unit_steps) or list(in_place))[0]  # (the tiers of either)
         # step units during backward (overlap_step, step_in_backward); and finish the
         # ordinary step of disk units during the next forward (step_in_forward)
         self.speculate = speculate or consume
@@ -262,11 +262,12 @@ class StepAhead:
         # host-memory units are stepped ahead only as many as the worker finishes
         # before optimizer.step() (overlap_step='auto'); else all of them
         self._pace = StepPace() if pace else None
-        self.ordinary_on_worker = True  # see on_worker
         self._in_forward: dict[int, _InForward] = {}  # in the order the worker runs them
         # the units in the order the next forward uses them (the runtime's), else None
         self.use_order: Callable[[], list[Unit]] | None = None
-        self._worker_ident: int | None = None
+        # the worker thread's ident, set by the thread itself: a box, not this object,
+        # so the thread does not keep it alive (a model dropped without release())
+        self._worker_box: list[int | None] = [None]
         self._streamed = [s for s in unit_steps if isinstance(s, StreamedUnitStep)]
         self._hyper = hyper
         self._loss_scaler = loss_scaler  # fp16: gradients are unscaled before the step
@@ -274,11 +275,11 @@ class StepAhead:
         self._executor: ThreadPoolExecutor | None = None
         self._slots: list[dict[str, torch.Tensor]] | None = None
         self._slot_buffers: list = []
-        self._host = unit_steps[0].unit.tiers.host
-        self._device = unit_steps[0].unit.device  # the compute device
+        self._host = first.unit.tiers.host
+        self._device = first.unit.device  # the compute device
         # attached by offload() before the optimizer is built; fixed from here on
         self._stagers = stagers_of([s.unit for s in unit_steps])
-        self._disk = unit_steps[0].unit.tiers.disk
+        self._disk = first.unit.tiers.disk
         # kept free on disk while speculations hold their shadows: one ordinary step's
         self._disk_reserve = max((s.shadow_bytes for s in self._streamed), default=0)
         self.suspended = 0  # depth of hetstore.no_sync
@@ -473,13 +474,13 @@ class StepAhead:
         """A step of a unit whose master and states are in host memory, into host
         shadows (:mod:`hetstore.optim.in_memory`), or None when the host tier has no
         room for them beside what the rest of backward will still allocate."""
-        if self._pace is not None and not self._pace.admit():
-            self.stats.too_late += 1  # optimizer.step() steps it, sooner than we would
-            return None
         hyper = self._hyper_now(unit)
         need = unit_step.shadow_bytes(hyper)
         if not self._host.account.would_fit(need + self._staging_to_come()):
             self.stats.not_started += 1
+            return None
+        if self._pace is not None and not self._pace.admit():
+            self.stats.too_late += 1  # optimizer.step() steps it, sooner than we would
             return None
         try:
             shadows = unit_step.begin_speculation(hyper)
@@ -496,6 +497,12 @@ class StepAhead:
             raise
         self.stats.started += 1
         return spec
+
+    def caller_waits(self) -> None:
+        """The caller is about to wait for the steps taken in backward (``optimizer.step()``,
+        or a clip or fp16's unscale before it): the pace measures lateness from here."""
+        if self._pace is not None:
+            self._pace.step_called()
 
     def _run_in_memory(self, unit_step: InMemoryUnitStep, shadows, factor, copies) -> None:
         """Worker: a host-memory unit's speculative step, timed for the pace (without
@@ -1121,7 +1128,7 @@ class StepAhead:
     def _finish_from_reader(self, unit: Unit) -> None:
         """A disk read of one of ``unit``'s arrays: its step lands first, unless the
         read is the worker's own (the step reading its inputs)."""
-        if threading.get_ident() != self._worker_ident:
+        if not self._on_worker_thread():
             self.finish_unit_in_forward(unit)
 
     def finish_in_forward(self) -> None:
@@ -1136,6 +1143,8 @@ class StepAhead:
         could not finish is run again here, the ordinary way, with the same inputs; if
         that fails too the error is raised and the step stays pending (every later use
         of the unit tries it again: nothing sees the unit as stepped until it is)."""
+        if self._on_worker_thread():
+            return  # the worker's own use of the unit, inside its step
         in_place = self._in_place.get(id(unit))
         if in_place is not None:
             self._finish_in_place(in_place)
@@ -1247,25 +1256,18 @@ class StepAhead:
             and spec.unit_step.grads_unchanged(spec.shadows)
         )
 
-    def on_worker(self, fn: Callable[[], None]) -> None:
-        """Run ``fn``, host arithmetic of ``optimizer.step()`` (a unit's ordinary step), on
-        the worker when it exists, and wait: the host's cores then serve one thread's
-        OpenMP team rather than two (on an H100 machine's host the ordinary steps on the
-        main thread right after the worker's speculations ran ~3x slower)."""
-        if self._executor is None or not self.ordinary_on_worker:
-            fn()
-        else:
-            self._executor.submit(fn).result()
-
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
-                1, thread_name_prefix="hetstore-step-ahead", initializer=self._mark_worker
+                1,
+                thread_name_prefix="hetstore-step-ahead",
+                initializer=_mark_thread,
+                initargs=(self._worker_box,),
             )
         return self._executor
 
-    def _mark_worker(self) -> None:
-        self._worker_ident = threading.get_ident()
+    def _on_worker_thread(self) -> bool:
+        return threading.get_ident() == self._worker_box[0]
 
     def _worker_slots(self) -> list[dict[str, torch.Tensor]] | None:
         """The worker's chunk buffers (one worker: one set of sets for every unit), made
@@ -1351,6 +1353,10 @@ def _outcome(future: Future) -> bool:
 
 def _versions(unit: Unit) -> tuple[int, int]:
     return unit.state_version, unit.param_version
+
+
+def _mark_thread(box: list) -> None:
+    box[0] = threading.get_ident()
 
 
 def _step_in_place(record: _InPlace) -> None:

@@ -466,6 +466,7 @@ class Unit:
     def master_copy(self) -> torch.Tensor:
         """This rank's parameters in fp32 as a tensor over the whole layout: the master
         buffer itself when that is all of it in memory, else a fresh host copy."""
+        self.finish_pending_step()  # (step_in_forward) a step still running on lands first
         if not isinstance(self.master, DiskArray) and not self.has_home_only:
             return self.master
         flat = torch.empty(self.numel, dtype=torch.float32)
