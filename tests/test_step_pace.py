@@ -145,3 +145,26 @@ def test_a_worker_fast_enough_for_backward_steps_every_unit_ahead(tmp_path, monk
     assert stats["too_late"] == 0
     assert stats["committed"] == len(on_opt.step_ahead._steps) * len(data)
     assert torch.isfinite(next(on.parameters())).all()
+
+
+def test_the_paced_worker_thread_lasts_across_steps_and_goes_with_the_model(tmp_path, monkeypatch):
+    """One worker thread for every step (not a new one, with a new OpenMP team, each
+    backward); hetstore.release(model) stops it."""
+    import threading
+
+    def workers() -> set:
+        return {t for t in threading.enumerate() if t.name.startswith("hetstore-step")}
+
+    earlier = workers()  # (other tests' models, not yet collected)
+    model, opt = paced(tmp_path, monkeypatch, True)
+    seen = set()
+    for x, y in batches(3, vocab=64):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        seen |= workers() - earlier
+    assert len(seen) == 1
+    hetstore.release(model)
+    (thread,) = seen
+    thread.join(timeout=5)
+    assert not thread.is_alive()

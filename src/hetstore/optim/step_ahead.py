@@ -624,16 +624,23 @@ class StepAhead:
             self._cancel(key)
         self._stop_worker_if_idle()
 
-    def _stop_worker_if_idle(self) -> None:
+    def _stop_worker_if_idle(self, closing: bool = False) -> None:
         """No speculation and no step in the next forward left: the worker and its
-        buffers go."""
+        buffers go. Except the thread itself where host-memory units are paced (a GPU):
+        every backward uses it again, and a new thread starts a new OpenMP team (on an
+        H100's host the ordinary steps right after the worker's ran slowly, cause not
+        known; docs/BENCHMARKS.md). It goes with the model (``close``, or garbage
+        collection: the thread does not keep this object alive)."""
         if self._pending or self._in_forward or self._in_place or self._read_ahead:
             return
-        if self._executor is not None:
+        self._free_slots()  # (the disk steps' chunk buffers: nothing reads them now)
+        keep = self._pace is not None and any(
+            isinstance(s, InMemoryUnitStep) for s in self._steps.values()
+        )
+        if self._executor is not None and (closing or not keep):
             with self._hurry():
                 self._executor.shutdown(wait=True)
             self._executor = None
-        self._free_slots()  # the worker is gone: nothing reads them
 
     def close(self) -> None:
         try:
@@ -650,6 +657,7 @@ class StepAhead:
                     pass
             self._drop_read_ahead()
             self.discard_all()
+            self._stop_worker_if_idle(closing=True)
         if self._host.reclaim == self._reclaim_host:
             self._host.reclaim = None
         for stager in self._param_stagers:
