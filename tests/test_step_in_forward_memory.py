@@ -263,20 +263,17 @@ def test_a_model_dropped_without_release_leaves_no_worker_thread(tmp_path):
     import threading
     import time
 
-    def workers():
-        return [t for t in threading.enumerate() if t.name.startswith("hetstore-step-ahead")]
+    def workers() -> set:
+        return {t for t in threading.enumerate() if t.name.startswith("hetstore-step-ahead")}
 
-    def gone() -> bool:  # a collected executor's thread exits on its own, soon after
-        for _ in range(50):
-            gc.collect()
-            if not workers():
-                return True
-            time.sleep(0.1)
-        return False
-
-    assert gone(), "an earlier test left a worker thread"
+    earlier = workers()  # (other tests' models, not collected yet)
     model, opt = host(tmp_path, "dropped", True)
     train(model, opt, batches(1, vocab=64))  # its steps still pending in the worker
-    assert workers()
+    (mine,) = workers() - earlier
     del model, opt
-    assert gone()
+    for _ in range(50):  # a collected executor's thread exits on its own, soon after
+        gc.collect()
+        if not mine.is_alive():
+            break
+        time.sleep(0.1)
+    assert not mine.is_alive()
