@@ -164,8 +164,6 @@ def _tensors(model: nn.Module, dtype: torch.dtype) -> list[_Tensor]:
     names = {id(t.tensor): t.names for t in targets}
     runtime = _runtime(model)
     if runtime is not None:
-        for unit in runtime.units:
-            unit.finish_pending_step()  # a step still running on (step_in_forward) lands
         out = [
             _Tensor(names[id(e.param)], _master_of(unit, e), dtype)
             for unit in runtime.units

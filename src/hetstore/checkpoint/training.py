@@ -190,9 +190,6 @@ def save(
     if isinstance(optimizer, OffloadedOptimizer):
         optimizer.check_between_steps()
     runtime = _runtime(model)
-    if runtime is not None:
-        for unit in runtime.units:
-            unit.finish_pending_step()  # a step still running on (step_in_forward) lands
     names = _param_names(model)
     extra_tensors: dict[str, torch.Tensor] = {}
     extra_json = None if extra is None else tagged.encode(extra, extra_tensors)
@@ -395,7 +392,9 @@ def _shard_file(unit: Unit, index: int, optimizer, names, rank: int) -> tuple:
 
 def _master_of(unit: Unit, entry) -> torch.Tensor | DiskSlice:
     """A parameter's saved value: its fp32 master, or for a frozen parameter without one
-    its compute-dtype ``home`` (saved in that dtype; a load casts)."""
+    its compute-dtype ``home`` (saved in that dtype; a load casts). A step still running
+    on (``step_in_forward``) lands first."""
+    unit.finish_pending_step()
     source = unit.master if entry.offset < unit.master_numel else unit.home
     if isinstance(source, DiskArray):
         return DiskSlice(source, entry.offset, entry.numel, entry.shape)

@@ -26,6 +26,7 @@ backward itself (a CPU device); see ``overlap_step``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,15 @@ class InMemoryUnitStep:
         self.groups = groups  # outer group index of each inner group
         self._spec = flat_spec(type(optimizer))
         self._placeholders: list[Optimizer] | None = None  # the worker's, per segment
+
+    def step(self, hyper: Callable[[int], dict]) -> None:
+        """The ordinary step, in place: each inner group takes the values ``hyper`` gives
+        for its outer group (the live ones in ``optimizer.step()``; those of that call
+        for a step in the next forward), then the compute-dtype copies are refreshed."""
+        for inner, outer in zip(self.optimizer.param_groups, self.groups, strict=True):
+            inner.update(hyper(outer))
+        self.optimizer.step()
+        self.unit.refresh_after_step()
 
     # ------------------------------------------------------------------ step ahead
     def can_speculate(self, flat: bool) -> bool:
@@ -132,13 +142,11 @@ class InMemoryUnitStep:
         return MemoryShadows(master, states, grad, fresh, hyper)
 
     @torch.no_grad()
-    def run_speculation(self, shadows: MemoryShadows, factor: float | None, copies=None) -> None:
+    def run_speculation(self, shadows: MemoryShadows, factor: float | None) -> None:
         """Any thread: the live master and states into the shadows, then each segment
         stepped there with the shadows' group values and the gradients as they are
-        (multiplied by ``factor``, fp16's unscale, into the shadows' own buffer).
-        ``copies``: a CUDA event the gradients' copies to the host end with."""
-        if copies is not None:
-            copies.synchronize()  # on this thread: backward's never waits for them
+        (multiplied by ``factor``, fp16's unscale, into the shadows' own buffer), once
+        the gradients' copies to the host have landed (the caller waits for them)."""
         unit = self.unit
         master = shadows.master.data
         master.copy_(unit.master)

@@ -575,13 +575,7 @@ class OffloadedOptimizer(Optimizer):
                 self._step_streamed(unit_step, ahead)
                 continue
             unit.grads.fill_missing()
-            for inner, outer in zip(
-                unit_step.optimizer.param_groups, unit_step.groups, strict=True
-            ):
-                for key, value in self._hyper(outer).items():
-                    inner[key] = value
-            unit_step.optimizer.step()
-            unit.refresh_after_step()
+            unit_step.step(self._hyper)
         self._resume_at = 0
         if self.step_ahead is not None:
             self.step_ahead.drop_read_ahead()

@@ -38,7 +38,7 @@ class StepPace:
         self.limit: int | None = None  # units stepped ahead per backward; None: all
         self._admitted = 0  # this backward's
         self._refused = 0
-        self._step_at: float | None = None  # when optimizer.step() came
+        self._step_at: float | None = None  # when the caller first waited for the worker
         self._last_end: float | None = None  # when the worker finished its last one
         self._worker_seconds = 0.0
         self._ran = 0

@@ -262,6 +262,8 @@ class StepAhead:
         # host-memory units are stepped ahead only as many as the worker finishes
         # before optimizer.step() (overlap_step='auto'); else all of them
         self._pace = StepPace() if pace else None
+        # the worker thread then lasts across steps (see _stop_worker_if_idle)
+        self._keep_worker = pace and any(isinstance(s, InMemoryUnitStep) for s in unit_steps)
         self._in_forward: dict[int, _InForward] = {}  # in the order the worker runs them
         # the units in the order the next forward uses them (the runtime's), else None
         self.use_order: Callable[[], list[Unit]] | None = None
@@ -522,8 +524,6 @@ class StepAhead:
         speculation took none. ``clipped``: a clip scaled the gradients this step (the
         next step's speculations are held back, see ``hold_back``)."""
         self.hold_back = clipped
-        if self._pace is not None:
-            self._pace.step_called()
         # what the ordinary step multiplies gradients on disk by; factors of exactly 1.0
         # (a clip that does not bite) change nothing
         factors = [float(f) for f in disk_grad_factors if float(f) != 1.0]
@@ -634,10 +634,7 @@ class StepAhead:
         if self._pending or self._in_forward or self._in_place or self._read_ahead:
             return
         self._free_slots()  # (the disk steps' chunk buffers: nothing reads them now)
-        keep = self._pace is not None and any(
-            isinstance(s, InMemoryUnitStep) for s in self._steps.values()
-        )
-        if self._executor is not None and (closing or not keep):
+        if self._executor is not None and (closing or not self._keep_worker):
             with self._hurry():
                 self._executor.shutdown(wait=True)
             self._executor = None
@@ -1368,15 +1365,9 @@ def _mark_thread(box: list) -> None:
 
 
 def _step_in_place(record: _InPlace) -> None:
-    """The worker: a host-memory unit's ordinary step, exactly as ``optimizer.step()``
-    runs it (its inner optimizer with the call's group values), then the copies the
-    unit's fetch reads refreshed."""
-    unit_step = record.unit_step
-    for inner, outer in zip(unit_step.optimizer.param_groups, unit_step.groups, strict=True):
-        for key, value in record.hyper[outer].items():
-            inner[key] = value
-    unit_step.optimizer.step()
-    unit_step.unit.refresh_after_step()
+    """The worker: a host-memory unit's ordinary step, with the group values of the
+    ``optimizer.step()`` call that handed it over."""
+    record.unit_step.step(record.hyper.__getitem__)
 
 
 def _read_into(arrays: dict[str, DiskArray], into: dict[str, torch.Tensor]) -> None:
