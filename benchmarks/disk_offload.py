@@ -11,7 +11,11 @@ Every variant trains ``hetstore.demo.gpt.GPT`` from the same seed on the same
   this CPU device every unit is stepped in ``optimizer.step()``);
 * ``cpu (overlap)``: the same with ``overlap_step=True``: units stepped during backward
   into host shadows (on a GPU 'auto' does this; here it shows what it costs on a CPU).
-* ``disk``: ``offload_param="disk", offload_optimizer="disk"`` (gradients follow to disk);
+* ``disk``: ``offload_param="disk", offload_optimizer="disk"`` (gradients follow to disk),
+  ``overlap_step=True, step_in_forward=False``: the defaults until 2026-11-26, every step
+  done when ``optimizer.step()`` returns;
+* ``disk (defaults)``: the same placement with every other key at its default (today
+  ``overlap_step='auto'`` and ``step_in_forward='auto'``);
 * ``disk (no overlap)``: as ``disk`` with ``overlap_step=False``.
 * ``disk (grad cpu)``: as ``disk`` with ``offload_grad="cpu"``: units are stepped ahead,
   during backward (``overlap_step``, on by default, applies here).
@@ -91,11 +95,12 @@ WEIGHT_DECAY = 0.1
 
 # variant -> (offload_param, offload_optimizer, offload_grad, overlap_step,
 # step_in_forward); None: plain
-VARIANTS: dict[str, tuple[str, str, str | None, bool | str, bool] | None] = {
+VARIANTS: dict[str, tuple[str, str, str | None, bool | str, bool | str] | None] = {
     "plain": None,
     "cpu": ("cpu", "cpu", None, "auto", False),  # on this CPU device: stepped after backward
     "cpu (overlap)": ("cpu", "cpu", None, True, False),  # into host shadows during backward
     "disk": ("disk", "disk", None, True, False),
+    "disk (defaults)": ("disk", "disk", None, "auto", "auto"),
     "disk (no overlap)": ("disk", "disk", None, False, False),
     "disk (in forward)": ("disk", "disk", None, True, True),
     "disk (grad cpu)": ("disk", "disk", "cpu", True, False),

@@ -406,15 +406,20 @@ def test_host_steps_in_the_next_forward_hide_behind_it_on_a_gpu_except_the_roots
     n, root_n = 4 * MiB, 2 * MiB
     base = disk_trace(forward_s=10.0)
     serial = estimate(base, [HOST_HOME] * 5, 1, overlap=False)
-    forward = estimate(replace(base, step_in_forward=True), [HOST_HOME] * 5, 1)
+    forward = estimate(replace(base, step_in_forward_memory=True), [HOST_HOME] * 5, 1)
     assert forward.optimizer_hidden_s == pytest.approx(4 * n / GPU.host_step)
     assert forward.optimizer_s == pytest.approx(root_n / GPU.host_step)
     assert forward.optimizer_s + forward.optimizer_hidden_s == pytest.approx(serial.optimizer_s)
-    both = replace(base, step_in_forward=True, step_overlap_memory=True, pace_memory_steps=True)
+    both = replace(
+        base, step_in_forward_memory=True, step_overlap_memory=True, pace_memory_steps=True
+    )
     e = estimate(both, [HOST_HOME] * 5, 1)
     assert e.optimizer_s == pytest.approx(forward.optimizer_s)  # the root's, either way
-    on_cpu = replace(disk_trace(10.0, CPU), step_in_forward=True)
+    on_cpu = replace(disk_trace(10.0, CPU), step_in_forward_memory=True)
     assert estimate(on_cpu, [HOST_HOME] * 5, 1).optimizer_hidden_s == 0
+    # the disk units' step_in_forward ('auto', the default) leaves host units' steps be
+    disk_only = replace(base, step_in_forward=True)
+    assert estimate(disk_only, [HOST_HOME] * 5, 1).optimizer_s == pytest.approx(serial.optimizer_s)
 
 
 def test_the_host_copy_rate_is_measured():

@@ -181,16 +181,20 @@ def free_bytes(path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def test_disk_full_mid_step_raises_then_step_again_completes(tmp_path):
-    """The file system fills between offload() and the step: the blocks are stepped, the
-    root unit's new state cannot be allocated; the error names the tier, the path and
-    what to do; the root's state is untouched; after space is freed, step() again
-    finishes and training matches plain PyTorch exactly."""
+@pytest.mark.parametrize("in_forward", [False, "auto"], ids=["step-in-step", "step-in-forward"])
+def test_disk_full_mid_step_raises_then_step_again_completes(tmp_path, in_forward):
+    """The file system fills between offload() and the step. Stepped in
+    ``optimizer.step()``: the blocks are stepped, the root unit's new state cannot be
+    allocated. With the steps run on into the next forward (the default): a block handed
+    to the worker holds its shadow, so a later unit's step finds the disk full; each
+    block is then either stepped or untouched. Either way the error names the tier, the
+    path and what to do; the root's state is untouched; after space is freed, step()
+    again finishes and training matches plain PyTorch exactly."""
     data = batches(3, vocab=1024)
     with small_tmpfs(tmp_path, "8M") as mnt:
         ref, mine = pair(root_heavy_gpt)
         ref_opt = adamw(ref.parameters())
-        cfg = disk_config(mnt, offload_disk_size="4MB")
+        cfg = disk_config(mnt, offload_disk_size="4MB", step_in_forward=in_forward)
         mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
         root = hetstore.state_of(mine).runtime.root
         block_shadow = 3 * 53248  # master + 2 moments of a block, page-rounded
@@ -202,6 +206,8 @@ def test_disk_full_mid_step_raises_then_step_again_completes(tmp_path):
             model(x, y).backward()
         ref_opt.step()
         root_before = root.master_copy().clone()
+        blocks = hetstore.state_of(mine).runtime.block_units
+        blocks_before = [block.master_copy().clone() for block in blocks]
         with pytest.raises(OutOfTierMemory) as info:
             opt.step()
         message = str(info.value)
@@ -209,11 +215,18 @@ def test_disk_full_mid_step_raises_then_step_again_completes(tmp_path):
         assert "offload_path" in message
         torch.testing.assert_close(root.master_copy(), root_before, rtol=0, atol=0)
         ref_params = dict(ref.named_parameters())
-        for block in hetstore.state_of(mine).runtime.block_units:  # stepped before the failure
+        stepped = 0
+        for block, before in zip(blocks, blocks_before, strict=True):
             master = block.master_copy()
+            if in_forward and torch.equal(master, before):
+                continue  # its step was to come after the failure
+            stepped += 1
             for e in block.entries:
                 got = master[e.offset : e.offset + e.numel].view(e.shape)
                 torch.testing.assert_close(got, ref_params[e.name].detach(), **TIGHT)
+        if not in_forward:
+            assert stepped == len(blocks)  # every block before the root, in order
+        assert stepped >= 1
         os.remove(filler)
         opt.step()  # finishes the interrupted step: the root only
         opt.zero_grad()

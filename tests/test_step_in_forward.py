@@ -365,7 +365,8 @@ def test_a_step_after_a_clip_leaves_no_read_ahead_and_no_worker_behind(tmp_path)
     goes with them (a model dropped between steps leaves nothing running)."""
     data = batches(3, vocab=64)
     model, opt = fresh()
-    model, opt = hetstore.offload(model, opt, config(tmp_path, True, "disk"))
+    cfg = config(tmp_path, True, "disk", step_in_forward=False)
+    model, opt = hetstore.offload(model, opt, cfg)
     for x, y in data:
         model(x, y).backward()
         opt.clip_grad_norm_(0.05)
@@ -492,6 +493,52 @@ def test_a_program_whose_last_step_has_no_forward_after_it_exits_promptly(tmp_pa
     assert ended - left < 10, f"{ended - left:.1f} s from the last step to the exit"
 
 
-def test_step_in_forward_takes_true_or_false_only():
-    with pytest.raises(ConfigError, match="step_in_forward"):
-        hetstore.OffloadConfig(step_in_forward="yes")
+def test_step_in_forward_takes_auto_true_or_false_only():
+    for bad in ("yes", "on", 1, None):
+        with pytest.raises(ConfigError, match=r"step_in_forward=.*'auto', True or False"):
+            hetstore.OffloadConfig(step_in_forward=bad)
+
+
+def test_the_default_runs_disk_steps_on_into_the_next_forward_unless_overlap_step_is_off(
+    tmp_path,
+):
+    """``step_in_forward='auto'`` (the default): the disk units' steps a clip left after
+    backward run on into the next forward, bitwise as with it off; ``overlap_step=False``
+    asks for every step in ``optimizer.step()``, and 'auto' follows it. Host-memory units'
+    steps move only with True (on a GPU)."""
+    assert hetstore.OffloadConfig().step_in_forward == "auto"
+    assert hetstore.OffloadConfig().steps_disk_in_forward
+    assert not hetstore.OffloadConfig(overlap_step=False).steps_disk_in_forward
+    assert hetstore.OffloadConfig(overlap_step=False, step_in_forward=True).steps_disk_in_forward
+    assert not hetstore.OffloadConfig().steps_memory_in_forward("cuda")
+    assert hetstore.OffloadConfig(step_in_forward=True).steps_memory_in_forward("cuda")
+    assert not hetstore.OffloadConfig(step_in_forward=True).steps_memory_in_forward("cpu")
+
+    def default_config(where, **kwargs):
+        return hetstore.OffloadConfig(
+            offload_param="disk",
+            offload_optimizer="disk",
+            offload_path=str(tmp_path / where),
+            enable_pinned_mem=False,
+            device="cpu",
+            **kwargs,
+        )
+
+    data = batches(3, vocab=64)
+    runs = {}
+    for name, kwargs in {
+        "default": {},
+        "off": {"step_in_forward": False},
+        "no-overlap": {"overlap_step": False},
+    }.items():
+        model, opt = fresh()
+        model, opt = hetstore.offload(model, opt, default_config(name, **kwargs))
+        runs[name] = (model, opt, train(model, opt, data, clip=0.05))
+    default, off, no_overlap = runs["default"], runs["off"], runs["no-overlap"]
+    assert default[2] == off[2] == no_overlap[2]
+    assert_bitwise(default[0], off[0])
+    assert_bitwise(no_overlap[0], off[0])
+    assert_same_optimizer_state(default[1], off[1])
+    assert default[1].speculation_stats["in_forward"] == units_of(default[0]) * len(data)
+    assert off[1].speculation_stats["in_forward"] == 0
+    assert no_overlap[1].step_ahead is None  # nothing stepped ahead of optimizer.step()

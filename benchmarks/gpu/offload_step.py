@@ -5,12 +5,14 @@ One command on a machine with CUDA:
     python benchmarks/gpu/offload_step.py [--width 1024 --depth 12 --steps 6]
         [--variants cpu-cpu,cpu-cpu:no-overlap,none-cpu,disk-disk]
 
-Each variant ``PARAM-OPTIM`` is ``offload_param``-``offload_optimizer``, with
-``overlap_step='auto'`` (on a GPU: units with states in host memory or on disk are
-stepped during backward); ``PARAM-OPTIM:no-overlap`` sets ``overlap_step=False`` (every
-unit stepped in ``optimizer.step()``), the comparison for the overlap;
-``PARAM-OPTIM:in-forward`` sets ``step_in_forward=True`` (disk units' steps run during
-the next forward). ``--clip C`` clips every model's gradients at C before its step
+Each variant ``PARAM-OPTIM`` is ``offload_param``-``offload_optimizer`` with the
+defaults ``overlap_step='auto'`` (on a GPU: units with states in host memory or on disk
+are stepped during backward) and ``step_in_forward='auto'`` (what is left of the disk
+units' steps runs during the next forward); ``PARAM-OPTIM:no-overlap`` sets
+``overlap_step=False`` (every unit stepped in ``optimizer.step()``), the comparison for
+the overlap; ``PARAM-OPTIM:in-forward`` sets ``step_in_forward=True`` (host-memory
+units' steps run during the next forward too); ``PARAM-OPTIM:step-after`` sets
+``step_in_forward=False`` (what backward left is stepped in ``optimizer.step()``). ``--clip C`` clips every model's gradients at C before its step
 (hetstore's ``clip_grad_norm_``, torch's for plain). Prints, per
 row: the median step time and its ratio to plain PyTorch (measured in the same run, the
 steps interleaved so that machine noise hits all alike), the time in forward, backward
@@ -160,8 +162,11 @@ def main() -> None:
     offload_dir = tempfile.mkdtemp(prefix="hetstore-gpu-bench-")
     for variant in args.variants.split(","):
         placement, _, flag = variant.partition(":")
-        if flag not in ("", "no-overlap", "in-forward"):
-            raise SystemExit(f"variant {variant!r}: a suffix is ':no-overlap' or ':in-forward'")
+        in_forward = {"": "auto", "no-overlap": "auto", "in-forward": True, "step-after": False}
+        if flag not in in_forward:
+            raise SystemExit(
+                f"variant {variant!r}: a suffix is ':no-overlap', ':in-forward' or ':step-after'"
+            )
         param, optim = placement.split("-")
         model = copy.deepcopy(base)
         config = hetstore.OffloadConfig(
@@ -170,7 +175,7 @@ def main() -> None:
             device="cuda",
             offload_path=offload_dir,
             overlap_step=False if flag == "no-overlap" else "auto",
-            step_in_forward=flag == "in-forward",
+            step_in_forward=in_forward[flag],
         )
         before = settled_allocated()
         runs[variant] = hetstore.offload(

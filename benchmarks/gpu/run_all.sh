@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one command, for a lent GPU machine (its python3 holds a CUDA torch;
 # hetstore runs from src/): the CUDA tests, then the GPU benchmark's placements, then
-# everything on disk with a clip at 1.0, with and without step_in_forward. Logs go to
+# everything on disk with a clip at 1.0, with step_in_forward (the default) and without. Logs go to
 # $OUT (or ./gpu-logs). Each part has its own time limit so that one hang cannot eat
 # the rest.
 set -u
@@ -18,4 +18,4 @@ timeout "${BENCH_S:-150}" python3 benchmarks/gpu/offload_step.py --steps 4 \
     --variants cpu-cpu,cpu-cpu:in-forward,cpu-cpu:no-overlap,none-cpu,disk-cpu \
     2>&1 | tee "$OUT/bench.log"
 timeout "${DISK_S:-110}" python3 benchmarks/gpu/offload_step.py --steps 3 --clip 1.0 \
-    --variants disk-disk,disk-disk:in-forward 2>&1 | tee "$OUT/bench_disk_clip.log"
+    --variants disk-disk:step-after,disk-disk 2>&1 | tee "$OUT/bench_disk_clip.log"

@@ -306,7 +306,7 @@ def offload(
             step_in_forward_memory=config.steps_memory_in_forward(device),
             root=root,
             step_in_backward=config.step_in_backward,
-            step_in_forward=config.step_in_forward,
+            step_in_forward=config.steps_disk_in_forward,
             state_format=state_format(config.optimizer_state_format),
             on_step_begin=lambda: profiler.switch("optimizer"),
             on_step=profiler.step_ends,

@@ -268,8 +268,8 @@ class OffloadConfig:
         ),
     )
 
-    step_in_forward: bool = field(
-        default=False,
+    step_in_forward: bool | str = field(
+        default="auto",
         metadata=_doc(
             "Let optimizer.step() return before the steps of units whose optimizer states "
             "and parameters are on disk are done, and finish them during the next forward: "
@@ -278,10 +278,13 @@ class OffloadConfig:
             "and the result is bitwise the ordinary step's. It hides the steps that "
             "overlap_step cannot hide in backward: after a clip that bit, the root unit's, "
             "rollbacks. A step that fails on its thread runs again at that use, and raises "
-            "there if it fails again (not at optimizer.step()). On a GPU, units whose "
-            "states are in host memory too: their ordinary step runs in place on the host "
-            "beside the next forward, each before its unit's fetch (one that fails raises "
-            "at that use, the unit partly stepped as after a failed optimizer.step())."
+            "there if it fails again (not at optimizer.step()). 'auto': those disk units, "
+            "while overlap_step is not False. True: those disk units with overlap_step "
+            "False too, and on a GPU units whose states are in host memory as well: their "
+            "ordinary step runs in place on the host beside the next forward, each before "
+            "its unit's fetch (one that fails raises at that use, the unit partly stepped "
+            "as after a failed optimizer.step()). False: every step is done when "
+            "optimizer.step() returns."
         ),
     )
 
@@ -295,13 +298,12 @@ class OffloadConfig:
             "enable_pinned_mem",
             "enable_aio",
             "step_in_backward",
-            "step_in_forward",
         ):
             _check_bool(key, getattr(self, key))
-        if not (isinstance(self.overlap_step, bool) or self.overlap_step == "auto"):
-            raise ConfigError(
-                f"overlap_step={short_repr(self.overlap_step)}: must be 'auto', True or False"
-            )
+        for key in ("overlap_step", "step_in_forward"):
+            value = getattr(self, key)
+            if not (isinstance(value, bool) or value == "auto"):
+                raise ConfigError(f"{key}={short_repr(value)}: must be 'auto', True or False")
         for key in ("max_device_memory", "offload_cpu_size", "offload_disk_size"):
             value = getattr(self, key)
             if value is not None:
@@ -390,12 +392,21 @@ class OffloadConfig:
             return device.type == "cuda"
         return self.overlap_step
 
+    @property
+    def steps_disk_in_forward(self) -> bool:
+        """``step_in_forward``: what is left of the disk units' steps after backward
+        finishes during the next forward ('auto': while ``overlap_step`` is on)."""
+        if self.step_in_forward == "auto":
+            return self.overlaps_disk_steps
+        return self.step_in_forward
+
     def steps_memory_in_forward(self, device: torch.device | str | None = None) -> bool:
-        """``step_in_forward``: units with states in host memory finish their ordinary
-        step during the next forward too, on a GPU (on a CPU device that forward would
-        compute on the cores the step needs)."""
+        """``step_in_forward=True``: units with states in host memory finish their
+        ordinary step during the next forward too, on a GPU (on a CPU device that forward
+        would compute on the cores the step needs). Not under 'auto': not yet measured
+        on a GPU."""
         device = torch.device(device) if device is not None else self.resolved_device()
-        return self.step_in_forward and device.type == "cuda"
+        return self.step_in_forward is True and device.type == "cuda"
 
     def resolved_device(self) -> torch.device:
         """The compute device: 'auto' becomes cuda when available, else cpu."""

@@ -166,8 +166,10 @@ def run_scenario(name: str, out: str, path: str) -> None:
         )
         losses, norms = train(single, single_opt, full, clip=CLIP, world_mean=False)
         result["single_losses"], result["single_norms"] = losses, norms
-        result["single_stats"] = hetstore.memory_stats(single)
+        # (the weights first: reading them lands the steps still running on into the
+        # next forward, step_in_forward, whose buffers the sharded run never holds)
         result["single_weights"] = weights(single)
+        result["single_stats"] = hetstore.memory_stats(single)
     dist.barrier()
     torch.save(result, os.path.join(out, f"{name}-rank{rank}.pt"))
 

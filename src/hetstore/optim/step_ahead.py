@@ -857,7 +857,7 @@ class StepAhead:
         if not ok:
             raise RuntimeError(
                 f"hetstore: the optimizer step of unit {unit.name!r}, run on during the next "
-                "forward (step_in_forward=True), failed part-way; its weights and states "
+                "forward (step_in_forward), failed part-way; its weights and states "
                 "may be partly stepped, as after a failure inside optimizer.step()"
             ) from record.future.exception()
 
@@ -1177,7 +1177,7 @@ class StepAhead:
             self._arm(unit_step, True)
             exc.add_note(
                 f"hetstore: the optimizer step of unit {unit.name!r}, run on during the next "
-                "forward (step_in_forward=True), failed; the unit keeps its weights from "
+                "forward (step_in_forward), failed; the unit keeps its weights from "
                 "before that step, and its next use runs the step again"
             )
             raise

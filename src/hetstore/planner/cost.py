@@ -521,7 +521,7 @@ def _memory_in_forward(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
     fetched from a home in host memory, its states are fp32 in host memory."""
     m = trace.machine
     return (
-        trace.step_in_forward
+        trace.step_in_forward_memory
         and m is not None
         and m.device == "cuda"
         and c.optimizer == Tier.HOST
@@ -582,6 +582,7 @@ def times(
             or trace.step_in_backward
             or trace.step_overlap_memory
             or trace.step_in_forward
+            or trace.step_in_forward_memory
         )
     m = trace.machine
     compute = stall = overlappable = 0.0
@@ -660,7 +661,7 @@ def times(
     hidden = 0.0
     if overlap:
         hidden, in_backward = _hidden_behind_backward(trace, choices, steps)
-        if trace.step_in_forward:
+        if trace.step_in_forward or trace.step_in_forward_memory:
             hidden += _hidden_behind_forward(trace, choices, steps, in_backward)
     return compute, stall, exposed, sum(steps) - hidden, hidden
 
@@ -722,11 +723,13 @@ def _when_a_clip_bites(
 
     def step_s(t: Trace) -> float:
         compute, stall, exposed, optimizer, _ = times(
-            t, choices, depth, t.step_in_forward, bitten=True
+            t, choices, depth, t.step_in_forward or t.step_in_forward_memory, bitten=True
         )
         return compute + stall + exposed + optimizer + t.overhead_s
 
-    return step_s(bitten), step_s(replace(bitten, step_in_forward=True))
+    return step_s(bitten), step_s(
+        replace(bitten, step_in_forward=True, step_in_forward_memory=True)
+    )
 
 
 def _more_disk_shadows(trace: Trace, choices: list[UnitChoice]) -> int:

@@ -138,6 +138,8 @@ class Trace:
     # ``step_in_forward``: what is left of the disk units' steps after backward runs on
     # beside the next forward (each before its unit's forward)
     step_in_forward: bool = False
+    # ``step_in_forward=True`` on a GPU: host-memory units' ordinary steps too
+    step_in_forward_memory: bool = False
     # where the units' compute times come from: "flops" (counted FLOPs at the probed
     # matmul rate), "probed" / "partly probed" (planner.probe timed one unit of each
     # kind, or some kinds, for real); ``measured`` (the profiled steps) overrides it
@@ -176,6 +178,7 @@ class Trace:
             "pace_memory_steps",
             "step_in_backward",
             "step_in_forward",
+            "step_in_forward_memory",
             "compute_basis",
         )
         rest = {k: data[k] for k in keys if k in data}
