@@ -22,10 +22,23 @@ peft = pytest.importorskip("peft")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
-def config(param="cpu"):
+def config(param="cpu", optimizer="cpu"):
+    # gradients in host memory: torch's gradient APIs (p.grad, clip_grad_norm_,
+    # model.zero_grad()), which these libraries call, cannot reach gradients on disk
     return OffloadConfig(
-        offload_param=param, offload_optimizer="cpu", enable_pinned_mem=False, device="cpu"
+        offload_param=param,
+        offload_optimizer=optimizer,
+        offload_grad="cpu",
+        enable_pinned_mem=False,
+        device="cpu",
     )
+
+
+# where the model's parameters and states live: host memory, or disk (whose steps a clip
+# that bites leaves to run on into the next forward, step_in_forward='auto')
+PLACEMENTS = pytest.mark.parametrize(
+    "where", [("cpu", "cpu"), ("disk", "disk")], ids=["host", "disk"]
+)
 
 
 def tiny_llama():
@@ -79,17 +92,20 @@ def run_trainer(model, optimizer, tmp_path, **args):
     ],
     ids=["no-clip", "accumulate-2-clip-1"],
 )
-def test_trainer_trains_like_plain_trainer(args, tmp_path):
+@PLACEMENTS
+def test_trainer_trains_like_plain_trainer(args, where, tmp_path):
     ref = tiny_llama()
     mine = copy.deepcopy(ref)
     ref_losses, ref_norms = run_trainer(ref, adamw(ref), tmp_path / "ref", **args)
-    mine, opt = hetstore.offload(mine, adamw(mine), config())
+    mine, opt = hetstore.offload(mine, adamw(mine), config(*where))
     losses, norms = run_trainer(mine, opt, tmp_path / "mine", **args)
     torch.testing.assert_close(losses, ref_losses, **TIGHT)
     assert_same_weights(ref, mine)
     if args["max_grad_norm"]:
         assert all(n is not None and n > 1.0 for n in ref_norms), "clip must be active"
         assert norms == ref_norms  # the true grad norm is logged (it was 0.0)
+    if where[1] == "disk":  # every step but the last ran on into the next forward
+        assert opt.speculation_stats["in_forward"] > 0
 
 
 def test_trainer_keeps_host_steps_taken_ahead(tmp_path):
@@ -128,14 +144,17 @@ def accelerate_steps(model, optimizer, rows, clip=0.5):
     return accelerator, model, optimizer, norms
 
 
-def test_accelerate_clip_and_save_state_load_state(tmp_path):
+@PLACEMENTS
+def test_accelerate_clip_and_save_state_load_state(where, tmp_path):
     ref = tiny_llama()
     mine = copy.deepcopy(ref)
     rows = dataset(6)
     _, ref, ref_opt, ref_norms = accelerate_steps(ref, adamw(ref), rows[:3])
-    mine, opt = hetstore.offload(mine, adamw(mine), config())
+    mine, opt = hetstore.offload(mine, adamw(mine), config(*where))
     acc, mine, opt, norms = accelerate_steps(mine, opt, rows[:3])
     assert all(n > 0.5 for n in ref_norms) and norms == ref_norms
+    if where[1] == "disk":  # the clip bit: the steps ran on into the next forward
+        assert opt.optimizer.speculation_stats["in_forward"] > 0
     assert_same_weights(ref, mine)
 
     acc.save_state(str(tmp_path / "state"))
@@ -148,7 +167,7 @@ def test_accelerate_clip_and_save_state_load_state(tmp_path):
     torch.manual_seed(5)
     for p in fresh.parameters():  # different weights: the load must overwrite them
         torch.nn.init.normal_(p)
-    fresh, fresh_opt = hetstore.offload(fresh, adamw(fresh), config())
+    fresh, fresh_opt = hetstore.offload(fresh, adamw(fresh), config(*where))
     acc2 = accelerate.Accelerator(cpu=True)
     fresh, fresh_opt = acc2.prepare(fresh, fresh_opt)
     acc2.load_state(str(tmp_path / "state"))
