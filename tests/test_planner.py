@@ -171,7 +171,10 @@ def random_trace(rng: random.Random, machine):
     return Trace(units=tuple(units), machine=machine)
 
 
-@pytest.mark.parametrize("seed", range(6))
+# seed 9: a plan that left the host room to spill activations later was chosen at 43%
+# slower than one a smaller device had got; seed 22 (a CPU device): parameters left on
+# the device where host memory, used in place, was faster
+@pytest.mark.parametrize("seed", [*range(6), 9, 22])
 def test_more_capacity_never_predicts_a_slower_step(seed):
     rng = random.Random(seed)
     trace = random_trace(rng, GPU if seed % 2 else CPU)
