@@ -359,6 +359,38 @@ def test_the_first_units_states_are_read_during_backward_for_their_step(
     assert not on_opt.step_ahead._read_ahead  # each step freed what it read ahead
 
 
+def test_read_ahead_states_are_stepped_where_they_were_read(tmp_path, monkeypatch):
+    """The step of a unit read ahead (fp32 states: the compact formats are not read
+    ahead) steps and writes its chunks in the buffers they were read into
+    (``StreamedUnitStep._views_of``), not in copies: the same losses, weights and states
+    bit for bit as without reading ahead, and every step that took what was read ahead
+    stepped it there."""
+    data = batches(4, vocab=64)
+    in_place = []
+    views_of = StreamedUnitStep._views_of
+
+    def counted(self, read_ahead):
+        views = views_of(self, read_ahead)
+        if views is not None:
+            in_place.append(self.unit.name)
+        return views
+
+    monkeypatch.setattr(StreamedUnitStep, "_views_of", counted)
+    results = []
+    for units in (2, 0):
+        monkeypatch.setattr(step_ahead, "READ_AHEAD_UNITS", units)
+        model, opt = fresh()
+        cfg = config(tmp_path / f"ra{units}", True, "disk")
+        model, opt = hetstore.offload(model, opt, cfg)
+        results.append((model, opt, train(model, opt, data, clip=0.05)))
+    (on, on_opt, on_losses), (off, off_opt, off_losses) = results
+    assert on_losses == off_losses
+    assert_bitwise(on, off)
+    assert_same_optimizer_state(on_opt, off_opt)
+    assert on_opt.speculation_stats["read_ahead"] > 0
+    assert len(in_place) == on_opt.speculation_stats["read_ahead"]
+
+
 def test_a_step_after_a_clip_leaves_no_read_ahead_and_no_worker_behind(tmp_path):
     """optimizer.step() without step_in_forward, after a clip that bit: it used what
     backward read ahead, and freed the rest; the worker thread, which holds the model,

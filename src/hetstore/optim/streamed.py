@@ -317,7 +317,7 @@ class StreamedUnitStep(UnitStates):
             read, fill = self._pipeline(
                 grad_multipliers, hyper, rewrite, has_grad=has_grad, read_ahead=read_ahead
             )
-            rewrite.run(self._chunks, sets, fill, read)
+            rewrite.run(self._chunks, sets, fill, read, views=self._views_of(read_ahead))
         finally:
             for buffer in buffers:
                 unit.tiers.host.free(buffer)
@@ -469,7 +469,26 @@ class StreamedUnitStep(UnitStates):
             has_grad=has_grad,
             read_ahead=read_ahead,
         )
-        rewrite.write(self._chunks, slots, fill, read, params_out=params_out)
+        rewrite.write(
+            self._chunks, slots, fill, read, params_out=params_out, views=self._views_of(read_ahead)
+        )
+
+    def _views_of(self, read_ahead: dict[str, torch.Tensor] | None):
+        """The chunks of what was read ahead (the whole master and states, in host
+        buffers of the step's own until it ends), stepped in place and written from
+        there: no copy into the slot's buffers and back (24 bytes a parameter)."""
+        if read_ahead is None:
+            return None
+        keys = [k for k in self.states if k in read_ahead and not self._states_absent]
+        master = read_ahead["master"]
+
+        def views(c: _Chunk) -> dict[str, torch.Tensor]:
+            out = {"master": master[c.start : c.end]}
+            if c.state_end > c.start:
+                out.update({k: read_ahead[k][c.start : c.state_end] for k in keys})
+            return out
+
+        return views
 
     def commit_speculation(self, rewrite: ChunkedRewrite) -> None:
         rewrite.commit()
@@ -490,12 +509,13 @@ class StreamedUnitStep(UnitStates):
         if grads is None and isinstance(unit.grad, torch.Tensor):
             grads = unit.grad
         grad_on_disk = grads is None
-        if read_ahead is not None:
-            master = read_ahead["master"]
 
         def read(c: _Chunk, slot) -> list:
+            # (what was read ahead is the slot's own: see _views_of)
             into = slot["master"][: c.end - c.start]
-            if master is None:
+            if read_ahead is not None:
+                handles = []
+            elif master is None:
                 handles = [unit.master.read(into, c.start)]
             else:  # the same values, already in memory: a copy, no disk read
                 into.copy_(master[c.start : c.end])
@@ -504,12 +524,8 @@ class StreamedUnitStep(UnitStates):
             if n_state > 0:
                 if grad_on_disk:
                     handles.append(unit.grad.read(slot["grad"][:n_state], c.start))
-                for key, array in self.states.items():
-                    if self._states_absent:
-                        continue
-                    if read_ahead is not None:
-                        slot[key][:n_state].copy_(read_ahead[key][c.start : c.start + n_state])
-                    else:
+                if read_ahead is None and not self._states_absent:
+                    for key, array in self.states.items():
                         handles.append(array.read(slot[key][:n_state], c.start))
             return handles
 

@@ -66,6 +66,9 @@ class WholeArray:
 Slot = dict[str, torch.Tensor]  # one buffer set: array name -> host buffer of a chunk
 Fill = Callable[[int, _SpanLike, Slot], None]  # leaves a chunk's new master and states
 Read = Callable[[_SpanLike, Slot], list] | None  # starts a chunk's reads: their handles
+# a chunk's own host tensors for some of the arrays, used in place of the slot's buffers
+# (the whole unit's values read into memory before: stepped there, and written from there)
+Views = Callable[[_SpanLike], Slot] | None
 
 
 def chunk_buffers(
@@ -154,14 +157,21 @@ class ChunkedRewrite:
         return names
 
     def run(
-        self, spans: Sequence[_SpanLike], slots: list[Slot], fill: Fill, read: Read = None
+        self,
+        spans: Sequence[_SpanLike],
+        slots: list[Slot],
+        fill: Fill,
+        read: Read = None,
+        views: Views = None,
     ) -> None:
         """Rewrite ``spans`` in order. ``read(span, slot)`` starts the reads a chunk needs
         and returns their handles (read one chunk ahead); ``fill(i, span, slot)`` leaves
-        the chunk's new master in ``slot["master"]`` and states in ``slot[key]``."""
+        the chunk's new master in ``slot["master"]`` and states in ``slot[key]``.
+        ``views(span)``: tensors of the chunk's own that stand in the slot for the named
+        arrays (read, filled and written from there instead of a slot buffer)."""
         try:
             self.begin()
-            self.write(spans, slots, fill, read)
+            self.write(spans, slots, fill, read, views=views)
             self.commit()
         except BaseException:
             self.discard()
@@ -187,6 +197,7 @@ class ChunkedRewrite:
         fill: Fill,
         read: Read = None,
         params_out: torch.Tensor | None = None,
+        views: Views = None,
     ) -> None:
         """Fill the shadows (see :meth:`run`); every write is finished on return. On an
         error the transfers still running are waited for and the error raised; the
@@ -197,18 +208,23 @@ class ChunkedRewrite:
         unit, shadows = self.unit, self._shadows
         reads: dict[int, list] = {}
         writes: dict[int, list] = {}
+        chunk_slots: dict[int, Slot] = {}
         try:
 
             def start_reads(i: int) -> None:
                 wait_all(writes.pop(i % len(slots), []))  # the buffer set is free again
-                reads[i] = read(spans[i], slots[i % len(slots)]) if read is not None else []
+                slot = slots[i % len(slots)]
+                if views is not None:
+                    slot = {**slot, **views(spans[i])}
+                chunk_slots[i] = slot
+                reads[i] = read(spans[i], slot) if read is not None else []
 
             start_reads(0)
             for i, span in enumerate(spans):
                 if i + 1 < len(spans):
                     start_reads(i + 1)
                 wait_all(reads.pop(i))
-                slot = slots[i % len(slots)]
+                slot = chunk_slots.pop(i)
                 fill(i, span, slot)
                 n, n_state = span.end - span.start, span.state_end - span.start
                 master = slot["master"][:n]
