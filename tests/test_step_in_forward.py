@@ -39,6 +39,16 @@ def offloaded(tmp_path, name: str, grad: str, in_forward: bool, overlap=False, m
     return hetstore.offload(model, opt, cfg)
 
 
+def assert_trained_alike(results) -> object:
+    """Two ``(model, optimizer, losses)`` runs: the same losses, and weights and
+    optimizer states bit for bit; the first run's optimizer."""
+    (on, on_opt, on_losses), (off, off_opt, off_losses) = results
+    assert on_losses == off_losses
+    assert_bitwise(on, off)
+    assert_same_optimizer_state(on_opt, off_opt)
+    return on_opt
+
+
 def units_of(model) -> int:
     return len(hetstore.state_of(model).runtime.units)
 
@@ -273,10 +283,7 @@ def test_a_unit_without_a_step_pending_finds_a_staging_buffer_without_waiting(
         cfg = config(tmp_path / f"{in_forward}", False, "disk", step_in_forward=in_forward)
         model, opt = hetstore.offload(model, opt, cfg)
         results.append((model, opt, train(model, opt, data, clip=0.05)))
-    (on, on_opt, on_losses), (off, off_opt, off_losses) = results
-    assert on_losses == off_losses
-    assert_bitwise(on, off)
-    assert_same_optimizer_state(on_opt, off_opt)
+    on_opt = assert_trained_alike(results)
     assert on_opt.speculation_stats["params_staged"] > 0
     assert not reclaims
 
@@ -383,10 +390,7 @@ def test_read_ahead_states_are_stepped_where_they_were_read(tmp_path, monkeypatc
         cfg = config(tmp_path / f"ra{units}", True, "disk")
         model, opt = hetstore.offload(model, opt, cfg)
         results.append((model, opt, train(model, opt, data, clip=0.05)))
-    (on, on_opt, on_losses), (off, off_opt, off_losses) = results
-    assert on_losses == off_losses
-    assert_bitwise(on, off)
-    assert_same_optimizer_state(on_opt, off_opt)
+    on_opt = assert_trained_alike(results)
     assert on_opt.speculation_stats["read_ahead"] > 0
     assert len(in_place) == on_opt.speculation_stats["read_ahead"]
 
