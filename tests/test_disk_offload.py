@@ -213,6 +213,11 @@ def test_disk_full_mid_step_raises_then_step_again_completes(tmp_path, in_forwar
         message = str(info.value)
         assert info.value.tier == "disk" and "full" in message and str(mnt) in message
         assert "offload_path" in message
+        notes = " ".join(getattr(info.value, "__notes__", []))
+        if in_forward:  # what the steps handed to the worker hold, and the way out
+            assert "into the next forward" in notes and "step_in_forward=False" in notes
+        else:
+            assert not notes
         torch.testing.assert_close(root.master_copy(), root_before, rtol=0, atol=0)
         ref_params = dict(ref.named_parameters())
         stepped = 0

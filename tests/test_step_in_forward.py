@@ -578,3 +578,30 @@ def test_the_default_runs_disk_steps_on_into_the_next_forward_unless_overlap_ste
     assert default[1].speculation_stats["in_forward"] == units_of(default[0]) * len(data)
     assert off[1].speculation_stats["in_forward"] == 0
     assert no_overlap[1].step_ahead is None  # nothing stepped ahead of optimizer.step()
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "8bit"])
+def test_a_steps_shadow_bytes_are_what_its_shadows_take_of_the_disk(tmp_path, state_format):
+    """The room kept for one ordinary step while steps run on into the next forward
+    (``StepAhead._disk_reserve``) is a unit's ``shadow_bytes``: it must be what making
+    that unit's shadows takes of the disk tier, each array rounded as the tier rounds it.
+    Counted unrounded, a disk budget a page or two short let the steps handed to the
+    worker take the room the steps left to ``optimizer.step()`` needed, and the default
+    raised out of disk where ``step_in_forward=False`` trained."""
+    model, opt = fresh()
+    cfg = config(tmp_path, False, "disk", optimizer_state_format=state_format)
+    model, opt = hetstore.offload(model, opt, cfg)
+    train(model, opt, batches(1, vocab=64))  # the states exist
+    disk = hetstore.state_of(model).tiers.disk
+    unaligned = 0
+    for unit_step in opt._unit_steps:
+        arrays = [unit_step.unit.master, *unit_step.states.values()]
+        unaligned += sum(a.nbytes % 4096 != 0 for a in arrays)
+        before = disk.stats()["current"]
+        rewrite = unit_step.begin_speculation()
+        try:
+            assert disk.stats()["current"] - before == unit_step.shadow_bytes
+        finally:
+            rewrite.discard()
+        assert disk.stats()["current"] == before
+    assert unaligned  # (else the rounding would not be tested)

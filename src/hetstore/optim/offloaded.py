@@ -27,7 +27,8 @@ from collections.abc import Callable
 import torch
 from torch.optim import Optimizer
 
-from hetstore.errors import ConfigError
+from hetstore._sizes import format_size
+from hetstore.errors import ConfigError, OutOfTierMemory
 from hetstore.optim.compact import CompactUnitStep
 from hetstore.optim.grad_norms import RecordedNorms
 from hetstore.optim.in_memory import InMemoryUnitStep
@@ -39,6 +40,7 @@ from hetstore.optim.step_ahead import StepAhead, eligible
 from hetstore.optim.streamed import ChunkNorms, StreamedUnitStep, UnitStates
 from hetstore.runtime.sharding import ShardGroup
 from hetstore.runtime.unit import ParamEntry, Unit
+from hetstore.tier import Tier
 from hetstore.tiers.flat import DiskArray, DiskSlice
 
 __all__ = ["OffloadedOptimizer"]
@@ -572,7 +574,11 @@ class OffloadedOptimizer(Optimizer):
             # forward sees move from here, even if the step then fails
             unit.param_version += 1
             if isinstance(unit_step, UnitStates):
-                self._step_streamed(unit_step, ahead)
+                try:
+                    self._step_streamed(unit_step, ahead)
+                except OutOfTierMemory as exc:
+                    self._note_held_shadows(exc)
+                    raise
                 continue
             unit.grads.fill_missing()
             unit_step.step(self._hyper)
@@ -583,6 +589,19 @@ class OffloadedOptimizer(Optimizer):
         if self._on_step is not None:
             self._on_step()
         return None
+
+    def _note_held_shadows(self, exc: OutOfTierMemory) -> None:
+        """The disk was full for a step: say what the steps running on into the next
+        forward hold of it, if any, and how to keep that room for this step."""
+        steps, held = (
+            (0, 0) if self.step_ahead is None else self.step_ahead.in_forward_shadow_bytes()
+        )
+        if exc.tier == Tier.DISK.label and steps:
+            exc.add_note(
+                f"hetstore: {steps} unit steps running on into the next forward "
+                f"(step_in_forward) hold {format_size(held)} of disk shadows until their "
+                "units are used; step_in_forward=False leaves that room to optimizer.step()"
+            )
 
     def _step_streamed(self, unit_step: UnitStates, ahead) -> None:
         """The unit's chunked step; from its master and states read into host memory

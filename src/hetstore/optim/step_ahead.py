@@ -812,7 +812,14 @@ class StepAhead:
                 elif not self._start_in_forward(unit_step, multipliers(unit_step.unit)):
                     continue
                 started.add(id(unit_step.unit))
-        self._drop_read_ahead()  # of units not stepped in forward after all
+        # (what was read ahead for a unit not handed over is for optimizer.step()'s own
+        # step of it, next; that call drops the rest at its end)
+
+    def in_forward_shadow_bytes(self) -> tuple[int, int]:
+        """(steps, disk bytes): the steps running on into the next forward that hold
+        disk shadows until they commit."""
+        held = [r.shadows.shadow_bytes for r in self._in_forward.values() if r.shadows]
+        return len(held), sum(held)
 
     def _can_defer(self, unit_step) -> bool:
         unit = unit_step.unit

@@ -398,7 +398,7 @@ class StreamedUnitStep(UnitStates):
     @property
     def shadow_bytes(self) -> int:
         """Disk bytes a step of this unit holds beside its arrays until it commits."""
-        scales = sum(array.nbytes for array in self.scales.values())
+        scales = sum(array.reserved_bytes for array in self.scales.values())
         return ChunkedRewrite(self.unit, self.states).shadow_bytes + scales
 
     @property
@@ -479,6 +479,9 @@ class StreamedUnitStep(UnitStates):
         there: no copy into the slot's buffers and back (24 bytes a parameter)."""
         if read_ahead is None:
             return None
+        # fp32 states only (optim.step_ahead._reads_ahead): a compact format's chunk must
+        # be decoded from its own dtype, and its block scales are read whole
+        assert self.format.exact and not self.scales, "read ahead of compact states"
         keys = [k for k in self.states if k in read_ahead and not self._states_absent]
         master = read_ahead["master"]
 

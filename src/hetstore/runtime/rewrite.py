@@ -145,8 +145,8 @@ class ChunkedRewrite:
 
     @property
     def shadow_bytes(self) -> int:
-        """Disk bytes :meth:`begin` allocates."""
-        return sum(array.nbytes for array in self.targets.values())
+        """Disk capacity :meth:`begin` allocates (each shadow rounded as the tier does)."""
+        return sum(array.reserved_bytes for array in self.targets.values())
 
     def slot_arrays(self) -> list[tuple[str, torch.dtype]]:
         """The host buffers one chunk needs here: the master, each state, the cast home."""

@@ -464,6 +464,11 @@ class DiskTier:
         array = DiskArray(self, numel, dtype, label)
         return FlatAllocation(array, array.free)
 
+    @staticmethod
+    def reserved_size(nbytes: int) -> int:
+        """The capacity an allocation of ``nbytes`` takes (rounded up to the alignment)."""
+        return _round_up(nbytes)
+
     def would_fit(self, nbytes: int) -> bool:
         """True when ``nbytes`` more (rounded up to 4096) stay within the capacity."""
         with self._lock:

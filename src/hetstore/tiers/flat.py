@@ -106,6 +106,12 @@ class DiskArray:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    @property
+    def reserved_bytes(self) -> int:
+        """What a region of this size takes of the disk tier's capacity (allocations are
+        rounded up to its alignment): what a shadow of it needs room for."""
+        return self.disk.reserved_size(self.nbytes)
+
     def _check(self, buffer: torch.Tensor, start: int) -> None:
         if buffer.dtype != self.dtype:
             raise TypeError(f"{self.label}: buffer dtype {buffer.dtype}, array dtype {self.dtype}")
