@@ -305,6 +305,8 @@ class StreamedUnitStep(UnitStates):
             unit.grad_stager.finish()  # backward's gradient writes, and their errors
         rewrite = self.new_rewrite()
         names = self.slot_names() if grad_on_disk else self.state_slot_names(rewrite)
+        if read_ahead is not None:  # stepped where it was read (_views_of): no buffers
+            names = [(name, dtype) for name, dtype in names if name not in read_ahead]
         count = self.slot_sets
         if hyper is None:
             hyper = {s.group: self.hyper(s.group) for s in unit.segments}
@@ -514,15 +516,13 @@ class StreamedUnitStep(UnitStates):
         grad_on_disk = grads is None
 
         def read(c: _Chunk, slot) -> list:
-            # (what was read ahead is the slot's own: see _views_of)
-            into = slot["master"][: c.end - c.start]
-            if read_ahead is not None:
-                handles = []
-            elif master is None:
-                handles = [unit.master.read(into, c.start)]
-            else:  # the same values, already in memory: a copy, no disk read
-                into.copy_(master[c.start : c.end])
-                handles = []
+            handles = []
+            if read_ahead is None:  # (else it is the slot's own already: _views_of)
+                into = slot["master"][: c.end - c.start]
+                if master is None:
+                    handles.append(unit.master.read(into, c.start))
+                else:  # the same values, already in memory: a copy, no disk read
+                    into.copy_(master[c.start : c.end])
             n_state = c.state_end - c.start
             if n_state > 0:
                 if grad_on_disk:

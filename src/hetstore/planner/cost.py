@@ -581,8 +581,7 @@ def times(
             trace.step_overlap
             or trace.step_in_backward
             or trace.step_overlap_memory
-            or trace.step_in_forward
-            or trace.step_in_forward_memory
+            or trace.steps_in_next_forward
         )
     m = trace.machine
     compute = stall = overlappable = 0.0
@@ -661,7 +660,7 @@ def times(
     hidden = 0.0
     if overlap:
         hidden, in_backward = _hidden_behind_backward(trace, choices, steps)
-        if trace.step_in_forward or trace.step_in_forward_memory:
+        if trace.steps_in_next_forward:
             hidden += _hidden_behind_forward(trace, choices, steps, in_backward)
     return compute, stall, exposed, sum(steps) - hidden, hidden
 
@@ -723,7 +722,7 @@ def _when_a_clip_bites(
 
     def step_s(t: Trace) -> float:
         compute, stall, exposed, optimizer, _ = times(
-            t, choices, depth, t.step_in_forward or t.step_in_forward_memory, bitten=True
+            t, choices, depth, t.steps_in_next_forward, bitten=True
         )
         return compute + stall + exposed + optimizer + t.overhead_s
 

@@ -49,6 +49,11 @@ def _fits(value: int, cap: int | None) -> bool:
     return cap is None or value <= cap
 
 
+def _fits_every_tier(used: tuple[int, int, int], capacities: Capacities) -> bool:
+    """``used``: :func:`memory`'s (device, host, disk) peaks."""
+    return all(_fits(v, capacities.of(t)) for t, v in zip(TIER_LABELS, used, strict=True))
+
+
 def _time(trace, choices, depth) -> float:
     return sum(times(trace, choices, depth)[:4]) + trace.overhead_s  # not the hidden part
 
@@ -154,11 +159,7 @@ def _make_plan(
     chunk = config.optimizer_chunk_size
     n = len(trace.units)
     everything = [UnitChoice()] * n
-    device_all, host_all, disk_all = memory(trace, everything, config.prefetch_depth, chunk)
-    if all(
-        _fits(v, capacities.of(t))
-        for t, v in (("device", device_all), ("host", host_all), ("disk", disk_all))
-    ):
+    if _fits_every_tier(memory(trace, everything, config.prefetch_depth, chunk), capacities):
         return Plan.build(trace, everything, config.prefetch_depth, capacities, "auto", chunk)
 
     trainable = [i for i, u in enumerate(trace.units) if u.trainable_numel]
@@ -258,10 +259,8 @@ def _bring_closer(trace, choices, depth, chunk, capacities, ratio) -> list[UnitC
                     continue  # the device margin's share is gpu_margin_mem_ratio's to set
                 trial = list(current)
                 trial[i] = replace(trial[i], **{field_: closer})
-                used = memory(trace, trial, depth, chunk)
-                if not all(
-                    _fits(v, capacities.of(t))
-                    for t, v in zip(TIER_LABELS, used, strict=True)  # memory() order
+                if not _fits_every_tier(
+                    memory(trace, trial, depth, chunk), capacities
                 ) or not _within_margin(trace, trial, depth, chunk, capacities, ratio):
                     continue
                 t_trial = _time(trace, trial, depth)
@@ -295,8 +294,7 @@ def _params_to_host(trace, choices, depth, chunk, capacities, keep_host) -> list
         room = capacities
         if keep_host and capacities.host is not None and t_trial > t_current * (1 - HEADROOM_COST):
             room = replace(capacities, host=capacities.host - keep_host)
-        used = memory(trace, trial, depth, chunk)
-        if all(_fits(v, room.of(t)) for t, v in zip(TIER_LABELS, used, strict=True)):
+        if _fits_every_tier(memory(trace, trial, depth, chunk), room):
             current, t_current = trial, t_trial
     return current
 

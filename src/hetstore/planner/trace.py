@@ -151,6 +151,12 @@ class Trace:
             raise ValueError(f"unit names must be unique, got {names}")
 
     @property
+    def steps_in_next_forward(self) -> bool:
+        """Some unit's step runs on beside the next forward (disk units', or on a GPU
+        host-memory units' too)."""
+        return self.step_in_forward or self.step_in_forward_memory
+
+    @property
     def state_bytes(self) -> int:
         """Model states of the whole model: params, master, grads, optimizer states."""
         return sum(
