@@ -15,6 +15,7 @@ from hetstore.errors import ConfigError
 from hetstore.footprints import param_staging_slots
 from hetstore.model_state import ModelState, attach, is_released, state_of
 from hetstore.optim import DynamicLossScaler, OffloadedOptimizer
+from hetstore.optim.original import redirect_original
 from hetstore.optim.registry import FLAT_NAMES, flat_steppable
 from hetstore.optim.state_format import state_format
 from hetstore.planner import Capacities, Plan, Trace, UnitChoice, make_plan
@@ -313,6 +314,9 @@ def offload(
         )
         # the user's optimizer held the original parameters; its state is meaningless now
         optimizer.state.clear()
+        # ...and it stays usable: its param groups are the returned one's, its step and
+        # state dict go there (a scheduler made before offload() keeps scheduling)
+        redirect_original(optimizer, wrapped)
         runtime.optimizer = weakref.ref(wrapped)  # hetstore.release(model) releases it too
         _wire_steps(runtime, wrapped)
         if runtime.batch_guard is not None:  # the first batch may move its states to disk

@@ -33,6 +33,7 @@ from hetstore.optim.compact import CompactUnitStep
 from hetstore.optim.grad_norms import RecordedNorms
 from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.loss_scaler import DynamicLossScaler
+from hetstore.optim.original import mark_stepped
 from hetstore.optim.registry import FLAT_NAMES, flat_spec, flat_steppable
 from hetstore.optim.state_format import StateFormat
 from hetstore.optim.state_format import state_format as state_format_named
@@ -69,10 +70,15 @@ class OffloadedOptimizer(Optimizer):
         step_in_forward: bool = False,
         state_format: StateFormat | None = None,
     ):
-        # Optimizer.__init__ gives us live param_groups over the original parameters,
-        # which LR schedulers and user code read and edit.
-        groups = [dict(g) for g in original.param_groups]
-        super().__init__(groups, dict(original.defaults))
+        self._laid_out = False  # add_param_group: only Optimizer.__init__'s own calls
+        super().__init__([dict(g) for g in original.param_groups], dict(original.defaults))
+        # The original's param_groups themselves, live (optim.original): an LR scheduler
+        # or callback made on the user's optimizer before offload() edits what the step
+        # reads, and one made on this one edits the original's.
+        self.param_groups = original.param_groups
+        self.defaults = original.defaults
+        self._original = original
+        self._laid_out = True
         self.optimizer_class = type(original)
         self.units = units
         self.shards = shards  # sharded over ranks: every unit holds this rank's shard only
@@ -511,11 +517,30 @@ class OffloadedOptimizer(Optimizer):
         return total
 
     # ------------------------------------------------------------------ step
-    @torch.no_grad()
+    def add_param_group(self, param_group: dict) -> None:
+        if self._laid_out:
+            raise ConfigError(
+                "optimizer.add_param_group() after hetstore.offload(): each unit's flat "
+                "buffers are laid out by param group at offload(); add the group to the "
+                "optimizer before calling hetstore.offload()"
+            )
+        super().add_param_group(param_group)
+
     def step(self, closure=None):
+        """torch's ``step(closure=None)``: the closure (forward and backward) runs under
+        ``torch.enable_grad()`` first, as torch's optimizers run it, and its loss is
+        returned; its backward is this step's backward like any other."""
         self._check_alive("step")
+        loss = None
         if closure is not None:
-            raise ValueError("OffloadedOptimizer.step does not take a closure")
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        mark_stepped(self._original)
+        return loss
+
+    @torch.no_grad()
+    def _step(self) -> None:
         if self._on_step_begin is not None:
             self._on_step_begin()
         if self.step_ahead is not None:

@@ -1,0 +1,70 @@
+"""The optimizer the user made stays valid after ``offload()``.
+
+Scripts build the optimizer and its scheduler first and wrap afterwards (as
+``accelerator.prepare(model, optimizer, scheduler)`` does), and callbacks, loggers and a
+second scheduler keep the optimizer they were given. So the optimizer ``offload()``
+returns shares the original's ``param_groups`` list and ``defaults`` (the same dicts:
+an lr set through either is the one the step uses), and the original's torch-facing
+methods are pointed at it: ``step`` (closure included), ``zero_grad``, ``state_dict``,
+``load_state_dict`` and ``add_param_group``.
+
+The redirects are bound methods on the instance, the way torch's own LR schedulers wrap
+``optimizer.step``; a scheduler made before ``offload()`` keeps its marker
+(``_wrapped_by_lr_sched``) and sees ``_opt_called`` set by either optimizer's step, so it
+neither warns nor stops scheduling. They hold the offloaded optimizer weakly: once it is
+gone, the original says so instead of stepping parameters hetstore no longer serves.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+from torch.optim import Optimizer
+
+from hetstore.errors import HetstoreError
+
+__all__ = ["redirect_original", "mark_stepped"]
+
+# the torch-facing methods a caller of the original optimizer may still use
+_REDIRECTED = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
+
+
+class _Redirect:
+    """``original.<name>(...)`` -> ``offloaded.<name>(...)`` (a callable bound to the
+    original with ``types.MethodType``, so torch's scheduler can re-wrap it)."""
+
+    def __init__(self, offloaded: Optimizer, name: str):
+        self._offloaded = weakref.ref(offloaded)
+        self._name = name
+
+    def __call__(self, original: Optimizer, *args, **kwargs):
+        offloaded = self._offloaded()
+        if offloaded is None:
+            raise HetstoreError(
+                f"{type(original).__name__}.{self._name}(): this optimizer was handed to "
+                "hetstore.offload(), and the optimizer offload() returned is gone; use the "
+                "returned optimizer for as long as the model trains"
+            )
+        if self._name == "step":
+            original._opt_called = True  # (what torch's LR scheduler checks)
+        return getattr(offloaded, self._name)(*args, **kwargs)
+
+    def __get__(self, obj, objtype=None):
+        return types.MethodType(self, obj)
+
+
+def redirect_original(original: Optimizer, offloaded: Optimizer) -> None:
+    """Make ``original`` a view of ``offloaded`` (see the module doc): call once, after
+    ``offloaded`` took over ``original.param_groups``."""
+    scheduled = getattr(original.step, "_wrapped_by_lr_sched", False)
+    for name in _REDIRECTED:
+        setattr(original, name, types.MethodType(_Redirect(offloaded, name), original))
+    if scheduled:  # a scheduler made before offload() wrapped step: keep its marker
+        original.step.__func__._wrapped_by_lr_sched = True
+
+
+def mark_stepped(original: Optimizer | None) -> None:
+    """The offloaded optimizer stepped: a scheduler watching the original sees it."""
+    if original is not None:
+        original._opt_called = True
