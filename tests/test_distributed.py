@@ -34,6 +34,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
     offload_path = tmp_path_factory.mktemp("offload")
     args = ["--out", str(out), "--offload-path", str(offload_path), "--refusals", "--checkpoint"]
+    args += ["--unfreeze"]
     for name in SCENARIOS:
         args += ["--scenario", name]
     done = torchrun(2, args, timeout=600)
@@ -227,3 +228,16 @@ def test_every_state_survives_two_ranks_to_one_bitwise(results):
             assert torch.equal(two.read(name, key), again.read(name, key)), (name, key)
     two.close()
     again.close()
+
+
+@pytest.mark.parametrize("where", ["cpu", "disk"])
+def test_two_ranks_honour_unfreezing_and_refreezing(results, where):
+    """tests/test_unfreeze.py's schedule over 2 ranks (blocks 0-1 frozen, unfrozen at
+    step 2, frozen again at 4): the combined batch's plain PyTorch, within the sharded
+    tolerances above; the frozen blocks moved only while unfrozen, on both ranks alike."""
+    rank0, rank1 = results("unfreeze", 0), results("unfreeze", 1)
+    torch.testing.assert_close(rank0[f"{where}_losses"], rank0["plain_losses"], **CLOSE)
+    assert_weights_close(rank0[f"{where}_weights"], rank0["plain_weights"], **WEIGHTS)
+    assert_weights_close(rank1[f"{where}_weights"], rank0[f"{where}_weights"], rtol=0, atol=0)
+    initial, plain = rank0["initial_weights"], rank0["plain_weights"]
+    assert (plain["blocks.0.fc.weight"] - initial["blocks.0.fc.weight"]).abs().max() > 1e-3

@@ -121,20 +121,71 @@ def test_managed_parameters_stay_parameters_and_come_back():
     assert type(p) is ReleasedParameter and type(p).__mro__[1:3] == (Released, torch.nn.Parameter)
 
 
-def test_disk_gradients_refuse_torch_readers_with_the_way_out():
-    cfg = OffloadConfig(
-        offload_param="cpu", offload_optimizer="disk", enable_pinned_mem=False, device="cpu"
+def disk_grads_config(**kwargs):
+    return OffloadConfig(
+        offload_param="cpu",
+        offload_optimizer="disk",
+        enable_pinned_mem=False,
+        device="cpu",
+        **kwargs,
     )
-    _, _, mine, opt = offloaded_pair(cfg)
+
+
+@pytest.mark.parametrize("clip", [1e9, 0.05], ids=["no-bite", "bites"])
+def test_torch_clip_of_disk_gradients_is_exact(clip):
+    """torch.nn.utils.clip_grad_norm_ over gradients on disk (what Trainer, accelerate
+    and Lightning call): p.grad gives their norms and takes the scale for the step.
+    Two micro-batches a step; norms, losses and weights are plain PyTorch's (TIGHT: the
+    per-parameter norms are the optimizer's own clip's, same kernels)."""
+    ref, ref_opt, mine, opt = offloaded_pair(disk_grads_config())
     assert all(p.grad is None for p in mine.parameters())  # nothing held: nothing to refuse
+    for model, optimizer in ((ref, ref_opt), (mine, opt)):
+        norms, losses = [], []
+        for i, (x, y) in enumerate(batches(6)):
+            loss = model(x, y) / 2
+            loss.backward()
+            losses.append(loss.item())
+            if i % 2:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+                optimizer.step()
+                model.zero_grad()  # torch's own: p.grad = None through the contract
+        model.results = (norms, losses)
+    torch.testing.assert_close(mine.results, ref.results, **TIGHT)
+    assert_same_weights(ref, mine)
+
+
+def test_disk_gradients_refuse_every_other_use_with_the_way_out():
+    _, _, mine, opt = offloaded_pair(disk_grads_config())
     x, y = batches(1)[0]
     mine(x, y).backward()
+    grad = mine.blocks[0].fc.weight.grad
+    assert grad.shape == mine.blocks[0].fc.weight.shape and grad.dtype == torch.float32
+    for use in (
+        lambda g: g.sum(),
+        lambda g: g * 2,
+        lambda g: g.clone(),
+        lambda g: g.zero_(),
+        lambda g: g.add_(1.0),
+        lambda g: torch.linalg.vector_norm(g, 2.0, dim=0),
+    ):
+        with pytest.raises(GradientAccessError, match="offload_grad='cpu'"):
+            use(grad)
     with pytest.raises(GradientAccessError, match="offload_grad='cpu'"):
-        torch.nn.utils.clip_grad_norm_(mine.parameters(), 1.0)
-    with pytest.raises(GradientAccessError, match="optimizer.zero_grad"):
-        mine.zero_grad()
+        mine.blocks[0].fc.weight.grad = torch.zeros_like(mine.blocks[0].fc.weight)
+    # a clip over some parameters only: one factor cannot reach just those on disk
+    torch.nn.utils.clip_grad_norm_(list(mine.blocks[0].parameters()), 1e-3)
+    with pytest.raises(GradientAccessError, match="reached some gradients on disk"):
+        opt.step()
     opt.zero_grad()
     assert all(p.grad is None for p in mine.parameters())
+
+
+def test_disk_gradients_under_fp16_ask_for_the_optimizers_clip():
+    _, _, mine, opt = offloaded_pair(disk_grads_config(compute_dtype="fp16"))
+    x, y = batches(1)[0]
+    opt.backward(mine(x, y))
+    with pytest.raises(GradientAccessError, match="optimizer.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(mine.parameters(), 1.0)
 
 
 def test_disk_optimizer_with_host_gradients_keeps_the_contract():

@@ -22,22 +22,24 @@ peft = pytest.importorskip("peft")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
-def config(param="cpu", optimizer="cpu"):
-    # gradients in host memory: torch's gradient APIs (p.grad, clip_grad_norm_,
-    # model.zero_grad()), which these libraries call, cannot reach gradients on disk
+def config(param="cpu", optimizer="cpu", grad="cpu"):
+    # gradients in host memory unless asked: every torch gradient API works there; on
+    # disk, p.grad serves clip_grad_norm_ and zero_grad only (optim.disk_grads)
     return OffloadConfig(
         offload_param=param,
         offload_optimizer=optimizer,
-        offload_grad="cpu",
+        offload_grad=grad,
         enable_pinned_mem=False,
         device="cpu",
     )
 
 
-# where the model's parameters and states live: host memory, or disk (whose steps a clip
-# that bites leaves to run on into the next forward, step_in_forward='auto')
+# where the model's parameters, states and gradients live: host memory, or disk (whose
+# steps a clip that bites leaves to run on into the next forward, step_in_forward='auto')
 PLACEMENTS = pytest.mark.parametrize(
-    "where", [("cpu", "cpu"), ("disk", "disk")], ids=["host", "disk"]
+    "where",
+    [("cpu", "cpu"), ("disk", "disk"), ("disk", "disk", "disk")],
+    ids=["host", "disk", "disk-grads"],
 )
 
 
@@ -104,7 +106,7 @@ def test_trainer_trains_like_plain_trainer(args, where, tmp_path):
     if args["max_grad_norm"]:
         assert all(n is not None and n > 1.0 for n in ref_norms), "clip must be active"
         assert norms == ref_norms  # the true grad norm is logged (it was 0.0)
-    if where[1] == "disk":  # every step but the last ran on into the next forward
+    if where == ("disk", "disk"):  # every step but the last ran on into the next forward
         assert opt.speculation_stats["in_forward"] > 0
 
 
@@ -153,7 +155,7 @@ def test_accelerate_clip_and_save_state_load_state(where, tmp_path):
     mine, opt = hetstore.offload(mine, adamw(mine), config(*where))
     acc, mine, opt, norms = accelerate_steps(mine, opt, rows[:3])
     assert all(n > 0.5 for n in ref_norms) and norms == ref_norms
-    if where[1] == "disk":  # the clip bit: the steps ran on into the next forward
+    if where == ("disk", "disk"):  # the clip bit: the steps ran on into the next forward
         assert opt.optimizer.speculation_stats["in_forward"] > 0
     assert_same_weights(ref, mine)
 

@@ -27,11 +27,14 @@ pl = pytest.importorskip("pytorch_lightning")
 def placement(where: str | None, path) -> OffloadConfig | None:
     if where is None:
         return None
-    # gradients in host memory: Lightning clips through torch's clip_grad_norm_ on p.grad
+    # Lightning clips through torch's clip_grad_norm_ on p.grad: with gradients in host
+    # memory, or on disk ("disk-grads": p.grad serves the clip, optim.disk_grads)
+    grad = "disk" if where == "disk-grads" else "cpu"
+    where = "disk" if where == "disk-grads" else where
     return OffloadConfig(
         offload_param=where,
         offload_optimizer=where,
-        offload_grad="cpu",
+        offload_grad=grad,
         offload_path=str(path),
         enable_pinned_mem=False,
         device="cpu",
@@ -81,7 +84,7 @@ def fit(module, steps, *, ckpt_path=None, **trainer_args):
     return trainer
 
 
-WHERE = pytest.mark.parametrize("where", ["cpu", "disk"])
+WHERE = pytest.mark.parametrize("where", ["cpu", "disk", "disk-grads"])
 
 
 @WHERE

@@ -35,6 +35,7 @@ from hetstore.runtime.sharding import rank_device, resolve_process_group
 from hetstore.runtime.staging import GradStager, ParamStager
 from hetstore.runtime.state_dict import install_state_dict_hooks
 from hetstore.runtime.streams import CudaStreams
+from hetstore.runtime.unfrozen import RefuseUnfrozen
 from hetstore.runtime.unit import Placement, Unit
 from hetstore.tier import Tier
 from hetstore.tiers import Tiers
@@ -271,8 +272,19 @@ def offload(
             stacklevel=2,
         )
         runtime.drop_grads_of(unoptimized)
+    if optimizer is not None:  # frozen at offload() but the optimizer's: never unfrozen
+        in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        frozen = [
+            e
+            for u in unit_list
+            for e in u.entries
+            if e.group is None and id(e.param) in in_optimizer
+        ]
+        if frozen:
+            runtime.adopt([RefuseUnfrozen.install(model, frozen)])
     runtime.adopt(install_state_dict_hooks(model, unit_list))
-    runtime.adopt([GradContract(unit_list)])  # p.grad reads hetstore's gradient buffers
+    grad_contract = GradContract(unit_list)  # p.grad reads hetstore's gradient buffers
+    runtime.adopt([grad_contract])
     runtime.adopt([PlainCopies(model, unit_list, runtime)])  # copy.deepcopy: a plain model
     attach(model, ModelState(runtime, tiers, shards))
     runtime.plan = plan
@@ -317,6 +329,7 @@ def offload(
         # ...and it stays usable: its param groups are the returned one's, its step and
         # state dict go there (a scheduler made before offload() keeps scheduling)
         redirect_original(optimizer, wrapped)
+        grad_contract.disk_gradients = wrapped.disk_grads  # (p.grad of gradients on disk)
         runtime.optimizer = weakref.ref(wrapped)  # hetstore.release(model) releases it too
         _wire_steps(runtime, wrapped)
         if runtime.batch_guard is not None:  # the first batch may move its states to disk

@@ -174,6 +174,57 @@ def run_scenario(name: str, out: str, path: str) -> None:
     torch.save(result, os.path.join(out, f"{name}-rank{rank}.pt"))
 
 
+def run_unfreeze(out: str, path: str) -> None:
+    """Progressive unfreezing, sharded on host memory and on disk: the first two blocks
+    frozen for steps 0-1 (after offload(), which laid them out trainable), trained for
+    2-3, frozen again from 4; against plain PyTorch on rank 0 with the combined batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = batches(6, batch=PER_RANK_BATCH * world, seed=2)
+    result: dict = {}
+
+    def run(model, optimizer, micro_batches, world_mean):
+        losses = []
+        for step, (x, y) in enumerate(micro_batches):
+            for block in model.blocks[:2]:
+                block.requires_grad_(2 <= step < 4)
+            loss = model(x, y)
+            loss.backward()
+            value = loss.detach().clone()
+            if world_mean:
+                dist.all_reduce(value)
+                value /= world
+            losses.append(float(value))
+            optimizer.step()
+            optimizer.zero_grad()
+        return losses
+
+    def sgd(params, fused=True):
+        # (not Adam: its m/sqrt(v) turns the ranks' rounding of a gradient that is zero
+        # in exact arithmetic, the attention's key bias, into up to lr*1e-2 of weight,
+        # frozen or not; weight decay still moves a frozen parameter stepped wrongly.
+        # Plain PyTorch's fused SGD fails once some momentum buffers exist and others do
+        # not, which unfreezing makes: the reference takes the for-loop kernel)
+        return torch.optim.SGD(
+            params, lr=0.05, momentum=0.9, weight_decay=0.1, fused=fused, foreach=False
+        )
+
+    for name in ("cpu", "disk"):
+        model = make_model()
+        model, optimizer = hetstore.offload(
+            model, sgd(model.parameters()), scenario_config(name, path)
+        )
+        result[f"{name}_losses"] = run(model, optimizer, rank_slice(full, rank), True)
+        result[f"{name}_weights"] = weights(model)
+        hetstore.release(model)
+    if rank == 0:
+        plain = make_model()
+        result["plain_losses"] = run(plain, sgd(plain.parameters(), fused=False), full, False)
+        result["plain_weights"] = weights(plain)
+        result["initial_weights"] = weights(make_model())
+    dist.barrier()
+    torch.save(result, os.path.join(out, f"unfreeze-rank{rank}.pt"))
+
+
 def run_failure(kind: str, out: str, path: str) -> None:
     rank = dist.get_rank()
     world = dist.get_world_size()
@@ -316,6 +367,7 @@ def main() -> None:
     parser.add_argument("--fail", choices=("die", "hang"))
     parser.add_argument("--refusals", action="store_true")
     parser.add_argument("--checkpoint", action="store_true")
+    parser.add_argument("--unfreeze", action="store_true")
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -326,6 +378,8 @@ def main() -> None:
         run_refusals(args.out, args.offload_path)
     if args.checkpoint:
         run_checkpoint(args.out, args.offload_path)
+    if args.unfreeze:
+        run_unfreeze(args.out, args.offload_path)
     for name in args.scenario:
         run_scenario(name, args.out, args.offload_path)
     # the scenarios' models are unreferenced now; collecting them frees their tiers and

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from hetstore._sizes import format_size
 from hetstore.errors import ConfigError, OutOfTierMemory
 from hetstore.optim.compact import CompactUnitStep
+from hetstore.optim.disk_grads import DiskGradients
 from hetstore.optim.grad_norms import RecordedNorms
 from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.loss_scaler import DynamicLossScaler
@@ -115,6 +116,7 @@ class OffloadedOptimizer(Optimizer):
         self.step_ahead: StepAhead | None = None
         self.grad_norms: RecordedNorms | None = None
         self._stepped_ahead: set[int] = set()  # ids of the units this step committed
+        self.disk_grads = DiskGradients(self)  # p.grad of gradients on disk
         self.arrange_steps()
 
     def arrange_steps(self) -> None:
@@ -397,9 +399,14 @@ class OffloadedOptimizer(Optimizer):
             found = bool(flag)
         return found
 
-    def _disk_grad_norms(self, norm_type: float) -> dict[int, torch.Tensor]:
+    def disk_grad_norms(self, norm_type: float) -> dict[int, torch.Tensor]:
         """id(param) -> norm of its (factored) gradient, for gradients on disk. A
         parameter split across two chunks combines the chunks' norms."""
+        if self.step_ahead is not None:
+            self.step_ahead.caller_waits()
+        self.finish_steps_in_forward()
+        if self.grad_norms is not None and norm_type == 2.0 and self.loss_scaler is None:
+            self.grad_norms.enabled = True  # (from the next backward on, as clip_grad_norm_)
         norms: dict[int, torch.Tensor] = {}
         for unit_step in self._disk_units():
             recorded = self._norms_from_backward(unit_step.unit, norm_type)
@@ -410,6 +417,19 @@ class OffloadedOptimizer(Optimizer):
             unit_step.scan_grads(self._disk_grad_factors, chunked.visit)
             norms.update(chunked.result())
         return norms
+
+    def disk_grads_version(self) -> tuple:
+        """Changes whenever the gradients on disk, or the factors on them, change."""
+        states = tuple(s.unit.grads.state() for s in self._disk_units())
+        return (len(self._disk_grad_factors), states)
+
+    def disk_grad_entries(self) -> list[ParamEntry]:
+        """The parameters whose gradients are on disk and present."""
+        return [e for s in self._disk_units() for e in s.unit.trainable_entries if e.has_grad]
+
+    def scale_disk_grads(self, factor: torch.Tensor) -> None:
+        """Multiply every gradient on disk by ``factor`` (as the step reads them)."""
+        self._disk_grad_factors.append(factor)
 
     def _norms_from_backward(self, unit: Unit, norm_type: float) -> dict[int, torch.Tensor] | None:
         """The per-parameter norms recorded from ``unit``'s gradients in backward, when
@@ -457,7 +477,7 @@ class OffloadedOptimizer(Optimizer):
         for items in per_device.values():
             computed = torch._foreach_norm([v for _, v in items], norm_type)
             norms.update(zip((k for k, _ in items), computed, strict=True))
-        norms.update(self._disk_grad_norms(norm_type))
+        norms.update(self.disk_grad_norms(norm_type))
         ordered = [norms[id(p)] for p in self._norm_order if id(p) in norms]
         if not ordered:
             return torch.tensor(0.0)
@@ -541,6 +561,7 @@ class OffloadedOptimizer(Optimizer):
 
     @torch.no_grad()
     def _step(self) -> None:
+        self.disk_grads.check_complete()  # (a torch clip's scale reached every one)
         if self._on_step_begin is not None:
             self._on_step_begin()
         if self.step_ahead is not None:
@@ -677,6 +698,7 @@ class OffloadedOptimizer(Optimizer):
         self._unscaled = False
         self._disk_grad_factors = []
         self._clipped = False
+        self.disk_grads.forget()
         if self.grad_norms is not None:
             self.grad_norms.clear()
 

@@ -162,7 +162,8 @@ class GradSink:
 
         A collective: every rank calls it for the same units in the same order (the
         runtime does so when a unit's backward is done). Afterwards every trainable entry
-        counts as having a gradient: a rank cannot tell which parameters got one elsewhere.
+        that requires grad counts as having a gradient: a rank cannot tell which
+        parameters got one elsewhere.
         """
         unit = self._unit
         bucket = self._bucket  # the runtime calls this only for units with a bucket
@@ -179,8 +180,8 @@ class GradSink:
                 target.add_(source)
             else:
                 target.copy_(source)
-        for entry in unit.trainable_entries:
-            entry.has_grad = True
+        for entry in unit.trainable_entries:  # (frozen since offload(): none anywhere)
+            entry.has_grad = entry.param.requires_grad
 
     def _free_bucket(self) -> None:
         self._bucket = None

@@ -76,6 +76,9 @@ class GradContract:
         self._where: dict[int, tuple[Unit, ParamEntry]] = {}
         self._classes: dict[type, type] = {}
         self._swapped: list[tuple[nn.Parameter, type]] = []
+        # the optimizer's optim.disk_grads.DiskGradients, set by offload() once it is
+        # made: p.grad of a gradient on disk is one of its DiskGradient (else refused)
+        self.disk_gradients = None
         for unit in units:
             for entry in unit.entries:
                 param = entry.param
@@ -113,6 +116,11 @@ class GradContract:
         unit, entry = where
         if entry.group is None or not entry.has_grad:
             return None  # frozen, not optimized, or no gradient since the last clear
+        if unit.grads.staged and self.disk_gradients is not None and unit.shards is None:
+            unit.finish_pending_step()
+            unit.grads.wait_copies()
+            if not unit.grads.consumed:  # (else _view says why it is gone)
+                return self.disk_gradients.gradient(entry, torch.device("cpu"))
         return self._view(unit, entry, "read")
 
     def write(self, param: nn.Parameter, value: torch.Tensor | None) -> None:
@@ -159,11 +167,11 @@ class GradContract:
         if unit.grads.staged:
             raise GradientAccessError(
                 f"cannot {verb} the .grad of {entry.name!r}: its gradient lives on disk "
-                f"(unit {unit.name!r}, offload_grad='disk'), where no tensor can stand for it. "
+                f"(unit {unit.name!r}, offload_grad='disk'), where no tensor can stand for it "
+                "(reading p.grad gives one that serves torch.nn.utils.clip_grad_norm_). "
                 "Clip with optimizer.clip_grad_norm_(max_norm) and clear with "
                 "optimizer.zero_grad(), or set offload_grad='cpu' to keep gradients in host "
-                "memory, where torch's gradient APIs (model.zero_grad(), "
-                "torch.nn.utils.clip_grad_norm_, p.grad) work"
+                "memory, where every torch gradient API works"
             )
         unit.grads.version += 1
         return unit.grad[entry.offset : entry.offset + entry.numel].view(entry.shape)

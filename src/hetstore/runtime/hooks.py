@@ -122,7 +122,7 @@ class OffloadRuntime:
         # units whose trainable gradients are in but whose frozen weights may still be
         # needed later in this backward (see _release_finished_before)
         self._awaiting_release: list[Unit] = []
-        self._any_frozen = any(u.has_untracked_params for u in self.block_units)
+        self._any_frozen = False  # (set as each backward starts: see has_untracked_params)
 
         # Every module hook runs eagerly, outside any torch.compile graph: it moves bytes
         # and resizes storages, which a graph must never capture (Inductor cannot lower
@@ -346,7 +346,7 @@ class OffloadRuntime:
         for other in self.order[self.order.index(unit) + 1 :]:
             if not other.materialized or not other.has_untracked_params:
                 continue
-            if other in self._awaiting_release or not other.trainable_entries:
+            if other in self._awaiting_release or not other.tracked_now:
                 other.release()
         self._awaiting_release = [u for u in self._awaiting_release if u.materialized]
 
@@ -355,8 +355,9 @@ class OffloadRuntime:
         if task == -1 or task == self._callback_task:
             return
         self._callback_task = task
-        for unit in self.units:
-            unit.grads.pending = len(unit.trainable_entries)
+        for unit in self.units:  # (a parameter frozen since offload() brings none)
+            unit.grads.pending = unit.tracked_now
+        self._any_frozen = any(u.has_untracked_params for u in self.block_units)
         if self.step_ahead is not None:
             self.step_ahead.backward_started()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)

@@ -186,7 +186,18 @@ class Unit:
 
     @property
     def has_untracked_params(self) -> bool:
-        return self.layout.has_untracked_params
+        """Whether autograd may still read some of its parameters once its gradients are
+        in: ones outside the optimizer, or the optimizer's frozen since ``offload()``
+        (read now: a user freezes and unfreezes between steps)."""
+        return self.layout.has_untracked_params or any(
+            not e.param.requires_grad for e in self.trainable_entries
+        )
+
+    @property
+    def tracked_now(self) -> int:
+        """How many of its optimized parameters require grad now: the gradients a
+        backward that uses them all brings."""
+        return sum(e.param.requires_grad for e in self.trainable_entries)
 
     @property
     def frozen_start(self) -> int:
