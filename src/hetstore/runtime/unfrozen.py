@@ -46,7 +46,7 @@ class RefuseUnfrozen:
                 "training them now would silently leave them untrained. Leave them "
                 "trainable when calling hetstore.offload() and freeze them right after "
                 "(freezing after offload() is honoured: no step while they have no "
-                "gradient), or offload the model again after unfreezing them"
+                "gradient, and their first step with one starts their state, as in torch)"
             )
 
     @staticmethod
