@@ -91,17 +91,21 @@ def test_blocks_copies_and_the_end_of_forwards_activations_peak_apart():
 def test_a_cpu_backward_restores_a_whole_nodes_saved_tensors():
     """On a CPU device each offloaded saved tensor comes back as autograd unpacks it, a
     node's together (attention: q, k, v, its output), so the restore the device holds
-    is the largest node's, not the largest tensor's."""
+    is the largest node's, not the largest tensor's. They are dropped once the node has
+    run, before the gradients it made are counted (and moved out): the restore and a
+    gradient are never held at once (measured on the runtime's accounting: a GPT block's
+    backward peaked at its working copy plus its largest restore, 361.75 KiB, as now
+    predicted; adding the largest gradient had predicted 424.75 KiB)."""
     trace = gpt_like(machine=CPU)
     offloaded = [UnitChoice(activations="cpu")] * len(trace.units)
-    base = estimate(trace, offloaded, 0).device
-    wider = replace(
-        trace,
-        units=tuple(
-            replace(u, largest_node_bytes=u.largest_saved_bytes + 3 * MiB) for u in trace.units
-        ),
-    )
-    assert estimate(wider, offloaded, 0).device == base + 3 * MiB
+    grad = max(u.max_param_numel * u.compute_itemsize for u in trace.units)
+
+    def with_node(nbytes):
+        units = tuple(replace(u, largest_node_bytes=nbytes) for u in trace.units)
+        return estimate(replace(trace, units=units), offloaded, 0).device
+
+    assert with_node(grad + 3 * MiB) == with_node(grad) + 3 * MiB  # the largest node's
+    assert with_node(grad // 2) == with_node(grad)  # a gradient alone, below it
 
 
 def test_without_a_machine_every_prefetch_is_counted_on_the_device():

@@ -198,7 +198,7 @@ def offload(
             unit_list,
             tiers,
             default_tier,
-            config.activation_min_bytes,
+            _min_bytes(plan, config),
             prefetch_depth=plan.prefetch_depth,
             stream=streams.activations if streams is not None else None,
         )
@@ -227,6 +227,7 @@ def offload(
             if unit_plan.choice.param != unit.placement.param:
                 _move_home(unit, unit_plan.choice.param, unit_list, tiers, new_plan)
             activations.set_unit_tier(unit_plan.name, unit_plan.choice.activations)
+        activations.min_bytes = _min_bytes(new_plan, config)
         runtime.plan = new_plan  # bound below, before any forward can run
 
     def trace_batch(args: tuple, kwargs: dict) -> Trace:
@@ -548,6 +549,16 @@ def _attach_stagers(units: list[Unit], tiers: Tiers, prefetch_depth: int) -> Gra
             unit.param_stager = stager
     disk_grad = [u for u in units if u.grads.staged]
     return _share_grad_stager(disk_grad, tiers) if disk_grad else None
+
+
+def _min_bytes(plan: Plan, config: OffloadConfig) -> int:
+    """The activation_min_bytes in effect: the plan's (the planner may lower the
+    configured one to fit a budget), else the configured one."""
+    return (
+        plan.activation_min_bytes
+        if plan.activation_min_bytes is not None
+        else config.activation_min_bytes
+    )
 
 
 def _group_index(model: nn.Module, optimizer: Optimizer | None) -> dict[int, int]:

@@ -340,15 +340,25 @@ def _activation_peak(units, depth: int, prefetched: bool, working: int = 0, ahea
     prefix = 0
     for k, (u, c) in enumerate(units):
         prefix += kept[k]
-        if prefetched:
-            restored = sum(moved[max(0, k - depth) : k + 1])
-        elif c.activations != Tier.DEVICE:
-            restored = max(u.largest_saved_bytes, u.largest_node_bytes)
-        else:
-            restored = 0
-        copies = working if c.param != Tier.DEVICE and not u.is_root else ahead
         grad = u.max_param_numel * u.compute_itemsize
-        peak = max(peak, prefix + restored + grad + copies)
+        if prefetched:
+            restored = sum(moved[max(0, k - depth) : k + 1]) + grad
+        elif c.activations != Tier.DEVICE:
+            # a CPU device restores one node's storages at a time and drops them once
+            # the node has run, before autograd accumulates the gradients it made (its
+            # AccumulateGrad nodes come next), which the runtime then counts and moves
+            # out: a node's storages and a gradient are never counted at once
+            # (a trace without the storages one by one: its largest storage, at least)
+            node = (
+                u.largest_node_bytes
+                if u.saved_sizes
+                else max(u.largest_saved_bytes, u.largest_node_bytes)
+            )
+            restored = max(node, grad)
+        else:
+            restored = grad
+        copies = working if c.param != Tier.DEVICE and not u.is_root else ahead
+        peak = max(peak, prefix + restored + copies)
     return peak
 
 

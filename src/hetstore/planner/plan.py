@@ -81,6 +81,9 @@ class Plan:
     estimate: Estimate | None  # None for a manual plan made without machine rates
     capacities: Capacities
     source: str  # "auto" (the planner) or "manual" (the offload_* keys)
+    # the activation_min_bytes it was made at (the planner may lower the configured one);
+    # None: made before a batch was traced, the configured one holds
+    activation_min_bytes: int | None = None
 
     @classmethod
     def build(
@@ -103,7 +106,8 @@ class Plan:
             for u, c in zip(trace.units, choices, strict=True)
         )
         predicted = estimate(trace, choices, depth, chunk_bytes) if trace.machine else None
-        return cls(units, depth, predicted, capacities, source)
+        min_bytes = trace.activation_min_bytes if trace.activations_traced else None
+        return cls(units, depth, predicted, capacities, source, min_bytes)
 
     @classmethod
     def uniform(
@@ -171,6 +175,12 @@ class Plan:
             f" {self.source} plan)"
         )
         lines.append(confidence(e))
+        if self.activation_min_bytes is not None:
+            lines.append(
+                f"tensors saved for backward of at least "
+                f"{format_size(self.activation_min_bytes)} follow their unit's activations "
+                f"placement (activation_min_bytes); smaller ones stay on the device"
+            )
         if e.optimizer_hidden_s > 0:
             lines.append(
                 f"stepping units beside backward (overlap_step) or the next forward "
@@ -244,6 +254,7 @@ class Plan:
             Estimate(**predicted) if predicted else None,
             Capacities(**data["capacities"]),
             data["source"],
+            data.get("activation_min_bytes"),
         )
 
     def save(self, path: str | Path) -> None:

@@ -103,7 +103,46 @@ def _largest_true(predicate, low: int, high: int) -> int:
     return low
 
 
+# activation_min_bytes the planner may lower the configured one to, when that fits where
+# the configured one does not, or is predicted faster by more than MIN_BYTES_GAIN (smaller
+# storages offloaded leave the device room; each costs a copy and a hook call the cost
+# model does not count, so the configured one wins ties)
+LOWER_MIN_BYTES = (64 << 10, 4 << 10, 0)
+MIN_BYTES_GAIN = 0.02
+
+
+def _at_each_min_bytes(trace: Trace, config, plan_at) -> Plan:
+    """``plan_at(trace)`` with the activations split at the configured
+    ``activation_min_bytes`` and at each lower one of ``LOWER_MIN_BYTES``: the fastest
+    plan that fits (the plan records the one it was made at); a refusal only when none
+    fits, with the figures of the lowest. Before a batch is traced there is nothing to
+    split: ``plan_at(trace)``."""
+    if not trace.activations_traced:
+        return plan_at(trace)
+    start = config.activation_min_bytes
+    best, refusal = None, None
+    for min_bytes in [start] + [t for t in LOWER_MIN_BYTES if t < start]:
+        try:
+            plan = plan_at(trace.at_min_bytes(min_bytes))
+        except OutOfTierMemory as exc:  # (OutOfDeviceMemory too)
+            refusal = exc
+            continue
+        if best is None or _step_s(plan) < _step_s(best) * (1 - MIN_BYTES_GAIN):
+            best = plan
+    if best is None:
+        raise refusal
+    return best
+
+
 def make_plan(trace: Trace, capacities: Capacities, config, *, disk_optimizer: bool = True) -> Plan:
+    """The fastest predicted placement within ``capacities``, ``activation_min_bytes``
+    included (see :func:`_at_each_min_bytes`)."""
+    return _at_each_min_bytes(
+        trace, config, lambda t: _make_plan_roomy(t, capacities, config, disk_optimizer)
+    )
+
+
+def _make_plan_roomy(trace: Trace, capacities: Capacities, config, disk_optimizer: bool) -> Plan:
     """The fastest predicted placement within ``capacities`` (see module doc).
     ``disk_optimizer=False``: the optimizer cannot be streamed from disk (not Adam,
     AdamW or SGD), so its states never spill there.
@@ -390,21 +429,26 @@ def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) 
 
 
 def refit_activations(trace: Trace, plan: Plan, config, *, batch: str = "this batch") -> Plan:
-    """``plan`` for a trace whose activations grew (a larger batch): parameters and
+    """At each ``activation_min_bytes`` the planner may use (:func:`_at_each_min_bytes`):
+    ``plan`` for a trace whose activations grew (a larger batch): parameters and
     optimizer states stay where they were built; activations kept on the device move to
     host, cheapest per byte first, until the device fits, then from host to disk until
     the host does. Raises ``OutOfDeviceMemory`` / ``OutOfTierMemory`` with the figures
     when even that cannot fit."""
-    return _fit_moving(
+    return _at_each_min_bytes(
         trace,
-        plan,
-        _activations_off_the_device(trace, plan),
         config,
-        batch=batch,
-        offloaded=f"every unit's activations "
-        f"({format_size(sum(u.saved_bytes for u in trace.units))} saved for backward)",
-        advice="Lower the batch size, or pass the largest batch as example_inputs to "
-        "hetstore.offload() so the plan is made for it",
+        lambda t: _fit_moving(
+            t,
+            plan,
+            _activations_off_the_device(t, plan),
+            config,
+            batch=batch,
+            offloaded=f"every unit's activations "
+            f"({format_size(sum(u.saved_bytes for u in t.units))} saved for backward)",
+            advice="Lower the batch size, or pass the largest batch as example_inputs to "
+            "hetstore.offload() so the plan is made for it",
+        ),
     )
 
 
@@ -425,7 +469,16 @@ def plan_first_batch(
     ``move_states``, optimizer states built on host (with their master and gradients;
     nothing has stepped yet, so they move once, before training). Raises
     ``OutOfDeviceMemory`` / ``OutOfTierMemory`` naming the capacity that would fit,
-    before the batch's forward allocates anything."""
+    before the batch's forward allocates anything. At each ``activation_min_bytes`` the
+    planner may use (:func:`_at_each_min_bytes`)."""
+    return _at_each_min_bytes(
+        trace,
+        config,
+        lambda t: _first_batch_at(t, plan, config, batch, move_params, move_states),
+    )
+
+
+def _first_batch_at(trace, plan, config, batch, move_params, move_states) -> Plan:
     moves = _activations_off_the_device(trace, plan)
     if move_params:
         moves += [

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import replace
 
+from hetstore._sizes import format_size
 from hetstore.planner.plan import Plan
 from hetstore.planner.planner import plan_first_batch, refit_activations
 from hetstore.planner.trace import Trace
@@ -36,6 +37,7 @@ def scaled_trace(trace: Trace, scale: float) -> Trace:
             kept_bytes=math.ceil(u.kept_bytes * scale),
             largest_saved_bytes=math.ceil(u.largest_saved_bytes * scale),
             largest_node_bytes=math.ceil(u.largest_node_bytes * scale),
+            saved_sizes=tuple((math.ceil(n * scale), a, b) for n, a, b in u.saved_sizes),
             temp_bytes=math.ceil(u.temp_bytes * scale),
         )
         for u in trace.units
@@ -165,6 +167,12 @@ class BatchGuard:
             )
             if getattr(old.choice, field) != getattr(new.choice, field)
         ]
+        configured = self.config.activation_min_bytes
+        if plan.activation_min_bytes is not None and plan.activation_min_bytes < configured:
+            moved.append(
+                f"activation_min_bytes: {format_size(configured)} -> "
+                f"{format_size(plan.activation_min_bytes)}"
+            )
         if moved:
             warnings.warn(
                 f"hetstore: {batch} {verb} the placement ({', '.join(moved)})",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 __all__ = ["MachineRates", "UnitTrace", "Trace", "StepProfile"]
@@ -68,9 +68,14 @@ class UnitTrace:
     state_count: int = 2  # per-element states (Adam: 2); a step holds fp32 chunks of each
     saved_bytes: int = 0
     kept_bytes: int = 0  # saved, but below activation_min_bytes: never offloaded
+    # every storage saved while its forward runs, as (bytes, the first and the last op
+    # that saved it): what saved_bytes, kept_bytes and largest_node_bytes are made from
+    # for any activation_min_bytes (at_min_bytes); empty before a batch is traced
+    saved_sizes: tuple[tuple[int, int, int], ...] = ()
     largest_saved_bytes: int = 0  # its largest saved storage
-    # the most one of its autograd nodes saved (offloadable storages): what a backward
-    # node unpacks together, restored at once on a CPU device (attention: q, k, v, out)
+    # the most of its offloadable storages restored at once on a CPU device: those one
+    # autograd node unpacks together (attention: q, k, v, out), with those an earlier
+    # node will unpack again (a storage saved by two nodes)
     largest_node_bytes: int = 0
     temp_bytes: int = 0
     max_param_numel: int = 0  # its largest parameter (one gradient in flight)
@@ -79,6 +84,29 @@ class UnitTrace:
     backward_s: float = 0.0
     flops: float = 0.0
     is_root: bool = False  # present for the whole step: its parameters never leave
+
+    def at_min_bytes(self, min_bytes: int) -> UnitTrace:
+        """The unit with its activations split at ``activation_min_bytes=min_bytes``:
+        storages of at least that many bytes are offloadable, the rest kept."""
+        if not self.saved_sizes:
+            return self
+        # Backward runs the ops' nodes last first; an offloaded storage is restored at
+        # the last node that saved it and dropped once the first has run, so at op i
+        # those with first <= i <= last are restored at once
+        saved = kept = 0
+        events: dict[int, int] = {}
+        for nbytes, first, last in self.saved_sizes:
+            if nbytes >= min_bytes:
+                saved += nbytes
+                events[first] = events.get(first, 0) + nbytes
+                events[last + 1] = events.get(last + 1, 0) - nbytes
+            else:
+                kept += nbytes
+        restored = most = 0
+        for op in sorted(events):
+            restored += events[op]
+            most = max(most, restored)
+        return replace(self, saved_bytes=saved, kept_bytes=kept, largest_node_bytes=most)
 
     @property
     def param_bytes(self) -> int:
@@ -144,11 +172,24 @@ class Trace:
     # matmul rate), "probed" / "partly probed" (planner.probe timed one unit of each
     # kind, or some kinds, for real); ``measured`` (the profiled steps) overrides it
     compute_basis: str = "flops"
+    # the activation_min_bytes the units' activation figures are split at
+    activation_min_bytes: int = 0
 
     def __post_init__(self) -> None:
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise ValueError(f"unit names must be unique, got {names}")
+
+    @property
+    def activations_traced(self) -> bool:
+        """The units' saved storages are known one by one (a batch was traced), so the
+        activations can be split at any ``activation_min_bytes``."""
+        return any(u.saved_sizes for u in self.units)
+
+    def at_min_bytes(self, min_bytes: int) -> Trace:
+        """The trace with every unit's activations split at ``min_bytes``."""
+        units = tuple(u.at_min_bytes(min_bytes) for u in self.units)
+        return replace(self, units=units, activation_min_bytes=min_bytes)
 
     @property
     def steps_in_next_forward(self) -> bool:
@@ -171,7 +212,11 @@ class Trace:
         data = json.loads(text)
         unit_keys = {f.name for f in fields(UnitTrace)}
         units = tuple(
-            UnitTrace(**{k: v for k, v in u.items() if k in unit_keys}) for u in data["units"]
+            UnitTrace(
+                **{k: v for k, v in u.items() if k in unit_keys and k != "saved_sizes"},
+                saved_sizes=tuple(tuple(s) for s in u.get("saved_sizes", ())),
+            )
+            for u in data["units"]
         )
         machine = MachineRates(**data["machine"]) if data.get("machine") else None
         shapes = tuple(tuple(s) for s in data.get("batch_shapes", ()))
@@ -186,6 +231,7 @@ class Trace:
             "step_in_forward",
             "step_in_forward_memory",
             "compute_basis",
+            "activation_min_bytes",
         )
         rest = {k: data[k] for k in keys if k in data}
         return cls(units=units, machine=machine, batch_shapes=shapes, **rest)

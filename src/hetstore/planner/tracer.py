@@ -140,24 +140,24 @@ def with_batch(
     compute device (:mod:`hetstore.planner.probe`); else compute is FLOPs at the
     machine's matmul rate."""
     machine = base.machine
-    saved, kept, largest, nodes, flops, calls = _run(model, args, kwargs, specs, config, on_meta)
+    sizes, flops, calls = _run(model, args, kwargs, specs, config, on_meta)
     traced = []
     for index, unit in enumerate(base.units):
         forward_flops = flops.get(index, 0.0)
         forward_s = forward_flops / machine.flops if machine is not None and machine.flops else 0.0
+        saved_sizes = tuple(sizes.get(index, ()))
         traced.append(
             replace(
                 unit,
-                saved_bytes=saved.get(index, 0),
-                kept_bytes=kept.get(index, 0),
-                largest_saved_bytes=largest.get(index, 0),
-                largest_node_bytes=nodes.get(index, 0),
+                saved_sizes=saved_sizes,
+                largest_saved_bytes=max((n for n, *_ in saved_sizes), default=0),
                 flops=3 * forward_flops,
                 forward_s=forward_s,
                 backward_s=2 * forward_s,
             )
         )
     traced = replace(base, units=tuple(traced), batch_shapes=batch_shapes(args, kwargs))
+    traced = traced.at_min_bytes(config.activation_min_bytes)
     if probe is None:
         return traced
     return probe_compute(
@@ -177,8 +177,9 @@ def batch_shapes(args: tuple, kwargs: dict) -> tuple:
 
 
 def _run(model, inputs, kwargs, specs, config, on_meta):
-    """One forward; per unit index: offloadable saved bytes, kept bytes, the largest saved
-    storage, forward FLOPs, and the unit's first call (for the compute probe)."""
+    """One forward; per unit index: the storages saved for backward as (bytes, the first
+    and the last op that saved them), forward FLOPs, and the unit's first call (for the
+    compute probe)."""
     # imported here: they pull in sympy and dynamo (hundreds of MB of RSS), which a
     # manually placed model never needs
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -186,12 +187,11 @@ def _run(model, inputs, kwargs, specs, config, on_meta):
 
     root_index = next((i for i, s in enumerate(specs) if s.is_root), len(specs))
     current = [root_index]
-    saved: dict[int, int] = {}
-    kept: dict[int, int] = {}
-    largest: dict[int, int] = {}
+    sizes: dict[int, list[tuple[int, int, int]]] = {}
     calls: dict[int, UnitCall] = {}
-    seen: dict = {}  # (storage, version) -> storage, held so addresses are not reused
-    per_node: dict[tuple[int, int], int] = {}  # (unit, op) -> bytes its node saved
+    # (storage, version) -> (storage, unit, its entry in sizes): held, so addresses are
+    # not reused
+    seen: dict = {}
     handles = []
     for index, spec in enumerate(specs):
         if spec.module is None:
@@ -254,17 +254,18 @@ def _run(model, inputs, kwargs, specs, config, on_meta):
                 storage = tensor.untyped_storage()
                 cdata = StorageWeakRef(storage).cdata
                 key = (cdata, tensor._version)
-                if cdata in model_storages or key in seen:
+                if cdata in model_storages:
                     return None
-                seen[key] = storage
-                nbytes = storage.nbytes()
-                offloadable = nbytes >= config.activation_min_bytes
-                target = saved if offloadable else kept
-                target[current[0]] = target.get(current[0], 0) + nbytes
-                largest[current[0]] = max(largest.get(current[0], 0), nbytes)
-                if offloadable:  # saves between two ops' dispatches are one node's
-                    node = (current[0], ops.count)
-                    per_node[node] = per_node.get(node, 0) + nbytes
+                node = ops.node_of(cdata)
+                if key in seen:  # saved again, by a later node: restored from there on
+                    _, unit, at = seen[key]
+                    if unit == current[0]:
+                        nbytes, first, _ = sizes[unit][at]
+                        sizes[unit][at] = (nbytes, first, node)
+                    return None
+                unit_sizes = sizes.setdefault(current[0], [])
+                seen[key] = (storage, current[0], len(unit_sizes))
+                unit_sizes.append((storage.nbytes(), node, node))
                 return None
 
             with (
@@ -285,23 +286,44 @@ def _run(model, inputs, kwargs, specs, config, on_meta):
         if spec.module is not None:
             flops[index] = float(sum(counts.get(f"{prefix}.{spec.name}", {}).values()))
     flops[root_index] = max(0.0, total - sum(flops.values()))
-    nodes: dict[int, int] = {}
-    for (index, _), nbytes in per_node.items():
-        nodes[index] = max(nodes.get(index, 0), nbytes)
-    return saved, kept, largest, nodes, flops, calls
+    return sizes, flops, calls
 
 
 class _OpCount(TorchDispatchMode):
-    """Counts the ops dispatched: the tensors autograd saves between two of them are one
-    node's (it packs them as it records the op)."""
+    """Counts the ops dispatched (not ``prim`` queries such as a fake tensor's device),
+    and which op made each storage, to tell which autograd node a saved tensor is for
+    (:meth:`node_of`)."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self._made: dict[int, int] = {}  # storage -> the op whose output it is
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "prim":
+            return out
         self.count += 1
-        return func(*args, **(kwargs or {}))
+        inputs = {
+            StorageWeakRef(t.untyped_storage()).cdata
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                cdata = StorageWeakRef(t.untyped_storage()).cdata
+                if cdata not in inputs:  # a new storage (a view's is its base's)
+                    self._made[cdata] = self.count
+        return out
+
+    def node_of(self, cdata: int) -> int:
+        """The op whose autograd node saves a storage saved now: a node saves its inputs
+        before its op runs and its outputs after it, so a storage the last op made is
+        that op's output, any other the next op's input. (An input made by the op just
+        before is taken for that op's output: its node is then counted larger, never
+        smaller.)"""
+        return self.count if self._made.get(cdata) == self.count else self.count + 1
 
 
 def _fake_device(config) -> torch.device | None:
