@@ -245,3 +245,40 @@ def test_a_capacity_that_is_the_machines_is_named_as_such(tier, tmp_path):
     # the same capacity given by the key: the key is what to raise
     with pytest.raises(OutOfTierMemory, match=f"raise {tier.capacity_key} to at least"):
         check_manual_floor(floor, capacities, cfg)
+
+
+def test_the_steps_chunk_buffers_are_a_whole_segment_not_one_parameter(tmp_path):
+    """A block's one param group (its segment) is 3x its largest parameter, and the
+    step's chunk (under optimizer_chunk_size) is the whole segment: a floor that sized
+    the chunk by the largest parameter let a host budget 8 MiB short through, which
+    then failed in the first step ('swap blocks.0 grad'). Now refused at offload(),
+    and a budget at the floor trains."""
+
+    def make():
+        torch.manual_seed(0)
+        model = GPT(vocab=256, width=256, depth=2, heads=4, ctx=16)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+    model, optimizer = make()
+    blocks = model.blocks[0]
+    segment = sum(p.numel() for p in blocks.parameters())
+    assert segment > 3 * max(p.numel() for p in blocks.parameters())
+    cfg = disk_config(tmp_path)
+    floor = floor_of(model, optimizer, cfg)
+    chunks = dict(floor.parts[Tier.HOST])["the optimizer step's chunk buffers"]
+    assert chunks == segment * (4 + 8 + 4)  # fp32 master, Adam's two states, gradient
+    need = floor.total(Tier.HOST)
+    with pytest.raises(OutOfTierMemory, match="chunk buffers"):
+        hetstore.offload(model, optimizer, disk_config(tmp_path, offload_cpu_size=need - 4096))
+    model, optimizer = make()
+    model, optimizer = hetstore.offload(
+        model, optimizer, disk_config(tmp_path, offload_cpu_size=need + (64 << 10))
+    )
+    x, y = batches(1, vocab=256)[0]
+    for _ in range(2):
+        model(x, y).backward()
+        optimizer.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert hetstore.memory_stats(model)["host"]["peak"] <= need + (64 << 10)
+    hetstore.release(model)

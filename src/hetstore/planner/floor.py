@@ -142,11 +142,11 @@ def manual_floor(
 
 def _chunk_sets(u, chunk: int, param, aliased, states, grad, is_consumed) -> int:
     """The buffer sets of the unit's streamed step (optim.streamed), each of its longest
-    chunk at least: a chunk never crosses a param group, and its largest trainable parameter
-    lies within one group. Per element: the fp32 master, each state (fp32, or stored
+    chunk: the chunk size or, when shorter, its longest segment (one param group's
+    trainable parameters; a chunk never crosses one). Per element: the fp32 master, each state (fp32, or stored
     compact plus its fp32 scratch), the gradient when read from disk, and the home's cast
     when it is a disk array of its own that holds no frozen compute-dtype part."""
-    numel = min(chunk, u.max_trainable_numel)
+    numel = min(chunk, u.longest_segment_numel)
     # sets pipelined: up to 3, no more than its chunks (at least trainable / chunk of them)
     sets = min(STREAMED_STEP_SLOT_SETS, -(-u.trainable_numel // max(chunk, 1)))
     per_state = 4 if u.per_state_itemsize >= 4 else 4 + int(u.per_state_itemsize)

@@ -79,7 +79,8 @@ class UnitTrace:
     largest_node_bytes: int = 0
     temp_bytes: int = 0
     max_param_numel: int = 0  # its largest parameter (one gradient in flight)
-    max_trainable_numel: int = 0  # its largest parameter the optimizer steps
+    # the most trainable elements of one param group (a segment of its flat buffers)
+    longest_segment_numel: int = 0
     forward_s: float = 0.0
     backward_s: float = 0.0
     flops: float = 0.0

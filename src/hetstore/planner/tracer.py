@@ -41,6 +41,21 @@ def _trainable(param: nn.Parameter, optimizer) -> bool:
     )
 
 
+def _longest_segment(params: list[nn.Parameter], optimizer) -> int:
+    """The most trainable elements of one optimizer param group among ``params`` (one
+    unit's): a unit lays each group's out as one segment, and its streamed step's chunk
+    never crosses one."""
+    if optimizer is None:
+        return 0
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    per_group: dict[int, int] = {}
+    for p in params:
+        if _trainable(p, optimizer):
+            g = group_of[id(p)]
+            per_group[g] = per_group.get(g, 0) + p.numel()
+    return max(per_group.values(), default=0)
+
+
 def model_data_trace(
     model: nn.Module,
     config,
@@ -72,9 +87,7 @@ def model_data_trace(
                 state_itemsize=states,
                 state_count=count,
                 max_param_numel=max((p.numel() for p in params), default=0),
-                max_trainable_numel=max(
-                    (p.numel() for p in params if _trainable(p, optimizer)), default=0
-                ),
+                longest_segment_numel=_longest_segment(params, optimizer),
                 is_root=spec.is_root,
             )
         )
