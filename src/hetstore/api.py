@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from torch import nn
 from torch.optim import Optimizer
 
+from hetstore._malloc import bound_heap_retention
 from hetstore._sizes import format_size
 from hetstore.config import OffloadConfig
 from hetstore.errors import ConfigError
@@ -39,6 +40,7 @@ from hetstore.runtime.unfrozen import RefuseUnfrozen
 from hetstore.runtime.unit import Placement, Unit
 from hetstore.tier import Tier
 from hetstore.tiers import Tiers
+from hetstore.tiers.accounting import MemoryAccount
 from hetstore.tiers.flat import ALIGN_ELEMENTS, BYTE_ALIGN_ELEMENTS, DiskArray
 from hetstore.units import UnitSpec, find_units
 
@@ -122,6 +124,8 @@ def offload(
     trace, plan = _plan_for(model, optimizer, config, specs, device, units, example_inputs)
     if plan.source == "manual" and shards is None:
         _check_manual_placement(trace, optimizer, config)
+    if device.type == "cpu":  # the device's memory is the process's: keep it bounded
+        bound_heap_retention()
     built: list[Unit | None] = [None] * len(specs)
 
     def advice(tier: str, nbytes: int) -> list[str]:
@@ -234,7 +238,14 @@ def offload(
         """The first training batch's activations, traced on fake tensors."""
         with runtime.tracing():
             traced = with_batch(
-                trace, model, args, kwargs, specs, config, on_meta=True, probe=Probe(device)
+                trace,
+                model,
+                args,
+                kwargs,
+                specs,
+                config,
+                on_meta=True,
+                probe=Probe(device, account=tiers.device_tier.account),
             )
         runtime.trace = traced
         return traced
@@ -485,7 +496,9 @@ def _plan_for(model, optimizer, config, specs, device, units, example_inputs):
             machine,
             optimizer=optimizer,
             units=units,
-            probe=Probe(device),  # one unit of each kind timed for real: a step's fraction
+            # one unit of each kind timed for real (a step's fraction), where the device
+            # budget has room for it: nothing else is on the device yet
+            probe=Probe(device, account=MemoryAccount(Tier.DEVICE, config.max_device_memory)),
         )
     else:
         trace = model_data_trace(model, config, machine, optimizer=optimizer, specs=specs)

@@ -691,11 +691,15 @@ class StepAhead:
             if isinstance(spec.shadows, MemoryShadows):
                 self._cancel(key)
                 return True
-        if self._in_forward and self._slots is not None and not self._pending:
-            # the next forward needs the worker's chunk buffers back: let its steps
-            # finish (they are committed at each unit's use, as always)
-            for record in self._in_forward.values():
-                self._wait_worker(record)
+        if self._slots is not None and not self._on_worker_thread():
+            # the worker's chunk buffers: what needs the room (the next forward, the
+            # clip's scan of gradients on disk, an ordinary step) comes first. Let the
+            # steps running on them finish (a speculation's result is in its disk
+            # shadows, a step in the next forward's is committed at its unit's use, as
+            # always); a later one makes them again where there is room
+            for job in [*self._pending.values(), *self._in_forward.values()]:
+                if job.future is not None:
+                    self._wait_worker(job)
             self._free_slots()
             return True
         return False
@@ -988,7 +992,10 @@ class StepAhead:
         try:
             for key, array in arrays.items():
                 buffer = self._host.allocate(
-                    array.numel * array.dtype.itemsize, f"read ahead {unit.name} {key}", array.dtype
+                    array.numel * array.dtype.itemsize,
+                    f"read ahead {unit.name} {key}",
+                    array.dtype,
+                    transient=True,  # (given back by the step that reads it)
                 )
                 record.buffers.append(buffer)
                 record.arrays[key] = buffer.tensor[: array.numel]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from hetstore.errors import OutOfTierMemory
 from hetstore.planner.trace import Trace
 
 __all__ = ["Probe", "TensorSpec", "UnitCall", "describe_call", "probe_compute"]
@@ -46,6 +47,10 @@ class Probe:
 
     device: torch.device
     budget_s: float | None = None
+    # the device tier's account (tiers.accounting.MemoryAccount), when a model's tiers
+    # exist: a probe's tensors are real device memory, so it runs only where the
+    # device budget has room for them, counted while it runs (else: FLOPs)
+    account: object | None = None
 
 
 @dataclass(frozen=True)
@@ -180,9 +185,11 @@ def probe_compute(
     dtype: torch.dtype,
     *,
     budget_s: float | None = None,
+    account=None,
 ) -> Trace:
     """``trace`` with each unit's forward and backward seconds measured (see module
-    doc). ``calls``: unit index -> its recorded call. ``budget_s``: see :class:`Probe`."""
+    doc). ``calls``: unit index -> its recorded call. ``budget_s``, ``account``: see
+    :class:`Probe`."""
     machine = trace.machine
     if machine is None or not calls:
         return trace
@@ -198,10 +205,22 @@ def probe_compute(
         if budget_s is not None and machine.flops and unit.flops / machine.flops > budget_s:
             timed[kind] = None
             continue
+        # what it holds at once: the parameters and their gradients in the compute
+        # dtype, and the saved tensors of every timed forward (their graphs are kept)
+        need = 2 * unit.param_bytes + _REPEATS * (unit.saved_bytes + unit.kept_bytes)
+        if account is not None:
+            try:
+                account.reserve(need, "compute probe")
+            except OutOfTierMemory:  # no room beside what the device holds: FLOPs
+                timed[kind] = None
+                continue
         try:
             timed[kind] = _time_unit(module, call, device, dtype)
         except Exception:  # noqa: BLE001 - the module's own code, on arguments rebuilt
             timed[kind] = None  # from shapes: a call it cannot reproduce is left to FLOPs
+        finally:
+            if account is not None:
+                account.release(need, "compute probe")
     measured = {i: timed[k] for i, k in kinds.items() if timed.get(k) is not None}
     if not measured:
         return trace

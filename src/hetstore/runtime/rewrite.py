@@ -76,7 +76,8 @@ def chunk_buffers(
 ) -> tuple[list[Slot], list[HostBuffer]]:
     """``count`` buffer sets (slots) of ``numel`` elements per named array, from ``host``,
     labelled ``"{label} {name}"``; and the buffers, to free with ``host.free``. A failed
-    allocation frees what was taken and raises."""
+    allocation frees what was taken and raises. Transient: a step or a scan frees them
+    again (tiers.host carves them from the top)."""
     sets: list[Slot] = []
     buffers: list[HostBuffer] = []
     try:
@@ -84,7 +85,7 @@ def chunk_buffers(
             slot = {}
             for name, dtype in names:
                 nbytes = max(numel, 1) * dtype.itemsize
-                buffer = host.allocate(nbytes, f"{label} {name}", dtype)
+                buffer = host.allocate(nbytes, f"{label} {name}", dtype, transient=True)
                 buffers.append(buffer)
                 slot[name] = buffer.tensor
             sets.append(slot)
