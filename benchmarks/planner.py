@@ -35,11 +35,22 @@ profiled steps (``runtime.calibrated_plan``: measured per-unit compute and loop
 overhead, transfers and optimizer still modelled); the measured median step; and each
 tier's predicted (pre-run) and measured peak. The issue's bar: 0.8-1.2 for the pre-run
 step time, +-10% for the peaks.
+
+Process memory (``--rss``, on by default on a CPU device): the tiers' figures are
+hetstore's own accounting, so each budget also trains alone in a subprocess that
+measures its peak resident set (``ru_maxrss``) and its size before ``offload()``
+(interpreter, torch, hetstore); the table sets the predicted device and host peaks plus
+that start-up size against the measured peak RSS (tests/test_rss_budgets.py states the
+bound: within 192 MiB above it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import resource
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -133,42 +144,96 @@ class LlamaShape:
 SHAPES = {"gpt": GptShape, "llama": LlamaShape}
 
 
+def build_variant(shape, args, device, folder, budget, data):
+    """The model and optimizer offloaded for one budget (or plain, ``budget=None``)."""
+    torch.manual_seed(0)
+    model = shape.build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if budget is None:
+        return model.to(device), opt
+    fraction, host_fraction, given = budget
+    if args.tiny and host_fraction is not None:
+        # the host pool rounds every buffer up to a 4 KiB page, several percent of a
+        # model this small, which the cost model (bytes) does not count
+        host_fraction *= 1.25
+    states_bytes = states_of(shape, args)
+    config = OffloadConfig(
+        auto_offload=True,
+        device=args.device,
+        offload_path=folder,
+        max_device_memory=int(states_bytes * fraction),
+        offload_cpu_size=None if host_fraction is None else int(states_bytes * host_fraction),
+        enable_pinned_mem=device.type == "cuda",
+        # the tiny model's saved tensors are all small: let every one move
+        activation_min_bytes=0 if args.tiny else OffloadConfig().activation_min_bytes,
+    )
+    example = shape.example_inputs(data[0][0]) if given else None
+    return hetstore.offload(model, opt, config, example_inputs=example)
+
+
+def states_of(shape, args) -> int:
+    """The model states alone: no trace of the forward, no machine probe."""
+    return model_data_trace(shape.build(), OffloadConfig(device=args.device), None).state_bytes
+
+
+def rss_child(shape, args, device, folder, index: int) -> None:
+    """``--rss-child``: one budget's variant trained alone; its memory as JSON."""
+    data = batches(PROFILED_STEPS + 2, vocab=args.vocab, batch=args.batch, ctx=args.ctx)
+    with open("/proc/self/status") as f:
+        baseline = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    model, opt = build_variant(shape, args, device, folder, BUDGETS[index], data)
+    for x, y in data:
+        shape.loss(model, x.to(device), y.to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+    planned = hetstore.state_of(model).runtime.plan.estimate
+    print(
+        json.dumps(
+            {
+                "baseline": baseline,
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "predicted_device": planned.device,
+                "predicted_host": planned.host,
+            }
+        )
+    )
+
+
+def rss_rows(shape, args) -> list:
+    """Per budget, the predicted device + host peaks and start-up size against the
+    measured peak RSS of a process that trains that variant alone."""
+    rows = []
+    for index, budget in enumerate(BUDGETS):
+        command = [sys.executable, __file__, "--rss-child", f"{shape.name}:{index}"]
+        command += [f"--{k}={getattr(args, k)}" for k in ("width", "depth", "vocab", "batch")]
+        command += [f"--ctx={args.ctx}", f"--device={args.device}", f"--dir={args.dir}"]
+        command += ["--tiny"] if args.tiny else []
+        out = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        if out.returncode != 0:
+            rows.append([shape.name, label(budget), "-", "-", "-", out.stderr.strip()[-80:]])
+            continue
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        predicted = got["predicted_device"] + got["predicted_host"] + got["baseline"]
+        rows.append(
+            [
+                shape.name,
+                label(budget),
+                size(got["baseline"]),
+                size(predicted),
+                size(got["peak_rss"]),
+                f"{got['peak_rss'] / predicted:.2f}",
+            ]
+        )
+    return rows
+
+
 def run_shape(shape, args, device, folder) -> tuple[str, list, list]:
     warm = PROFILED_STEPS  # profiled steps, then the measured ones
     data = batches(warm + args.steps, vocab=args.vocab, batch=args.batch, ctx=args.ctx)
-
-    def build():
-        torch.manual_seed(0)
-        model = shape.build()
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    # the model states alone: no trace of the forward, no machine probe
-    states_bytes = model_data_trace(
-        shape.build(), OffloadConfig(device=args.device), None
-    ).state_bytes
-    variants = {}
-    plain, plain_opt = build()
-    plain.to(device)
-    variants["plain"] = (plain, plain_opt)
+    states_bytes = states_of(shape, args)
+    variants = {"plain": build_variant(shape, args, device, folder, None, data)}
     for budget in BUDGETS:
-        fraction, host_fraction, given = budget
-        if args.tiny and host_fraction is not None:
-            # the host pool rounds every buffer up to a 4 KiB page, several percent of a
-            # model this small, which the cost model (bytes) does not count
-            host_fraction *= 1.25
-        model, opt = build()
-        config = OffloadConfig(
-            auto_offload=True,
-            device=args.device,
-            offload_path=folder,
-            max_device_memory=int(states_bytes * fraction),
-            offload_cpu_size=None if host_fraction is None else int(states_bytes * host_fraction),
-            enable_pinned_mem=device.type == "cuda",
-            # the tiny model's saved tensors are all small: let every one move
-            activation_min_bytes=0 if args.tiny else OffloadConfig().activation_min_bytes,
-        )
-        example = shape.example_inputs(data[0][0]) if given else None
-        variants[budget] = hetstore.offload(model, opt, config, example_inputs=example)
+        variants[budget] = build_variant(shape, args, device, folder, budget, data)
     cursor = dict.fromkeys(variants, 0)
 
     def one_step(name):
@@ -239,18 +304,32 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dir", default=str(REPO / "offload"), help="offload_path parent")
     parser.add_argument("--tiny", action="store_true", help="a seconds-long harness check")
+    parser.add_argument(
+        "--rss",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure each budget's peak RSS in a process of its own (default: on a CPU)",
+    )
+    parser.add_argument("--rss-child", help=argparse.SUPPRESS)  # shape:budget index
     args = parser.parse_args()
     if args.tiny:
         args.width, args.depth, args.batch, args.ctx, args.steps, args.vocab = 64, 4, 2, 16, 2, 64
     device = torch.device(args.device)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     folder = tempfile.mkdtemp(prefix="bench-planner-", dir=args.dir)
-    titles, rows, peaks = [], [], []
+    if args.rss_child:
+        name, index = args.rss_child.split(":")
+        rss_child(SHAPES[name](args), args, device, folder, int(index))
+        return
+    measure_rss = device.type == "cpu" if args.rss is None else args.rss
+    titles, rows, peaks, memory = [], [], [], []
     for name in args.models.split(","):
         title, shape_rows, shape_peaks = run_shape(SHAPES[name](args), args, device, folder)
         titles.append(f"- {name}: {title}")
         rows += shape_rows
         peaks += shape_peaks
+        if measure_rss:
+            memory += rss_rows(SHAPES[name](args), args)
     print(f"# planner predictions vs measurement ({machine_line()}, device {device})")
     print("\n".join(titles) + "\n")
     print(
@@ -284,6 +363,21 @@ def main() -> None:
             peaks,
         )
     )
+    if memory:
+        print()
+        print(
+            format_table(
+                [
+                    "model",
+                    "budget",
+                    "start-up RSS",
+                    "predicted device + host + start-up",
+                    "measured peak RSS",
+                    "measured / predicted",
+                ],
+                memory,
+            )
+        )
 
 
 if __name__ == "__main__":
