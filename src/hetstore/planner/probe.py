@@ -127,7 +127,7 @@ def _module_tensors(module, device, dtype) -> tuple[dict, list[torch.Tensor]]:
     return named, leaves
 
 
-def _time_unit(module, call: UnitCall, device, dtype) -> tuple[float, float]:
+def _time_unit(module, call: UnitCall, device, dtype, most: int = _REPEATS) -> tuple[float, float]:
     """Median forward and backward seconds of ``module`` on ``call``'s shapes.
 
     After a warm-up, the timed forwards run one after another with every graph kept,
@@ -165,7 +165,7 @@ def _time_unit(module, call: UnitCall, device, dtype) -> tuple[float, float]:
         first, outs = forward()  # warm-up: the allocator, lazy initialization
         first += backward(outs)
         del outs
-        forwards = [forward() for _ in range(_repeats(first))]
+        forwards = [forward() for _ in range(min(most, _repeats(first)))]
         backwards = [backward(outs) for _, outs in reversed(forwards)]
     for param in params:
         param.grad = None
@@ -206,16 +206,23 @@ def probe_compute(
             timed[kind] = None
             continue
         # what it holds at once: the parameters and their gradients in the compute
-        # dtype, and the saved tensors of every timed forward (their graphs are kept)
-        need = 2 * unit.param_bytes + _REPEATS * (unit.saved_bytes + unit.kept_bytes)
-        if account is not None:
+        # dtype, and the saved tensors of every timed forward (their graphs are kept):
+        # as many timed runs as the device budget has room for, none without room
+        repeats, need = _REPEATS, 0
+        while account is not None:
+            need = 2 * unit.param_bytes + repeats * (unit.saved_bytes + unit.kept_bytes)
             try:
                 account.reserve(need, "compute probe")
-            except OutOfTierMemory:  # no room beside what the device holds: FLOPs
-                timed[kind] = None
-                continue
+                break
+            except OutOfTierMemory:
+                repeats -= 1
+                if not repeats:  # no room beside what the device holds: FLOPs
+                    break
+        if not repeats:
+            timed[kind] = None
+            continue
         try:
-            timed[kind] = _time_unit(module, call, device, dtype)
+            timed[kind] = _time_unit(module, call, device, dtype, repeats)
         except Exception:  # noqa: BLE001 - the module's own code, on arguments rebuilt
             timed[kind] = None  # from shapes: a call it cannot reproduce is left to FLOPs
         finally:
