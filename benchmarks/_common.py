@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+import hetstore
 from hetstore._sizes import format_size
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,8 +60,8 @@ def machine_line() -> str:
 
 
 def peak_rss_bytes() -> int:
-    # ru_maxrss is in KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM: this process's own peak (ru_maxrss would start at its parent's)
+    return hetstore.peak_rss()
 
 
 def interleaved(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import resource
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import hetstore
 
 # AdamW, the same on both sides (DeepSpeed's config and torch.optim.AdamW take these names)
 LR = 3e-4
@@ -162,7 +163,7 @@ class Channel:
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return hetstore.peak_rss()  # KiB on Linux
 
 
 def io_bytes() -> tuple[int, int]:

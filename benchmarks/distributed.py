@@ -86,14 +86,13 @@ def worker(args) -> None:
         if len(times) == 1:
             moved[0] = 0  # count from the second step on
     stats = hetstore.memory_stats(model)
-    import resource
 
     report = {
         "rank": rank,
         "step": statistics.median(times[1:]),
         "host": stats["host"]["current"],
         "disk": stats["disk"]["current"],
-        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss": hetstore.peak_rss(),
         "moved_per_step": moved[0] / max(1, len(times) - 1),
         "params": sum(p.numel() for p in model.parameters()),
     }

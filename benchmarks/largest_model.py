@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import tempfile
 import time
@@ -115,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return hetstore.peak_rss()
 
 
 def _setting(text: str) -> tuple[str, object]:

@@ -3,13 +3,10 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
-    # The peak-RSS probes run first. Why: after ~200 other tests the same probe
-    # subprocess measured 1.03-1.31 GiB peak RSS instead of 0.8 (reproducible in a fresh
-    # clone, cause not found yet; it is not environment variables or imports). See the
-    # issue 6 note; until found, measure on a quiet machine.
-    items.sort(
-        key=lambda item: 0 if item.path.name in ("test_rss.py", "test_rss_budgets.py") else 1
-    )
+    # (The peak-RSS probes used to run first: after ~200 other tests a probe measured
+    # 1.03-1.31 GiB instead of 0.8. The cause: ru_maxrss, which Linux carries over fork
+    # and exec, so a probe started by pytest reported pytest's size. The probes read
+    # VmHWM now, hetstore.peak_rss.)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -3,12 +3,12 @@ process's peak resident set against them, as JSON on the last line of stdout.
 
 ``baseline_rss`` is the resident set just before the model is built: the interpreter,
 torch and hetstore imported, the memory a process spends before hetstore holds a byte.
-``peak_rss`` is the whole run's high-water mark (``ru_maxrss``)."""
+``peak_rss`` is the whole run's high-water mark (``hetstore.peak_rss``: VmHWM, which
+unlike ``ru_maxrss`` does not start at the parent's size)."""
 
 from __future__ import annotations
 
 import json
-import resource
 import sys
 
 import torch
@@ -64,7 +64,7 @@ def main(path: str, placement: str, depth: int, device_budget: int, host_budget:
                 "params": n_params,
                 "states_bytes": n_params * 16,
                 "baseline_rss": baseline,
-                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_rss": hetstore.peak_rss(),
                 "device_peak": stats["device"]["peak"],
                 "host_peak": stats["host"]["peak"],
                 "disk_peak": stats["disk"]["peak"],

@@ -4,12 +4,11 @@ device, train it with everything on disk, print peak RSS and the figures as JSON
 With a checkpoint directory it then saves the whole training state (``hetstore.save``),
 takes one more step, loads the checkpoint back and repeats that step: the peak resident
 set of the save and of the load are measured on their own (Linux resets the peak, VmHWM,
-when 5 is written to /proc/self/clear_refs) besides the whole run's ``ru_maxrss``."""
+when 5 is written to /proc/self/clear_refs) besides the whole run's (``hetstore.peak_rss``: VmHWM)."""
 
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 
@@ -30,13 +29,9 @@ def reset_peak_rss() -> bool:
 
 
 def peak_rss_since(reset: bool) -> int:
-    """VmHWM after a reset; without one, the whole run's peak (an upper bound)."""
-    if reset:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The peak resident set (VmHWM) since the last reset; without one, the whole run's
+    (an upper bound)."""
+    return hetstore.peak_rss()
 
 
 def step(model, optimizer, x, y) -> float:
@@ -97,7 +92,7 @@ def main(path: str, depth: int, steps: int, checkpoint: str | None = None) -> No
             {
                 "params": n_params,
                 "states_bytes": n_params * 16,  # fp32 param + grad + 2 Adam moments
-                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_rss": hetstore.peak_rss(),
                 "device_peak": stats["device"]["peak"],
                 "lent_bound": lent_bound,
                 "disk_peak": stats["disk"]["peak"],

@@ -15,7 +15,7 @@ and 104 MiB on a 277M one (4.1 GiB of training states, on disk) at batch 2 x 64,
 hetstore fixed glibc's mmap threshold (hetstore._malloc: 328 MiB on the 277M one
 before) and counted the planner's compute probe in the device budget. The tests check
 the stronger form too: RSS within the tiers' measured peaks plus OVERHEAD. Each run is
-a subprocess (tests/rss_budget_probe.py) measuring its own ``ru_maxrss``.
+a subprocess (tests/rss_budget_probe.py) measuring its own peak (``hetstore.peak_rss``).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from hetstore.errors import (
 from hetstore.lifetime import offloaded, release
 from hetstore.model_state import ModelState, state_of
 from hetstore.planner import Plan, Trace
-from hetstore.stats import memory_stats
+from hetstore.stats import memory_stats, peak_rss
 from hetstore.tier import Tier
 from hetstore.weights import load_weights
 
@@ -44,6 +44,7 @@ __all__ = [
     "OffloadedParameterError",
     "HetstoreError",
     "memory_stats",
+    "peak_rss",
     "load_weights",
     "save",
     "load",

@@ -245,7 +245,7 @@ def offload(
                 specs,
                 config,
                 on_meta=True,
-                probe=Probe(device, account=tiers.device_tier.account),
+                probe=Probe(device, accounts=_probe_budgets(tiers, device)),
             )
         runtime.trace = traced
         return traced
@@ -496,15 +496,29 @@ def _plan_for(model, optimizer, config, specs, device, units, example_inputs):
             machine,
             optimizer=optimizer,
             units=units,
-            # one unit of each kind timed for real (a step's fraction), where the device
-            # budget has room for it: nothing else is on the device yet
-            probe=Probe(device, account=MemoryAccount(Tier.DEVICE, config.max_device_memory)),
+            # one unit of each kind timed for real (a step's fraction), where a budget
+            # has room for it: nothing else is held yet
+            probe=Probe(device, accounts=_probe_budgets(None, device, config)),
         )
     else:
         trace = model_data_trace(model, config, machine, optimizer=optimizer, specs=specs)
     streamable = optimizer is None or flat_steppable(optimizer)
     capacities = machine_capacities(config, device)
     return trace, make_plan(trace, capacities, config, disk_optimizer=streamable)
+
+
+def _probe_budgets(tiers: Tiers | None, device, config: OffloadConfig | None = None) -> tuple:
+    """The budgets the compute probe's tensors count in (planner.probe): the device's,
+    and on a CPU device the host's too (its memory is the same). Before the tiers exist,
+    empty accounts of the configured capacities."""
+    if tiers is not None:
+        accounts = (tiers.device_tier.account, tiers.host.account)
+    else:
+        accounts = (
+            MemoryAccount(Tier.DEVICE, config.max_device_memory),
+            MemoryAccount(Tier.HOST, config.offload_cpu_size),
+        )
+    return accounts if device.type == "cpu" else accounts[:1]
 
 
 def _check_manual_placement(trace: Trace, optimizer, config: OffloadConfig) -> None:

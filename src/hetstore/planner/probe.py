@@ -47,10 +47,10 @@ class Probe:
 
     device: torch.device
     budget_s: float | None = None
-    # the device tier's account (tiers.accounting.MemoryAccount), when a model's tiers
-    # exist: a probe's tensors are real device memory, so it runs only where the
-    # device budget has room for them, counted while it runs (else: FLOPs)
-    account: object | None = None
+    # the budgets its tensors are counted in while it runs (tiers.accounting's
+    # MemoryAccount), first that has room: the device's, and on a CPU device the
+    # host's too (the same memory); none with room: FLOPs. Empty: not counted
+    accounts: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,24 @@ def _time_unit(module, call: UnitCall, device, dtype, most: int = _REPEATS) -> t
     return statistics.median(f for f, _ in forwards), statistics.median(backwards)
 
 
+def _counted_in(accounts: tuple, unit) -> tuple[int, tuple | None]:
+    """How many timed runs a probe of ``unit`` makes, and (account, bytes) reserved for
+    it: the most runs the first account with room has room for (each run's saved
+    tensors are kept, beside the parameters and their gradients in the compute dtype);
+    ``_REPEATS`` and nothing reserved without accounts; 0 where none has room."""
+    if not accounts:
+        return _REPEATS, None
+    for repeats in range(_REPEATS, 0, -1):
+        need = 2 * unit.param_bytes + repeats * (unit.saved_bytes + unit.kept_bytes)
+        for account in accounts:
+            try:
+                account.reserve(need, "compute probe")
+            except OutOfTierMemory:
+                continue
+            return repeats, (account, need)
+    return 0, None
+
+
 def _repeats(one_run_s: float) -> int:
     """Fewer timed runs when one is long: the probe stays a fraction of one step."""
     return _REPEATS if one_run_s < 0.5 else 1
@@ -185,10 +203,10 @@ def probe_compute(
     dtype: torch.dtype,
     *,
     budget_s: float | None = None,
-    account=None,
+    accounts: tuple = (),
 ) -> Trace:
     """``trace`` with each unit's forward and backward seconds measured (see module
-    doc). ``calls``: unit index -> its recorded call. ``budget_s``, ``account``: see
+    doc). ``calls``: unit index -> its recorded call. ``budget_s``, ``accounts``: see
     :class:`Probe`."""
     machine = trace.machine
     if machine is None or not calls:
@@ -208,17 +226,8 @@ def probe_compute(
         # what it holds at once: the parameters and their gradients in the compute
         # dtype, and the saved tensors of every timed forward (their graphs are kept):
         # as many timed runs as the device budget has room for, none without room
-        repeats, need = _REPEATS, 0
-        while account is not None:
-            need = 2 * unit.param_bytes + repeats * (unit.saved_bytes + unit.kept_bytes)
-            try:
-                account.reserve(need, "compute probe")
-                break
-            except OutOfTierMemory:
-                repeats -= 1
-                if not repeats:  # no room beside what the device holds: FLOPs
-                    break
-        if not repeats:
+        repeats, counted = _counted_in(accounts, unit)
+        if not repeats:  # no room in any budget beside what it holds: FLOPs
             timed[kind] = None
             continue
         try:
@@ -226,7 +235,8 @@ def probe_compute(
         except Exception:  # noqa: BLE001 - the module's own code, on arguments rebuilt
             timed[kind] = None  # from shapes: a call it cannot reproduce is left to FLOPs
         finally:
-            if account is not None:
+            if counted is not None:
+                account, need = counted
                 account.release(need, "compute probe")
     measured = {i: timed[k] for i, k in kinds.items() if timed.get(k) is not None}
     if not measured:

@@ -180,7 +180,7 @@ def with_batch(
         probe.device,
         config.torch_compute_dtype,
         budget_s=probe.budget_s,
-        account=probe.account,
+        accounts=probe.accounts,
     )
 
 
