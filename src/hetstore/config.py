@@ -216,7 +216,9 @@ class OffloadConfig:
         default=2**20,
         metadata=_doc(
             "Saved activations smaller than this (bytes of their storage) stay on the device "
-            "when offload_activations is 'cpu' or 'disk': copying them costs more than it frees."
+            "when offload_activations is 'cpu' or 'disk': copying them costs more than it frees. "
+            "With auto_offload the planner starts here and may lower it (64 KiB, 4 KiB, 0) "
+            "where that fits a budget or is predicted faster; the plan says which it uses."
         ),
     )
     optimizer_chunk_size: int = field(
