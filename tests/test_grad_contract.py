@@ -235,3 +235,37 @@ def test_cuda_parameters_with_host_gradients_keep_the_contract():
         ref.zero_grad()
         mine.zero_grad()
         assert all(p.grad is None for p in mine.parameters())
+
+
+def test_two_torch_clips_in_a_step_and_a_skipped_step_on_disk_gradients():
+    """Gradients on disk, through torch's API as training scripts write it: an inf-norm
+    clip that only logs (its factor 1.0) then the real clip, in one step; and a step
+    skipped with model.zero_grad() after its clip bit, whose factor must not reach the
+    next step's gradients. Plain PyTorch's numbers (TIGHT)."""
+    ref, ref_opt, mine, opt = offloaded_pair(disk_grads_config())
+    for model, optimizer in ((ref, ref_opt), (mine, opt)):
+        out = []
+        for i, (x, y) in enumerate(batches(4)):
+            model(x, y).backward()
+            logged = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            out += [float(logged), float(norm)]
+            if i == 1:  # skipped (as on an overflow): the clip's factor goes with it
+                model.zero_grad()
+                continue
+            optimizer.step()
+            model.zero_grad()
+        model.results = out
+    torch.testing.assert_close(mine.results, ref.results, **TIGHT)
+    assert_same_weights(ref, mine)
+
+
+def test_disk_gradients_in_a_list_are_refused_clearly():
+    _, _, mine, _ = offloaded_pair(disk_grads_config())
+    x, y = batches(1)[0]
+    mine(x, y).backward()
+    grad = mine.blocks[0].fc.weight.grad
+    for use in (lambda g: torch.stack([g]), lambda g: torch._foreach_norm([g])):
+        with pytest.raises(GradientAccessError, match="offload_grad='cpu'"):
+            use(grad)
+    assert "DiskGradient" in f"{grad}" and grad in {grad}

@@ -102,3 +102,26 @@ def test_unfreezing_a_parameter_frozen_at_offload_is_refused(where, tmp_path):
     model.blocks[0].requires_grad_(False)  # frozen again: training goes on
     model(x, y).backward()
     opt.step()
+
+
+@pytest.mark.parametrize("where", ["cpu", "disk"])
+def test_frozen_between_forward_and_backward_still_gets_the_forwards_gradient(where, tmp_path):
+    """Autograd brings gradients by the graph the forward recorded (a GAN's loop freezes
+    the discriminator after its forward): a block frozen between forward and backward
+    still gets its gradient and is stepped, as in plain PyTorch."""
+    ref, mine = pair(GPT)
+    ref_opt = adamw(ref.parameters())
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), placement(where, tmp_path))
+    for model, optimizer in ((ref, ref_opt), (mine, opt)):
+        losses = []
+        for x, y in batches(3):
+            model.blocks[0].requires_grad_(True)
+            loss = model(x, y)
+            model.blocks[0].requires_grad_(False)  # after the forward, before backward
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        model.results = losses
+    torch.testing.assert_close(mine.results, ref.results, **TIGHT)
+    assert_same_weights(ref, mine)

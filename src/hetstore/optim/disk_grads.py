@@ -22,12 +22,13 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from hetstore.errors import GradientAccessError
 
 if TYPE_CHECKING:
     from hetstore.optim.offloaded import OffloadedOptimizer
-    from hetstore.runtime.unit import ParamEntry
+    from hetstore.runtime.unit import ParamEntry, Unit
 
 __all__ = ["DiskGradients", "DiskGradient"]
 
@@ -94,7 +95,7 @@ class DiskGradient(torch.Tensor):
         if func in _METADATA or (name == "__get__" and _property_name(func) in _PROPERTIES):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        gradient = next(a for a in args if isinstance(a, DiskGradient))
+        gradient = _first_disk_gradient(args, kwargs)
         if func is torch.linalg.vector_norm and args[0] is gradient:
             ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
             if len(args) > 2 or set(kwargs) - {"ord"}:
@@ -123,8 +124,19 @@ class DiskGradient(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        gradient = next(a for a in args if isinstance(a, DiskGradient))
+        gradient = _first_disk_gradient(args, kwargs)
         raise _refusal(gradient._entry, f"run {func} on")
+
+    def __format__(self, spec: str) -> str:
+        return format(repr(self), spec)
+
+    __hash__ = torch.Tensor.__hash__  # (identity, as a tensor's)
+
+
+def _first_disk_gradient(args, kwargs) -> DiskGradient:
+    """The DiskGradient an op was called with, wherever it sits (``torch.stack([g])``,
+    ``torch._foreach_norm([g])`` take lists)."""
+    return next(t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, DiskGradient))
 
 
 def _property_name(getter) -> str:
@@ -137,8 +149,8 @@ class DiskGradients:
     and answers them from ``optimizer``'s gradients (norms, factors)."""
 
     def __init__(self, optimizer: OffloadedOptimizer):
-        # weakly: the model's gradient contract holds this, and the model must not keep
-        # its optimizer alive (a dropped optimizer is collected, optim.original)
+        # weakly: the model's gradient contract holds this, and a model must not keep
+        # the optimizer it was offloaded with alive
         self._optimizer_ref = weakref.ref(optimizer)
         self._norms: tuple[tuple, dict[int, torch.Tensor]] | None = None
         # the factor being applied by the clip under way and the parameters it reached
@@ -166,7 +178,9 @@ class DiskGradients:
 
     def norm(self, entry: ParamEntry, norm_type: float) -> torch.Tensor:
         """The norm of ``entry``'s gradient as it is now (every factor so far applied):
-        all disk gradients' norms are taken once per state of the gradients."""
+        all disk gradients' norms are taken once per state of the gradients. A norm asked
+        for after a scale begins another clip: the last must have reached them all."""
+        self.check_complete()
         key = (norm_type, self._optimizer.disk_grads_version())
         if self._norms is None or self._norms[0] != key:
             self._norms = (key, self._optimizer.disk_grad_norms(norm_type))
@@ -178,12 +192,14 @@ class DiskGradients:
         factor = torch.as_tensor(factor, dtype=torch.float32).cpu()
         if factor.numel() != 1:
             raise _refusal(entry, "scale by a tensor of many elements")
-        if self._factor is not None and torch.equal(factor, self._factor):
-            if id(entry.param) in self._reached:
-                raise _refusal(entry, "scale twice by one clip")
+        if (
+            self._factor is not None
+            and torch.equal(factor, self._factor)
+            and id(entry.param) not in self._reached
+        ):
             self._reached.add(id(entry.param))
             return
-        self.check_complete()
+        self.check_complete()  # (a gradient scaled again: the next clip's first)
         self._optimizer.scale_disk_grads(factor)
         self._factor, self._reached = factor, {id(entry.param)}
 
@@ -199,11 +215,22 @@ class DiskGradients:
         missing = [
             e.name for e in self._optimizer.disk_grad_entries() if id(e.param) not in self._reached
         ]
-        self._factor, self._reached = None, set()
-        if missing:
+        if missing:  # (kept: step() refuses again until zero_grad() drops the factor)
             raise GradientAccessError(
                 f"a scale of p.grad reached some gradients on disk but not {missing[:3]}: "
                 "hetstore applies one factor to every gradient on disk as the step reads "
                 "them. Clip over all parameters (torch.nn.utils.clip_grad_norm_("
                 "model.parameters(), ...)) or with optimizer.clip_grad_norm_(max_norm)"
             )
+        self._factor, self._reached = None, set()
+
+    def cleared(self, unit: Unit) -> None:
+        """``p.grad = None`` (``model.zero_grad()``) of a gradient on disk in ``unit``:
+        once none is left, the factors recorded for them go too, as
+        ``optimizer.zero_grad()`` drops them (a clip's factor must not reach the next
+        step's gradients)."""
+        if unit.grads.any():  # (the common case, checked first: one unit's flags)
+            return
+        optimizer = self._optimizer_ref()
+        if optimizer is not None and not optimizer.disk_grad_entries():
+            optimizer.forget_disk_factors()

@@ -431,6 +431,12 @@ class OffloadedOptimizer(Optimizer):
         """Multiply every gradient on disk by ``factor`` (as the step reads them)."""
         self._disk_grad_factors.append(factor)
 
+    def forget_disk_factors(self) -> None:
+        """Every gradient on disk was cleared through torch's API: the factors meant for
+        them go (as optimizer.zero_grad() drops them)."""
+        self._disk_grad_factors = []
+        self.disk_grads.forget()
+
     def _norms_from_backward(self, unit: Unit, norm_type: float) -> dict[int, torch.Tensor] | None:
         """The per-parameter norms recorded from ``unit``'s gradients in backward, when
         they are still what the clip would read (no factor to apply yet: an earlier clip
@@ -724,7 +730,8 @@ class OffloadedOptimizer(Optimizer):
                 f"parameters {new} got no gradient but share a flat buffer with parameters "
                 "that did: they are stepped with a zero gradient (plain PyTorch would skip "
                 "them; with weight decay or momentum they move). Put them in their own unit "
-                "with units=[...] or freeze them.",
+                "with units=[...], freeze them before hetstore.offload(), or freeze whole "
+                "units (blocks) after it.",
                 stacklevel=3,
             )
 

@@ -11,18 +11,17 @@ methods are pointed at it: ``step`` (closure included), ``zero_grad``, ``state_d
 The redirects are bound methods on the instance, the way torch's own LR schedulers wrap
 ``optimizer.step``; a scheduler made before ``offload()`` keeps its marker
 (``_wrapped_by_lr_sched``) and sees ``_opt_called`` set by either optimizer's step, so it
-neither warns nor stops scheduling. They hold the offloaded optimizer weakly: once it is
-gone, the original says so instead of stepping parameters hetstore no longer serves.
+neither warns nor stops scheduling. They hold the offloaded optimizer: a caller keeping
+only the original (``_, opt = hetstore.offload(...)`` never used) trains with it for as
+long as it keeps it, whatever else holds the offloaded one (held weakly, it had been
+collected at a moment that depended on the placement).
 """
 
 from __future__ import annotations
 
 import types
-import weakref
 
 from torch.optim import Optimizer
-
-from hetstore.errors import HetstoreError
 
 __all__ = ["redirect_original", "mark_stepped"]
 
@@ -35,20 +34,13 @@ class _Redirect:
     original with ``types.MethodType``, so torch's scheduler can re-wrap it)."""
 
     def __init__(self, offloaded: Optimizer, name: str):
-        self._offloaded = weakref.ref(offloaded)
+        self._offloaded = offloaded
         self._name = name
 
     def __call__(self, original: Optimizer, *args, **kwargs):
-        offloaded = self._offloaded()
-        if offloaded is None:
-            raise HetstoreError(
-                f"{type(original).__name__}.{self._name}(): this optimizer was handed to "
-                "hetstore.offload(), and the optimizer offload() returned is gone; use the "
-                "returned optimizer for as long as the model trains"
-            )
         if self._name == "step":
             original._opt_called = True  # (what torch's LR scheduler checks)
-        return getattr(offloaded, self._name)(*args, **kwargs)
+        return getattr(self._offloaded, self._name)(*args, **kwargs)
 
     def __get__(self, obj, objtype=None):
         return types.MethodType(self, obj)

@@ -319,16 +319,11 @@ class _OpCount(TorchDispatchMode):
         if func.namespace == "prim":
             return out
         self.count += 1
-        inputs = {
-            StorageWeakRef(t.untyped_storage()).cdata
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
-        }
+        inputs = {_storage_of(t) for t in tree_flatten((args, kwargs))[0]}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                cdata = StorageWeakRef(t.untyped_storage()).cdata
-                if cdata not in inputs:  # a new storage (a view's is its base's)
-                    self._made[cdata] = self.count
+            cdata = _storage_of(t)
+            if cdata is not None and cdata not in inputs:  # new (a view's is its base's)
+                self._made[cdata] = self.count
         return out
 
     def node_of(self, cdata: int) -> int:
@@ -338,6 +333,17 @@ class _OpCount(TorchDispatchMode):
         before is taken for that op's output: its node is then counted larger, never
         smaller.)"""
         return self.count if self._made.get(cdata) == self.count else self.count + 1
+
+
+def _storage_of(t) -> int | None:
+    """A tensor's storage, as an id; None for a non-tensor or a tensor without one (a
+    subclass such as a quantized weight: its saves are not told apart, never wrong)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(t.untyped_storage()).cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _fake_device(config) -> torch.device | None:

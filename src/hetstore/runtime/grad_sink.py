@@ -63,6 +63,11 @@ class GradSink:
             self.buffer.zero_()  # padding between segments must be finite for overflow checks
         self.version = 0  # moves with every gradient added (see the module doc)
         self.pending = 0  # gradients still expected this backward (set by the runtime)
+        # which trainable entries required grad when the last forward began: autograd
+        # brings gradients by the graph that forward recorded, whatever a parameter's
+        # requires_grad is by the time backward runs (see track_requires_grad)
+        self.tracked: tuple[bool, ...] = ()
+        self.track_requires_grad()
         # the step in backward took the gradients: none to read until cleared
         self.consumed = False
         self._bucket: torch.Tensor | None = None  # sharded: the full gradient, gathering
@@ -180,8 +185,13 @@ class GradSink:
                 target.add_(source)
             else:
                 target.copy_(source)
-        for entry in unit.trainable_entries:  # (frozen since offload(): none anywhere)
-            entry.has_grad = entry.param.requires_grad
+        # (a parameter frozen at the forward got none anywhere)
+        for entry, tracked in zip(unit.trainable_entries, self.tracked, strict=True):
+            entry.has_grad = tracked
+
+    def track_requires_grad(self) -> None:
+        """A forward begins: take each trainable entry's requires_grad as it runs with."""
+        self.tracked = tuple(e.param.requires_grad for e in self._unit.trainable_entries)
 
     def _free_bucket(self) -> None:
         self._bucket = None

@@ -132,6 +132,8 @@ class GradContract:
         if value is None:
             set_torch_grad(param, None)
             entry.has_grad = False  # what model.zero_grad() does: the next backward copies
+            if unit.grads.staged and self.disk_gradients is not None:
+                self.disk_gradients.cleared(unit)  # (factors a clip left for them go)
             return
         if tuple(value.shape) != tuple(entry.shape):
             raise RuntimeError(

@@ -187,17 +187,15 @@ class Unit:
     @property
     def has_untracked_params(self) -> bool:
         """Whether autograd may still read some of its parameters once its gradients are
-        in: ones outside the optimizer, or the optimizer's frozen since ``offload()``
-        (read now: a user freezes and unfreezes between steps)."""
-        return self.layout.has_untracked_params or any(
-            not e.param.requires_grad for e in self.trainable_entries
-        )
+        in: ones outside the optimizer, or the optimizer's frozen since ``offload()`` (as
+        the last forward ran: a user freezes and unfreezes between steps)."""
+        return self.layout.has_untracked_params or not all(self.grads.tracked)
 
     @property
-    def tracked_now(self) -> int:
-        """How many of its optimized parameters require grad now: the gradients a
-        backward that uses them all brings."""
-        return sum(e.param.requires_grad for e in self.trainable_entries)
+    def tracked(self) -> int:
+        """How many of its optimized parameters required grad as the last forward ran:
+        the gradients a backward that uses them all brings."""
+        return sum(self.grads.tracked)
 
     @property
     def frozen_start(self) -> int:
