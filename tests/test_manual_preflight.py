@@ -282,3 +282,36 @@ def test_the_steps_chunk_buffers_are_a_whole_segment_not_one_parameter(tmp_path)
         optimizer.zero_grad()
     assert hetstore.memory_stats(model)["host"]["peak"] <= need + (64 << 10)
     hetstore.release(model)
+
+
+def test_two_param_groups_make_two_chunk_sets_at_least(tmp_path):
+    """Decay and no-decay groups: each unit's step chunks each group's segment apart, so
+    a block whose groups each fit one chunk pipelines two buffer sets, not one (the
+    floor had counted trainable / chunk, one set: short by a whole set)."""
+
+    def make():
+        torch.manual_seed(0)
+        model = GPT(vocab=256, width=256, depth=2, heads=4, ctx=16)
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+        return model, torch.optim.AdamW(groups, lr=1e-3, fused=True)
+
+    model, optimizer = make()
+    cfg = disk_config(tmp_path)
+    floor = floor_of(model, optimizer, cfg)
+    block = [p for p in model.blocks[0].parameters() if p.dim() >= 2]
+    longest = sum(p.numel() for p in block)
+    chunks = dict(floor.parts[Tier.HOST])["the optimizer step's chunk buffers"]
+    assert chunks == 2 * longest * (4 + 8 + 4)  # two sets of the decay segment's chunk
+    need = floor.total(Tier.HOST)
+    model, optimizer = make()
+    model, optimizer = hetstore.offload(
+        model, optimizer, disk_config(tmp_path, offload_cpu_size=need + (64 << 10))
+    )
+    for x, y in batches(2, vocab=256):
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert hetstore.memory_stats(model)["host"]["peak"] >= need  # never above what is held
+    hetstore.release(model)

@@ -276,6 +276,9 @@ class StepAhead:
         self._pending: dict[int, _Speculation] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._slots: list[dict[str, torch.Tensor]] | None = None
+        # the host needed the worker's buffers back (_reclaim_host): none are made again
+        # until the next backward, or every unit after would take and give them back
+        self._slots_reclaimed = False
         self._slot_buffers: list = []
         self._host = first.unit.tiers.host
         self._device = first.unit.device  # the compute device
@@ -327,6 +330,7 @@ class StepAhead:
     def backward_started(self) -> None:
         self.finish_in_forward()  # the gradients they read are about to be written
         self.backwards += 1
+        self._slots_reclaimed = False
         if self._pace is not None:
             self._pace.backward_started()
         if self.consume:
@@ -701,6 +705,7 @@ class StepAhead:
                 if job.future is not None:
                     self._wait_worker(job)
             self._free_slots()
+            self._slots_reclaimed = True
             return True
         return False
 
@@ -1294,6 +1299,8 @@ class StepAhead:
         None when the host tier has no room for them beside what backward still needs."""
         if self._slots is not None:
             return self._slots
+        if self._slots_reclaimed:
+            return None
         sets, names, numel = self._slot_shape
         if not self._host.account.would_fit(self._slot_bytes() + self._staging_to_come()):
             # the rest of backward must still find its staging buffers: never take

@@ -147,8 +147,9 @@ def _chunk_sets(u, chunk: int, param, aliased, states, grad, is_consumed) -> int
     compact plus its fp32 scratch), the gradient when read from disk, and the home's cast
     when it is a disk array of its own that holds no frozen compute-dtype part."""
     numel = min(chunk, u.longest_segment_numel)
-    # sets pipelined: up to 3, no more than its chunks (at least trainable / chunk of them)
-    sets = min(STREAMED_STEP_SLOT_SETS, -(-u.trainable_numel // max(chunk, 1)))
+    # sets pipelined: up to 3, no more than its chunks (each segment's own; a frozen
+    # tail's chunks aside: at least this many)
+    sets = min(STREAMED_STEP_SLOT_SETS, u.chunks(chunk))
     per_state = 4 if u.per_state_itemsize >= 4 else 4 + int(u.per_state_itemsize)
     per_element = 4 + (u.state_count * per_state if states else 0)
     per_element += 4 if grad is Tier.DISK and not is_consumed else 0

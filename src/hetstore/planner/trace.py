@@ -79,8 +79,8 @@ class UnitTrace:
     largest_node_bytes: int = 0
     temp_bytes: int = 0
     max_param_numel: int = 0  # its largest parameter (one gradient in flight)
-    # the most trainable elements of one param group (a segment of its flat buffers)
-    longest_segment_numel: int = 0
+    # the trainable elements of each param group (a segment of its flat buffers each)
+    segment_numels: tuple[int, ...] = ()
     forward_s: float = 0.0
     backward_s: float = 0.0
     flops: float = 0.0
@@ -108,6 +108,15 @@ class UnitTrace:
             restored += events[op]
             most = max(most, restored)
         return replace(self, saved_bytes=saved, kept_bytes=kept, largest_node_bytes=most)
+
+    @property
+    def longest_segment_numel(self) -> int:
+        return max(self.segment_numels, default=0)
+
+    def chunks(self, chunk_numel: int) -> int:
+        """How many chunks of ``chunk_numel`` elements its streamed step makes: each
+        segment's own (a chunk never crosses one)."""
+        return sum(-(-n // max(chunk_numel, 1)) for n in self.segment_numels)
 
     @property
     def param_bytes(self) -> int:
@@ -214,8 +223,13 @@ class Trace:
         unit_keys = {f.name for f in fields(UnitTrace)}
         units = tuple(
             UnitTrace(
-                **{k: v for k, v in u.items() if k in unit_keys and k != "saved_sizes"},
+                **{
+                    k: v
+                    for k, v in u.items()
+                    if k in unit_keys and k not in ("saved_sizes", "segment_numels")
+                },
                 saved_sizes=tuple(tuple(s) for s in u.get("saved_sizes", ())),
+                segment_numels=tuple(u.get("segment_numels", ())),
             )
             for u in data["units"]
         )

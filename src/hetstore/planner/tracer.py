@@ -41,19 +41,19 @@ def _trainable(param: nn.Parameter, optimizer) -> bool:
     )
 
 
-def _longest_segment(params: list[nn.Parameter], optimizer) -> int:
-    """The most trainable elements of one optimizer param group among ``params`` (one
-    unit's): a unit lays each group's out as one segment, and its streamed step's chunk
-    never crosses one."""
+def _segments(params: list[nn.Parameter], optimizer) -> tuple[int, ...]:
+    """The trainable elements of each optimizer param group among ``params`` (one
+    unit's): a unit lays each group's out as one segment, and its streamed step's chunks
+    never cross one."""
     if optimizer is None:
-        return 0
+        return ()
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     per_group: dict[int, int] = {}
     for p in params:
         if _trainable(p, optimizer):
             g = group_of[id(p)]
             per_group[g] = per_group.get(g, 0) + p.numel()
-    return max(per_group.values(), default=0)
+    return tuple(per_group[g] for g in sorted(per_group))
 
 
 def model_data_trace(
@@ -87,7 +87,7 @@ def model_data_trace(
                 state_itemsize=states,
                 state_count=count,
                 max_param_numel=max((p.numel() for p in params), default=0),
-                longest_segment_numel=_longest_segment(params, optimizer),
+                segment_numels=_segments(params, optimizer),
                 is_root=spec.is_root,
             )
         )
