@@ -191,3 +191,19 @@ def test_step_with_a_closure_under_fp16_scaling():
         closed_opt.step(closure)
         closed_opt.zero_grad()
     assert_same_weights(plain, closed, rtol=0, atol=0)
+
+
+def test_step_hooks_registered_on_the_original_run_around_the_step():
+    """A callback that registered a step hook on the optimizer before offload() (a
+    profiler, an EMA updater) keeps being called, once per step, before and after."""
+    model = GPT()
+    original = adamw(model.parameters())
+    calls = []
+    original.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+    model, opt = hetstore.offload(model, original, placement("cpu", "unused"))
+    opt.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
+    for x, y in batches(2):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert calls == ["pre", "post"] * 2

@@ -6,7 +6,7 @@ second scheduler keep the optimizer they were given. So the optimizer ``offload(
 returns shares the original's ``param_groups`` list and ``defaults`` (the same dicts:
 an lr set through either is the one the step uses), and the original's torch-facing
 methods are pointed at it: ``step`` (closure included), ``zero_grad``, ``state_dict``,
-``load_state_dict`` and ``add_param_group``.
+``load_state_dict`` and ``add_param_group``; the two share their step hooks.
 
 The redirects are bound methods on the instance, the way torch's own LR schedulers wrap
 ``optimizer.step``; a scheduler made before ``offload()`` keeps its marker
@@ -49,6 +49,10 @@ class _Redirect:
 def redirect_original(original: Optimizer, offloaded: Optimizer) -> None:
     """Make ``original`` a view of ``offloaded`` (see the module doc): call once, after
     ``offloaded`` took over ``original.param_groups``."""
+    # step hooks registered on either (register_step_pre_hook / _post_hook, before or
+    # after offload()) run around the step that is taken: the returned optimizer's
+    offloaded._optimizer_step_pre_hooks = original._optimizer_step_pre_hooks
+    offloaded._optimizer_step_post_hooks = original._optimizer_step_post_hooks
     scheduled = getattr(original.step, "_wrapped_by_lr_sched", False)
     for name in _REDIRECTED:
         setattr(original, name, types.MethodType(_Redirect(offloaded, name), original))
