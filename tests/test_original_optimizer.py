@@ -16,21 +16,12 @@ import pytest
 import torch
 
 import hetstore
-from hetstore import ConfigError, OffloadConfig
+from hetstore import ConfigError
 from tests.models.gpt import GPT, batches
+from tests.test_disk_offload import disk_config
 from tests.test_host_offload import TIGHT, adamw, assert_same_weights, pair
 
 PLACEMENTS = ["cpu", "disk"]
-
-
-def placement(where: str, path) -> OffloadConfig:
-    return OffloadConfig(
-        offload_param=where,
-        offload_optimizer=where,
-        offload_path=str(path),
-        enable_pinned_mem=False,
-        device="cpu",
-    )
 
 
 def train(model, optimizer, scheduler, data, *, edit=None):
@@ -69,7 +60,7 @@ def test_scheduler_made_before_offload_keeps_scheduling(where, tmp_path):
 
         return edit
 
-    mine, opt = hetstore.offload(mine, original, placement(where, tmp_path))
+    mine, opt = hetstore.offload(mine, original, disk_config(tmp_path, where, where))
     data = batches(5)
     ref_losses, ref_lrs = train(ref, ref_opt, ref_sched, data, edit=decay_off(ref_opt))
     with warnings.catch_warnings():
@@ -89,7 +80,7 @@ def test_the_original_optimizer_steps_through_hetstore(where, tmp_path):
     ref, mine = pair(GPT)
     ref_opt = adamw(ref.parameters())
     original = adamw(mine.parameters())
-    mine, opt = hetstore.offload(mine, original, placement(where, tmp_path))
+    mine, opt = hetstore.offload(mine, original, disk_config(tmp_path, where, where))
     for x, y in batches(3):
         for model, optimizer in ((ref, ref_opt), (mine, original)):
             model(x, y).backward()
@@ -111,7 +102,7 @@ def test_the_original_alone_keeps_training():
     ref, mine = pair(GPT)
     ref_opt = adamw(ref.parameters())
     original = adamw(mine.parameters())
-    hetstore.offload(mine, original, placement("cpu", "unused"))
+    hetstore.offload(mine, original, disk_config("unused", "cpu", "cpu"))
     import gc
 
     gc.collect()
@@ -125,7 +116,9 @@ def test_the_original_alone_keeps_training():
 
 def test_add_param_group_after_offload_is_refused():
     model = GPT()
-    mine, opt = hetstore.offload(model, adamw(list(model.parameters())[:-1]), placement("cpu", "x"))
+    mine, opt = hetstore.offload(
+        model, adamw(list(model.parameters())[:-1]), disk_config("x", "cpu", "cpu")
+    )
     with pytest.raises(ConfigError, match="before calling hetstore.offload"):
         opt.add_param_group({"params": [list(model.parameters())[-1]]})
 
@@ -158,7 +151,7 @@ def test_step_with_a_closure_is_torchs(where, clip, tmp_path):
     PyTorch's."""
     ref, mine = pair(GPT)
     ref_opt = adamw(ref.parameters())
-    cfg = placement(where, tmp_path).replace(offload_grad="cpu")
+    cfg = disk_config(tmp_path, where, where).replace(offload_grad="cpu")
     mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
     data = batches(4)
     ref_losses = closure_steps(ref, ref_opt, data, clip)
@@ -173,7 +166,7 @@ def test_step_with_a_closure_under_fp16_scaling():
     torch.manual_seed(0)
     plain, closed = GPT(), GPT()
     closed.load_state_dict(plain.state_dict())
-    cfg = placement("cpu", "x").replace(compute_dtype="fp16")
+    cfg = disk_config("x", "cpu", "cpu").replace(compute_dtype="fp16")
     plain, plain_opt = hetstore.offload(plain, adamw(plain.parameters()), cfg)
     closed, closed_opt = hetstore.offload(closed, adamw(closed.parameters()), cfg)
     for x, y in batches(3):
@@ -200,7 +193,7 @@ def test_step_hooks_registered_on_the_original_run_around_the_step():
     original = adamw(model.parameters())
     calls = []
     original.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
-    model, opt = hetstore.offload(model, original, placement("cpu", "unused"))
+    model, opt = hetstore.offload(model, original, disk_config("unused", "cpu", "cpu"))
     opt.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
     for x, y in batches(2):
         model(x, y).backward()

@@ -20,19 +20,10 @@ import pytest
 import torch
 
 import hetstore
-from hetstore import HetstoreError, OffloadConfig
+from hetstore import HetstoreError
 from tests.models.gpt import GPT, batches
+from tests.test_disk_offload import disk_config
 from tests.test_host_offload import TIGHT, adamw, assert_same_weights, pair
-
-
-def placement(where: str, path) -> OffloadConfig:
-    return OffloadConfig(
-        offload_param=where,
-        offload_optimizer=where,
-        offload_path=str(path),
-        enable_pinned_mem=False,
-        device="cpu",
-    )
 
 
 def freeze_schedule(model, step: int) -> None:
@@ -64,7 +55,7 @@ def test_unfreeze_at_step_2_and_refreeze_at_step_4(where, clip, tmp_path):
     PyTorch (weight decay included: a step with a zero gradient would move them)."""
     ref, mine = pair(GPT)
     ref_opt = adamw(ref.parameters())
-    cfg = placement(where, tmp_path)
+    cfg = disk_config(tmp_path, where, where)
     if clip is not None:  # torch's clip reads p.grad: gradients in host memory
         cfg = cfg.replace(offload_grad="cpu")
     mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
@@ -90,7 +81,9 @@ def test_unfreezing_a_parameter_frozen_at_offload_is_refused(where, tmp_path):
     model = GPT()
     for block in model.blocks[:2]:
         block.requires_grad_(False)
-    model, opt = hetstore.offload(model, adamw(model.parameters()), placement(where, tmp_path))
+    model, opt = hetstore.offload(
+        model, adamw(model.parameters()), disk_config(tmp_path, where, where)
+    )
     x, y = batches(1)[0]
     model(x, y).backward()  # frozen: trains as plain PyTorch would
     opt.step()
@@ -111,7 +104,9 @@ def test_frozen_between_forward_and_backward_still_gets_the_forwards_gradient(wh
     still gets its gradient and is stepped, as in plain PyTorch."""
     ref, mine = pair(GPT)
     ref_opt = adamw(ref.parameters())
-    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), placement(where, tmp_path))
+    mine, opt = hetstore.offload(
+        mine, adamw(mine.parameters()), disk_config(tmp_path, where, where)
+    )
     for model, optimizer in ((ref, ref_opt), (mine, opt)):
         losses = []
         for x, y in batches(3):

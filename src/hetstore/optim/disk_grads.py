@@ -181,9 +181,11 @@ class DiskGradients:
         all disk gradients' norms are taken once per state of the gradients. A norm asked
         for after a scale begins another clip: the last must have reached them all."""
         self.check_complete()
-        key = (norm_type, self._optimizer.disk_grads_version())
-        if self._norms is None or self._norms[0] != key:
-            self._norms = (key, self._optimizer.disk_grad_norms(norm_type))
+        optimizer = self._optimizer
+        key = (norm_type, optimizer.disk_grads_version())
+        if self._norms is None or self._norms[0] != key:  # (the clip's first parameter)
+            optimizer.prepare_grad_reads(norm_type)
+            self._norms = (key, optimizer.disk_grad_norms(norm_type))
         return self._norms[1][id(entry.param)].clone()
 
     def scale(self, entry: ParamEntry, factor) -> None:

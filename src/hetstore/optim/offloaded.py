@@ -34,7 +34,6 @@ from hetstore.optim.disk_grads import DiskGradients
 from hetstore.optim.grad_norms import RecordedNorms
 from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.loss_scaler import DynamicLossScaler
-from hetstore.optim.original import mark_stepped
 from hetstore.optim.registry import FLAT_NAMES, flat_spec, flat_steppable
 from hetstore.optim.state_format import StateFormat
 from hetstore.optim.state_format import state_format as state_format_named
@@ -399,14 +398,20 @@ class OffloadedOptimizer(Optimizer):
             found = bool(flag)
         return found
 
-    def disk_grad_norms(self, norm_type: float) -> dict[int, torch.Tensor]:
-        """id(param) -> norm of its (factored) gradient, for gradients on disk. A
-        parameter split across two chunks combines the chunks' norms."""
+    def prepare_grad_reads(self, norm_type: float) -> None:
+        """Before a clip reads the gradients (``clip_grad_norm_``, or torch's through
+        ``p.grad`` of gradients on disk): the steps still running on them land, and from
+        the next backward on each disk unit's L2 norms are taken as its gradients are
+        written (with fp16 the clip reads unscaled gradients, which backward has not)."""
         if self.step_ahead is not None:
             self.step_ahead.caller_waits()
         self.finish_steps_in_forward()
         if self.grad_norms is not None and norm_type == 2.0 and self.loss_scaler is None:
-            self.grad_norms.enabled = True  # (from the next backward on, as clip_grad_norm_)
+            self.grad_norms.enabled = True
+
+    def disk_grad_norms(self, norm_type: float) -> dict[int, torch.Tensor]:
+        """id(param) -> norm of its (factored) gradient, for gradients on disk. A
+        parameter split across two chunks combines the chunks' norms."""
         norms: dict[int, torch.Tensor] = {}
         for unit_step in self._disk_units():
             recorded = self._norms_from_backward(unit_step.unit, norm_type)
@@ -457,9 +462,6 @@ class OffloadedOptimizer(Optimizer):
         scaled as the step reads them.
         """
         self._check_alive("clip_grad_norm_")
-        if self.step_ahead is not None:
-            self.step_ahead.caller_waits()
-        self.finish_steps_in_forward()
         if self.step_in_backward:
             raise ConfigError(
                 "optimizer.clip_grad_norm_(): with step_in_backward=True each unit is stepped "
@@ -467,14 +469,11 @@ class OffloadedOptimizer(Optimizer):
                 "gone; set step_in_backward=False to clip (overlap_step still steps beside "
                 "backward, exactly)"
             )
-        self._unscale()
         norm_type = float(norm_type)
+        self.prepare_grad_reads(norm_type)
+        self._unscale()
         if self.shards is not None:
             return self._clip_sharded(max_norm, norm_type, error_if_nonfinite)
-        if self.grad_norms is not None and norm_type == 2.0 and self.loss_scaler is None:
-            # from the next backward on: each disk unit's norms taken as its gradients are
-            # written (with fp16 the clip reads unscaled gradients, which backward has not)
-            self.grad_norms.enabled = True
         memory = self._memory_grad_views()
         per_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for key, view in memory.items():
@@ -562,7 +561,7 @@ class OffloadedOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._step()
-        mark_stepped(self._original)
+        self._original._opt_called = True  # (a scheduler on the user's optimizer checks)
         return loss
 
     @torch.no_grad()

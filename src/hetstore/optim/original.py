@@ -23,7 +23,7 @@ import types
 
 from torch.optim import Optimizer
 
-__all__ = ["redirect_original", "mark_stepped"]
+__all__ = ["redirect_original"]
 
 # the torch-facing methods a caller of the original optimizer may still use
 _REDIRECTED = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
@@ -38,8 +38,8 @@ class _Redirect:
         self._name = name
 
     def __call__(self, original: Optimizer, *args, **kwargs):
-        if self._name == "step":
-            original._opt_called = True  # (what torch's LR scheduler checks)
+        # (the offloaded step sets the original's _opt_called, which torch's LR
+        # scheduler checks, whichever of the two was stepped)
         return getattr(self._offloaded, self._name)(*args, **kwargs)
 
     def __get__(self, obj, objtype=None):
@@ -58,9 +58,3 @@ def redirect_original(original: Optimizer, offloaded: Optimizer) -> None:
         setattr(original, name, types.MethodType(_Redirect(offloaded, name), original))
     if scheduled:  # a scheduler made before offload() wrapped step: keep its marker
         original.step.__func__._wrapped_by_lr_sched = True
-
-
-def mark_stepped(original: Optimizer | None) -> None:
-    """The offloaded optimizer stepped: a scheduler watching the original sees it."""
-    if original is not None:
-        original._opt_called = True

@@ -143,9 +143,10 @@ def manual_floor(
 def _chunk_sets(u, chunk: int, param, aliased, states, grad, is_consumed) -> int:
     """The buffer sets of the unit's streamed step (optim.streamed), each of its longest
     chunk: the chunk size or, when shorter, its longest segment (one param group's
-    trainable parameters; a chunk never crosses one). Per element: the fp32 master, each state (fp32, or stored
-    compact plus its fp32 scratch), the gradient when read from disk, and the home's cast
-    when it is a disk array of its own that holds no frozen compute-dtype part."""
+    trainable parameters; a chunk never crosses one). Per element: the fp32 master, each
+    state (fp32, or stored compact plus its fp32 scratch), the gradient when read from
+    disk, and the home's cast when it is a disk array of its own that holds no frozen
+    compute-dtype part."""
     numel = min(chunk, u.longest_segment_numel)
     # sets pipelined: up to 3, no more than its chunks (each segment's own; a frozen
     # tail's chunks aside: at least this many)

@@ -41,16 +41,13 @@ def _trainable(param: nn.Parameter, optimizer) -> bool:
     )
 
 
-def _segments(params: list[nn.Parameter], optimizer) -> tuple[int, ...]:
+def _segments(params: list[nn.Parameter], group_of: dict[int, int]) -> tuple[int, ...]:
     """The trainable elements of each optimizer param group among ``params`` (one
-    unit's): a unit lays each group's out as one segment, and its streamed step's chunks
-    never cross one."""
-    if optimizer is None:
-        return ()
-    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    unit's; ``group_of``: id(parameter) -> its group): a unit lays each group's out as
+    one segment, and its streamed step's chunks never cross one."""
     per_group: dict[int, int] = {}
     for p in params:
-        if _trainable(p, optimizer):
+        if p.requires_grad and id(p) in group_of:  # (_trainable, by the map)
             g = group_of[id(p)]
             per_group[g] = per_group.get(g, 0) + p.numel()
     return tuple(per_group[g] for g in sorted(per_group))
@@ -70,6 +67,8 @@ def model_data_trace(
     itemsize = config.torch_compute_dtype.itemsize
     states = state_itemsize(optimizer, config.optimizer_state_format)
     count = state_count(optimizer)
+    groups = optimizer.param_groups if optimizer is not None else []
+    group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
     traced = []
     for spec in specs:
         params = [module._parameters[attr] for module, attr, _ in spec.params]
@@ -87,7 +86,7 @@ def model_data_trace(
                 state_itemsize=states,
                 state_count=count,
                 max_param_numel=max((p.numel() for p in params), default=0),
-                segment_numels=_segments(params, optimizer),
+                segment_numels=_segments(params, group_of),
                 is_root=spec.is_root,
             )
         )

@@ -234,10 +234,10 @@ class OffloadRuntime:
 
     def _model_pre_forward(self, module, args) -> None:
         _refuse_compiled_autograd()
-        if not _in_backward() and torch.is_grad_enabled():
-            for unit in self.units:  # the gradients this forward's backward will bring
-                unit.grads.track_requires_grad()
         if not _in_backward():
+            if torch.is_grad_enabled():
+                for unit in self.units:  # the gradients this forward's backward will bring
+                    unit.grads.track_requires_grad()
             if self.profiler is not None:
                 self.profiler.step_begins()
             self._mark("transfer")
@@ -349,7 +349,7 @@ class OffloadRuntime:
         for other in self.order[self.order.index(unit) + 1 :]:
             if not other.materialized or not other.has_untracked_params:
                 continue
-            if other in self._awaiting_release or not other.tracked:
+            if other in self._awaiting_release or not other.expected_grads:
                 other.release()
         self._awaiting_release = [u for u in self._awaiting_release if u.materialized]
 
@@ -359,7 +359,7 @@ class OffloadRuntime:
             return
         self._callback_task = task
         for unit in self.units:  # (a parameter frozen at the forward brings none)
-            unit.grads.pending = unit.tracked
+            unit.grads.pending = unit.expected_grads
         self._any_frozen = any(u.has_untracked_params for u in self.block_units)
         if self.step_ahead is not None:
             self.step_ahead.backward_started()

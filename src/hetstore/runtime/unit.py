@@ -192,7 +192,7 @@ class Unit:
         return self.layout.has_untracked_params or not all(self.grads.tracked)
 
     @property
-    def tracked(self) -> int:
+    def expected_grads(self) -> int:
         """How many of its optimized parameters required grad as the last forward ran:
         the gradients a backward that uses them all brings."""
         return sum(self.grads.tracked)
