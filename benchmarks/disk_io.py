@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 from hetstore._sizes import format_size, parse_size
-from hetstore.tiers._hostmem import MappedBlock
 from hetstore.tiers.aio import DEFAULT_THREADS, AsyncIOEngine, DiskFile
+from hetstore.tiers.hostmem import MappedBlock
 
 MiB = 2**20
 REPO = Path(__file__).resolve().parent.parent

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hetstore.errors import DiskIOError
-from hetstore.tiers._hostmem import aligned_empty
 from hetstore.tiers.aio import AsyncIOEngine, DiskFile
+from hetstore.tiers.hostmem import aligned_empty
 from tests import disk_helpers
 from tests.disk_helpers import random_bytes
 

@@ -171,8 +171,8 @@ def test_cuda_host_blocks_are_unregistered_before_their_pages_go():
     import gc
     import warnings
 
-    from hetstore.tiers._hostmem import MappedBlock, _cuda_call
     from hetstore.tiers.host import PinnedMemoryWarning
+    from hetstore.tiers.hostmem import MappedBlock, _cuda_call
 
     block = MappedBlock(8 * 2**20)
     block.register_cuda()

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from hetstore.errors import DiskIOError, OutOfTierMemory
-from hetstore.tiers._hostmem import aligned_empty
 from hetstore.tiers.aio import AsyncIOEngine
 from hetstore.tiers.disk import DiskTier, _proc_start_ticks
+from hetstore.tiers.hostmem import aligned_empty
 from tests.disk_helpers import random_bytes, small_tmpfs
 
 MiB = 2**20

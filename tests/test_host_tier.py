@@ -7,7 +7,7 @@ import torch
 
 from hetstore import OutOfTierMemory
 from hetstore.tiers import HostTier, PinnedMemoryWarning
-from hetstore.tiers._hostmem import PAGE_SIZE
+from hetstore.tiers.hostmem import PAGE_SIZE
 
 MiB = 2**20
 
@@ -144,7 +144,7 @@ def test_a_mapping_is_unlocked_when_its_last_view_dies_not_before():
     a lock left on unmapped pages is what made CUDA refuse the next mapping placed there."""
     import gc
 
-    from hetstore.tiers._hostmem import MappedBlock
+    from hetstore.tiers.hostmem import MappedBlock
 
     block = MappedBlock(4 * 4096)
     try:

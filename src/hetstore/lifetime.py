@@ -26,7 +26,7 @@ from torch import nn
 
 from hetstore.errors import ConfigError
 from hetstore.model_state import is_released, mark_released, state_of
-from hetstore.tiers._hostmem import return_free_heap
+from hetstore.tiers.hostmem import return_free_heap
 
 __all__ = ["release", "offloaded"]
 

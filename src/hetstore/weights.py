@@ -107,7 +107,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
     location = Path(os.fspath(path))
     files = _resolve(location)
     tensors = _read_headers(files)
-    targets = _targets(model)
+    targets = targets_of(model)
 
     # ------------------------------------------------------------------ check
     by_name = {name: target for target in targets for name in target.names}
@@ -171,7 +171,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
 
 
 # ---------------------------------------------------------------------- model side
-def _targets(model: nn.Module) -> list[_Target]:
+def targets_of(model: nn.Module) -> list[_Target]:
     """Every distinct parameter and persistent buffer with all its names, in model order."""
     targets: dict[int, _Target] = {}
     for name, param in model.named_parameters(remove_duplicate=False):

@@ -26,21 +26,21 @@ from torch import nn
 
 from hetstore._safefs import check_shared_root
 from hetstore._sizes import parse_size
-from hetstore.checkpoint.files import _DirectFile, _fsync_dir, _Staging, _write_durable
+from hetstore.checkpoint.files import DirectFile, Staging, fsync_dir, write_durable
 from hetstore.checkpoint.safetensors_stream import SafetensorsStreamWriter, TensorSpec
 from hetstore.checkpoint.training import (
+    Buffers,
+    Item,
     OffloadReadFailed,
-    _Buffers,
-    _host,
-    _Item,
-    _master_of,
-    _runtime,
-    _stream,
+    host_of,
+    master_of,
+    runtime_of,
+    stream,
 )
 from hetstore.errors import ConfigError
 from hetstore.model_state import state_of
 from hetstore.tiers.flat import DiskSlice
-from hetstore.weights import _targets
+from hetstore.weights import targets_of
 
 __all__ = ["export_weights"]
 
@@ -107,8 +107,8 @@ def export_weights(
     temps: list[tuple[Path, Path]] = []
     weight_map: dict[str, str] = {}
     total = 0
-    buffers = _Buffers(_host(model))
-    staging = _Staging()
+    buffers = Buffers(host_of(model))
+    staging = Staging()
     try:
         for file_name, shard in zip(file_names, shards, strict=True):
             temp = root / f".{file_name}.tmp-{os.getpid()}"
@@ -120,10 +120,10 @@ def export_weights(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             temp = root / f".{INDEX_FILE}.tmp-{os.getpid()}"
             temps.append((temp, root / INDEX_FILE))
-            _write_durable(temp, json.dumps(index, indent=2, sort_keys=True).encode())
+            write_durable(temp, json.dumps(index, indent=2, sort_keys=True).encode())
         for temp, final in temps:
             os.replace(temp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException as exc:
         for temp, _ in temps:
             temp.unlink(missing_ok=True)
@@ -138,7 +138,7 @@ def export_weights(
 
 def _export_dtype(model: nn.Module, dtype) -> torch.dtype:
     if dtype == "compute":
-        runtime = _runtime(model)
+        runtime = runtime_of(model)
         units = runtime.units if runtime is not None else []
         return units[0].compute_dtype if units else torch.float32
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -160,12 +160,12 @@ def _tensors(model: nn.Module, dtype: torch.dtype) -> list[_Tensor]:
     (``load_weights``' walk of the model); parameters in the runtime's unit order, so
     disk is read front to back. Parameters are written in ``dtype``, buffers (integer
     counters too) in their own."""
-    targets = _targets(model)
+    targets = targets_of(model)
     names = {id(t.tensor): t.names for t in targets}
-    runtime = _runtime(model)
+    runtime = runtime_of(model)
     if runtime is not None:
         out = [
-            _Tensor(names[id(e.param)], _master_of(unit, e), dtype)
+            _Tensor(names[id(e.param)], master_of(unit, e), dtype)
             for unit in runtime.units
             for e in unit.entries
         ]
@@ -183,18 +183,18 @@ def _numel(source) -> int:
     return source.numel() if isinstance(source, torch.Tensor) else source.numel
 
 
-def _write_shard(temp: Path, shard: list[_Tensor], buffers: _Buffers, staging: _Staging) -> int:
+def _write_shard(temp: Path, shard: list[_Tensor], buffers: Buffers, staging: Staging) -> int:
     # a tied parameter's bytes once per name; one stream, so disk reads run ahead
     items, dtypes = [], {}
     for tensor in shard:
         for name in tensor.names:
-            items.append(_Item(name, tensor.source))
+            items.append(Item(name, tensor.source))
             dtypes[name] = tensor.dtype
     specs = [TensorSpec(i.key, dtypes[i.key], tuple(i.data.shape)) for i in items]
-    out = _DirectFile(temp, staging)  # O_DIRECT from staging blocks, as checkpoints
+    out = DirectFile(temp, staging)  # O_DIRECT from staging blocks, as checkpoints
     try:
         writer = SafetensorsStreamWriter(out, specs, {"format": "pt"})
-        for item, piece in _stream(items, buffers):
+        for item, piece in stream(items, buffers):
             dtype = dtypes[item.key]
             writer.write(piece if piece.dtype == dtype else piece.to(dtype))
         writer.finish()

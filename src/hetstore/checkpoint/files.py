@@ -65,11 +65,11 @@ from hetstore.checkpoint.safetensors_stream import (
     SafetensorsFile,
     SafetensorsStreamWriter,
     TensorSpec,
-    _no_duplicates,
+    no_duplicates,
 )
 from hetstore.errors import DiskIOError, HetstoreError
-from hetstore.tiers._hostmem import aligned_empty
 from hetstore.tiers.aio import ALIGNMENT, AsyncIOEngine, DiskFile
+from hetstore.tiers.hostmem import aligned_empty
 
 __all__ = ["CheckpointError", "CheckpointWriter", "CheckpointReader"]
 
@@ -92,7 +92,8 @@ class CheckpointError(HetstoreError, ValueError):
     """A checkpoint that is missing, incomplete, truncated or corrupted; names the file."""
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Fsync the directory ``path``: the names created or renamed in it become durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -103,7 +104,7 @@ def _fsync_dir(path: Path) -> None:
 _CREATE_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _write_durable(path: Path, data: bytes) -> None:
+def write_durable(path: Path, data: bytes) -> None:
     """Create ``path`` (new: never through a link or over a file) with ``data``, fsynced."""
     fd = os.open(path, _CREATE_NEW, 0o644)
     with open(fd, "wb") as f:
@@ -112,7 +113,7 @@ def _write_durable(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-class _Staging:
+class Staging:
     """Page-aligned blocks shared by the files of one save (written one at a time)."""
 
     def __init__(self):
@@ -124,14 +125,14 @@ class _Staging:
         self.engine.close()
 
 
-class _DirectFile:
+class DirectFile:
     """A new file filled by appending: bytes are copied into staging blocks, each full
     block is written with O_DIRECT while the next fills, and a CRC-32 is kept.
     :meth:`finish` writes the last block padded to a page, truncates the file to its
     real size and fsyncs it. (Where O_DIRECT is refused, tmpfs say, the same writes go
     through the page cache.)"""
 
-    def __init__(self, path: Path, staging: _Staging):
+    def __init__(self, path: Path, staging: Staging):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # the buffered fallback is fine
             # created new, never through a link (a planted one fails the open); reopened
@@ -246,7 +247,7 @@ class CheckpointWriter:
             raise self._write_error(self.root, exc) from exc
         self.files: dict[str, dict] = {}
         self.committed = False
-        self._staging: _Staging | None = None
+        self._staging: Staging | None = None
 
     def _start(self) -> None:
         """Check the root, clear what dead saves left, and make this version's directory."""
@@ -284,7 +285,7 @@ class CheckpointWriter:
             self._staging = None
 
     @contextlib.contextmanager
-    def _durable_file(self, name: str) -> Iterator[_DirectFile]:
+    def _durable_file(self, name: str) -> Iterator[DirectFile]:
         """A new file of this version, checksummed as written, fsynced on exit.
 
         Only a failure of this file's own writes is reported as a failed write of the
@@ -294,10 +295,10 @@ class CheckpointWriter:
         if name in self.files:
             raise ValueError(f"checkpoint file {name!r} written twice")
         if self._staging is None:
-            self._staging = _Staging()
+            self._staging = Staging()
         path = self.dir / name
         try:
-            out = _DirectFile(path, self._staging)
+            out = DirectFile(path, self._staging)
         except OSError as exc:
             raise self._write_error(path, exc) from exc
         try:
@@ -362,15 +363,15 @@ class CheckpointWriter:
         self._close_staging()
         encoded = json.dumps(index, sort_keys=True, indent=1).encode()
         with self._writing(self.dir / _INDEX):
-            _write_durable(self.dir / _INDEX, encoded)
-            _fsync_dir(self.dir)
-            _fsync_dir(self.root)
+            write_durable(self.dir / _INDEX, encoded)
+            fsync_dir(self.dir)
+            fsync_dir(self.root)
         previous = _current_version(self.root)
         pointer = self.root / f".LATEST.{os.getpid()}"
         with self._writing(self.root / "LATEST"):
-            _write_durable(pointer, _pointer(self.version, encoded))
+            write_durable(pointer, _pointer(self.version, encoded))
             os.replace(pointer, self.root / "LATEST")
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         self.committed = True
         if previous and previous != self.version:
             shutil.rmtree(self.root / previous, ignore_errors=True)
@@ -465,7 +466,7 @@ def _pread_exact(fd: int, n: int, shown: Path) -> bytes:
 
 def _json(data: bytes, shown: Path):
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        return json.loads(data.decode("utf-8"), object_pairs_hook=no_duplicates)
     except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"checkpoint file {str(shown)!r} is not valid JSON: {exc}") from None
 

@@ -124,7 +124,8 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+def no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON ``object_pairs_hook`` that refuses an object naming a key twice."""
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
@@ -198,7 +199,7 @@ class SafetensorsFile:
             )
         raw = _pread_exact(self.fd, length, 8, self.path)
         try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
         except (ValueError, RecursionError) as exc:
             raise ValueError(f"{self.path}: the header is not valid JSON ({exc})") from None
         if not isinstance(header, dict):

@@ -93,7 +93,8 @@ def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _runtime(model: nn.Module):
+def runtime_of(model: nn.Module):
+    """The offload runtime of ``model``; ``None`` for a model not offloaded."""
     state = state_of(model)
     return state.runtime if state is not None else None
 
@@ -103,7 +104,7 @@ def _check_optimizer(optimizer, model: nn.Module) -> None:
         return
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}")
-    if _runtime(model) is not None and not isinstance(optimizer, OffloadedOptimizer):
+    if runtime_of(model) is not None and not isinstance(optimizer, OffloadedOptimizer):
         raise ConfigError(
             "optimizer: pass the optimizer hetstore.offload() returned for this model, not the "
             f"original {type(optimizer).__name__} (its parameters now live in hetstore's tiers)"
@@ -114,12 +115,13 @@ def _optimizer_class(optimizer: Optimizer) -> type:
     return getattr(optimizer, "optimizer_class", type(optimizer))
 
 
-def _host(model: nn.Module):
+def host_of(model: nn.Module):
+    """The host tier of an offloaded ``model``; ``None`` for a model not offloaded."""
     state = state_of(model)
     return state.tiers.host if state is not None else None
 
 
-class _Buffers:
+class Buffers:
     """Host buffers for chunks, accounted in the host tier of an offloaded model and
     reused from unit to unit (a fresh mapping per unit paid its page faults every time:
     a quarter of a load's time). :meth:`close` gives them all back."""
@@ -155,7 +157,9 @@ class _Buffers:
 
 # ---------------------------------------------------------------------- save
 @dataclass
-class _Item:
+class Item:
+    """One tensor written to a file: its key and its data, in memory or on the offload disk."""
+
     key: str
     data: torch.Tensor | DiskSlice
 
@@ -189,7 +193,7 @@ def save(
     _check_optimizer(optimizer, model)
     if isinstance(optimizer, OffloadedOptimizer):
         optimizer.check_between_steps()
-    runtime = _runtime(model)
+    runtime = runtime_of(model)
     names = _param_names(model)
     extra_tensors: dict[str, torch.Tensor] = {}
     extra_json = None if extra is None else tagged.encode(extra, extra_tensors)
@@ -219,7 +223,7 @@ def save(
 def _save_files(
     path, model, files, shards, optimizer_json, groups_tensors, extra_json, extra_tensors
 ) -> Path:
-    buffers = _Buffers(_host(model))
+    buffers = Buffers(host_of(model))
     writer = CheckpointWriter(path) if shards is None else sharded.start_save(path, shards)
     with contextlib.closing(buffers), writer:
         failure = None
@@ -251,7 +255,7 @@ def _save_files(
         return sharded.commit_on_rank0(shards, writer, finish)
 
 
-def _write_unit_files(writer, files, buffers: _Buffers, groups_tensors: dict) -> dict:
+def _write_unit_files(writer, files, buffers: Buffers, groups_tensors: dict) -> dict:
     """Stream every planned unit file; return the index's per-parameter entries."""
     params_meta: dict[str, dict] = {}
     for file_name, items, values, pieces in files:
@@ -271,7 +275,7 @@ def _write_unit_files(writer, files, buffers: _Buffers, groups_tensors: dict) ->
                 state_values, groups_tensors, f"state of {name}"
             )
         with writer.stream_tensors(file_name, [item.spec for item in items]) as out:
-            for _, piece in _stream(items, buffers):
+            for _, piece in stream(items, buffers):
                 out.write(piece)
     for meta in params_meta.values():
         for piece in meta.get("pieces", ()):
@@ -323,7 +327,7 @@ def _file_plan(model, optimizer, runtime, names, shards=None) -> list[tuple]:
         ]
     if runtime is not None:
         groups = [
-            [(names[id(e.param)], e.param, _master_of(unit, e)) for e in unit.entries]
+            [(names[id(e.param)], e.param, master_of(unit, e)) for e in unit.entries]
             for unit in runtime.units
             if unit.entries
         ]
@@ -332,14 +336,14 @@ def _file_plan(model, optimizer, runtime, names, shards=None) -> list[tuple]:
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
     plan = []
     for index, entries in enumerate(groups):
-        items = [_Item(name, master) for name, _, master in entries]
-        by_key: dict[str, list[_Item]] = {}
+        items = [Item(name, master) for name, _, master in entries]
+        by_key: dict[str, list[Item]] = {}
         values: dict[str, dict] = {}
         for name, param, _ in entries:
             state = _param_state(optimizer, param) if id(param) in optimized else {}
             for key, value in state.items():
                 if isinstance(value, (torch.Tensor, DiskSlice)):
-                    by_key.setdefault(key, []).append(_Item(f"{name}/{key}", value))
+                    by_key.setdefault(key, []).append(Item(f"{name}/{key}", value))
                 else:
                     values.setdefault(name, {})[key] = value
         for key_items in by_key.values():
@@ -356,8 +360,8 @@ def _shard_file(unit: Unit, index: int, optimizer, names, rank: int) -> tuple:
     segments = []
     if isinstance(optimizer, OffloadedOptimizer) and unit.trainable_numel:
         segments = [s for s in optimizer.segment_states(unit) if s["stepped"]]
-    items: list[_Item] = []
-    by_key: dict[str, list[_Item]] = {}
+    items: list[Item] = []
+    by_key: dict[str, list[Item]] = {}
     pieces: dict[str, dict] = {}
     for entry, a, b in sharded.shard_pieces(unit):
         name = names[id(entry.param)]
@@ -366,9 +370,9 @@ def _shard_file(unit: Unit, index: int, optimizer, names, rank: int) -> tuple:
         pieces[name] = {"start": a - entry.offset, "numel": b - a, "shape": list(entry.shape)}
         local = a - start
         if on_disk:
-            items.append(_Item(name, DiskSlice(unit.master, local, b - a, shape)))
+            items.append(Item(name, DiskSlice(unit.master, local, b - a, shape)))
         else:
-            items.append(_Item(name, unit.master[local : local + b - a].view(shape)))
+            items.append(Item(name, unit.master[local : local + b - a].view(shape)))
         if entry.group is None:
             continue
         segment = next(
@@ -377,20 +381,20 @@ def _shard_file(unit: Unit, index: int, optimizer, names, rank: int) -> tuple:
         if segment is None:
             continue  # fresh states (before the first step) are not saved, as in torch
         if segment["step"] is not None:
-            by_key.setdefault("step", []).append(_Item(f"{name}/step", segment["step"]))
+            by_key.setdefault("step", []).append(Item(f"{name}/step", segment["step"]))
         for key, data in segment["states"].items():
             at = local - segment["base"]
             if isinstance(data, DiskArray):
                 piece = DiskSlice(data, at, b - a, shape)
             else:
                 piece = data[at : at + b - a].view(shape)
-            by_key.setdefault(key, []).append(_Item(f"{name}/{key}", piece))
+            by_key.setdefault(key, []).append(Item(f"{name}/{key}", piece))
     for key_items in by_key.values():
         items += key_items
     return f"unit-{index:05d}-rank{rank:05d}.safetensors", items, {}, pieces
 
 
-def _master_of(unit: Unit, entry) -> torch.Tensor | DiskSlice:
+def master_of(unit: Unit, entry) -> torch.Tensor | DiskSlice:
     """A parameter's saved value: its fp32 master, or for a frozen parameter without one
     its compute-dtype ``home`` (saved in that dtype; a load casts). A step still running
     on (``step_in_forward``) lands first."""
@@ -431,13 +435,13 @@ class OffloadReadFailed(Exception):
         )
 
 
-def _stream(items: list[_Item], buffers: _Buffers) -> Iterator[tuple[_Item, torch.Tensor]]:
+def stream(items: list[Item], buffers: Buffers) -> Iterator[tuple[Item, torch.Tensor]]:
     """Each item's data in order, in pieces of at most a chunk, with the item it belongs
     to. Memory pieces are views; disk pieces are read one ahead into two alternating
     chunk buffers (a piece is valid until the next one is asked for). A failed read of
     the offload disk raises :class:`OffloadReadFailed`."""
-    jobs: list[tuple[_Item, torch.Tensor | tuple[DiskArray, int, int]]] = []
-    owners: list[_Item] = []  # the item of each disk job
+    jobs: list[tuple[Item, torch.Tensor | tuple[DiskArray, int, int]]] = []
+    owners: list[Item] = []  # the item of each disk job
     for item in items:
         data = item.data
         if isinstance(data, DiskSlice):
@@ -824,10 +828,10 @@ def _apply(plan: _Plan, model: nn.Module, optimizer) -> None:
     ckpt, groups_tensors = plan.ckpt, plan.groups_tensors
     names = _param_names(model)
     model_buffers = _buffers(model)
-    buffers = _Buffers(_host(model))
+    buffers = Buffers(host_of(model))
     try:
         with torch.no_grad():
-            runtime = _runtime(model)
+            runtime = runtime_of(model)
             if runtime is not None:
                 for unit in runtime.units:
                     _load_unit(unit, ckpt, names, optimizer, groups_tensors, buffers)
@@ -1034,7 +1038,7 @@ def _check_state_keys(ckpt: _Checkpoint, model, optimizer, names, header: dict) 
                         f"{where}: state {key!r} is shaped {[list(s) for s in got]}, the "
                         f"optimizer keeps {[list(s) for s in want]}"
                     )
-    runtime = _runtime(model)
+    runtime = runtime_of(model)
     if runtime is None or not isinstance(optimizer, OffloadedOptimizer):
         return
     for unit in runtime.units:
@@ -1105,7 +1109,7 @@ def _prod(shape) -> int:
     return out
 
 
-def _load_unit(unit: Unit, ckpt, names, optimizer, groups_tensors, buffers: _Buffers) -> None:
+def _load_unit(unit: Unit, ckpt, names, optimizer, groups_tensors, buffers: Buffers) -> None:
     unit.finish_pending_step()  # (step_in_forward) not stepped over what is loaded
     entries = [(names[id(e.param)], e) for e in unit.entries]
     if unit.shards is not None:

@@ -81,8 +81,8 @@ from hetstore.optim.pace import StepPace
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
 from hetstore.runtime.staging import GradStager, ParamStager, stagers_of
-from hetstore.tiers._hostmem import PAGE_SIZE, round_up
 from hetstore.tiers.flat import DiskArray, wait_all
+from hetstore.tiers.hostmem import PAGE_SIZE, round_up
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -64,7 +64,7 @@ from hetstore.footprints import (
 )
 from hetstore.planner.trace import MachineRates, Trace, UnitTrace
 from hetstore.tier import Tier
-from hetstore.tiers._hostmem import PAGE_SIZE, round_up
+from hetstore.tiers.hostmem import PAGE_SIZE, round_up
 
 __all__ = ["UnitChoice", "Estimate", "estimate", "optimizer_bytes", "TIERS"]
 
@@ -139,22 +139,23 @@ class Estimate:
         return getattr(self, Tier.from_label(tier).label)
 
 
-def _aliases_master(u: UnitTrace, c: UnitChoice) -> bool:
+def aliases_master(u: UnitTrace, c: UnitChoice) -> bool:
+    """Whether the unit's home is its fp32 master: one tier for both, computing in fp32."""
     return c.param == c.optimizer and u.compute_itemsize == 4
 
 
-def _master_bytes(u: UnitTrace, c: UnitChoice) -> int:
+def master_bytes(u: UnitTrace, c: UnitChoice) -> int:
     """A home that is the master holds every element, frozen ones too."""
-    return u.numel * 4 if _aliases_master(u, c) else u.master_bytes
+    return u.numel * 4 if aliases_master(u, c) else u.master_bytes
 
 
 def optimizer_bytes(u: UnitTrace, c: UnitChoice, consumed: bool = False) -> int:
     """Master, gradients and states in the optimizer's tier; ``consumed``: the unit is
     stepped inside backward (``step_in_backward``), its gradients never stored there."""
-    return _master_bytes(u, c) + (0 if consumed else u.grad_bytes) + u.state_bytes
+    return master_bytes(u, c) + (0 if consumed else u.grad_bytes) + u.state_bytes
 
 
-def _paged(nbytes: int, arrays: int = 1) -> int:
+def paged(nbytes: int, arrays: int = 1) -> int:
     """``nbytes`` held in ``arrays`` equal arrays, each rounded up to whole 4 KiB pages,
     as host buffers and disk regions are (page-aligned for direct IO)."""
     if nbytes <= 0:
@@ -166,9 +167,9 @@ def _stored_optimizer_bytes(u: UnitTrace, c: UnitChoice, consumed: bool) -> int:
     """:func:`optimizer_bytes` as host buffers or disk regions hold them: master,
     gradients and each state array (8-bit states: values and block scales) paged."""
     return (
-        _paged(_master_bytes(u, c))
-        + (0 if consumed else _paged(u.grad_bytes))
-        + _paged(u.state_bytes, u.state_arrays)
+        paged(master_bytes(u, c))
+        + (0 if consumed else paged(u.grad_bytes))
+        + paged(u.state_bytes, u.state_arrays)
     )
 
 
@@ -197,7 +198,7 @@ def memory(
     host = disk = 0
     fetched_blocks = []
     for u, c in zip(trace.units, choices, strict=True):
-        aliased = _aliases_master(u, c)
+        aliased = aliases_master(u, c)
         # parameters between uses, and their working copy on the device
         if c.param == Tier.DEVICE:
             device += 0 if aliased else u.param_bytes
@@ -207,8 +208,8 @@ def memory(
             else:
                 fetched_blocks.append(u.param_bytes)
             if not aliased:
-                host += _paged(u.param_bytes) if c.param == Tier.HOST else 0
-                disk += _paged(u.param_bytes) if c.param == Tier.DISK else 0
+                host += paged(u.param_bytes) if c.param == Tier.HOST else 0
+                disk += paged(u.param_bytes) if c.param == Tier.DISK else 0
         is_consumed = consumed(trace, u, c)
         if c.optimizer == Tier.DEVICE:
             device += optimizer_bytes(u, c, is_consumed)
@@ -237,20 +238,20 @@ def memory(
     # it is the home (runtime.staging)
     disk_params = [u.param_bytes for u, c in units if c.param == Tier.DISK]
     if disk_params:
-        persistent += param_staging_bytes(depth, _paged(max(disk_params)))
+        persistent += param_staging_bytes(depth, paged(max(disk_params)))
     disk_opt = [(u, c) for u, c in units if c.optimizer == Tier.DISK]
     stepped_ahead, shadow_bytes, worker = False, 0, None
     if disk_opt:
-        persistent += grad_staging_bytes(_paged(_max(u.grad_bytes for u, _ in disk_opt)))
+        persistent += grad_staging_bytes(paged(_max(u.grad_bytes for u, _ in disk_opt)))
         chunks = _max(
             streamed_step_bytes(
-                _master_bytes(u, c) // 4,
+                master_bytes(u, c) // 4,
                 u.state_count,
                 chunk_bytes // 4,
                 state_itemsize=u.per_state_itemsize,
                 grad_on_disk=True,  # the planner puts gradients in the optimizer's tier
                 home_itemsize=u.compute_itemsize
-                if c.param == Tier.DISK and not _aliases_master(u, c)
+                if c.param == Tier.DISK and not aliases_master(u, c)
                 else 0,
             )
             for u, c in disk_opt
@@ -384,7 +385,7 @@ def _host_step_s(u: UnitTrace, m) -> float:
 
 def _stepped_ahead(u: UnitTrace, c: UnitChoice) -> bool:
     """What optim.step_ahead steps during backward: states and parameters on disk."""
-    return c.optimizer == Tier.DISK and (c.param == Tier.DISK or _aliases_master(u, c))
+    return c.optimizer == Tier.DISK and (c.param == Tier.DISK or aliases_master(u, c))
 
 
 def _memory_stepped_ahead(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
@@ -499,15 +500,15 @@ def _read_ahead(trace: Trace, choices: list[UnitChoice], bitten: bool = False) -
 
 def _read_ahead_s(u: UnitTrace, c: UnitChoice, m: MachineRates) -> float:
     """The disk seconds of the master and states a read ahead takes off a step."""
-    return (_master_bytes(u, c) + u.state_bytes) / m.disk_read
+    return (master_bytes(u, c) + u.state_bytes) / m.disk_read
 
 
 def read_ahead_bytes(trace: Trace, choices: list[UnitChoice]) -> int:
     """Host bytes read ahead during backward after a clip that bites (``_read_ahead``),
     at most: beside the host peak, only where the host has room."""
     return sum(
-        _paged(_master_bytes(trace.units[k], choices[k]))
-        + _paged(trace.units[k].state_bytes, trace.units[k].state_arrays)
+        paged(master_bytes(trace.units[k], choices[k]))
+        + paged(trace.units[k].state_bytes, trace.units[k].state_arrays)
         for k in _read_ahead(trace, choices, bitten=True)
     )
 
@@ -654,9 +655,9 @@ def times(
             read = u.state_bytes
             read += 0 if consumed(trace, u, c) else u.grad_bytes
             # a step in backward reads a lent master from memory (lent_master_bytes)
-            read += 0 if overlap and _lends_master(trace, u, c) else _master_bytes(u, c)
-            write = _master_bytes(u, c) + u.state_bytes
-            if c.param == Tier.DISK and not _aliases_master(u, c):
+            read += 0 if overlap and _lends_master(trace, u, c) else master_bytes(u, c)
+            write = master_bytes(u, c) + u.state_bytes
+            if c.param == Tier.DISK and not aliases_master(u, c):
                 write += u.master_bytes // 4 * u.compute_itemsize  # the home's head
             io = read / m.disk_read + write / m.disk_write
             steps[-1] += max(_host_step_s(u, m), io)
@@ -688,9 +689,7 @@ def estimate(
     shadows = 0
     if overlap is not False:
         shadows = sum(
-            _paged(_master_bytes(u, c))
-            + _paged(u.grad_bytes)
-            + _paged(u.state_bytes, u.state_arrays)
+            paged(master_bytes(u, c)) + paged(u.grad_bytes) + paged(u.state_bytes, u.state_arrays)
             for u, c in zip(trace.units, choices, strict=True)
             if _memory_stepped_ahead(trace, u, c)
         )
@@ -787,7 +786,7 @@ def _lends_master(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
         and trace.machine.device == "cpu"
         and (trace.step_overlap or trace.step_in_backward)
         and c.param == Tier.DISK
-        and _aliases_master(u, c)
+        and aliases_master(u, c)
         and not u.is_root
         and u.trainable_numel > 0
     )

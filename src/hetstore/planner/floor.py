@@ -39,7 +39,7 @@ from hetstore._sizes import format_size
 from hetstore.errors import OutOfDeviceMemory, OutOfTierMemory
 from hetstore.footprints import GRAD_STAGING_SLOTS, STREAMED_STEP_SLOT_SETS
 from hetstore.optim.registry import flat_spec, flat_steppable
-from hetstore.planner.cost import UnitChoice, _aliases_master, _master_bytes, _paged, consumed
+from hetstore.planner.cost import UnitChoice, aliases_master, consumed, master_bytes, paged
 from hetstore.planner.trace import Trace
 from hetstore.tier import Tier
 from hetstore.tiers.flat import BYTE_ALIGN_ELEMENTS
@@ -85,7 +85,7 @@ def manual_floor(
 
     def stored(tier: Tier, nbytes: int) -> int:
         """Host buffers and disk regions are whole pages; the device counts bytes."""
-        return nbytes if tier is Tier.DEVICE else _paged(nbytes)
+        return nbytes if tier is Tier.DEVICE else paged(nbytes)
 
     disk_grads, steps, shadows, blocks = [], [], [], []
     root_params = 0
@@ -96,13 +96,13 @@ def manual_floor(
     chunk = chunk_bytes // 4
     chunk = chunk // BYTE_ALIGN_ELEMENTS * BYTE_ALIGN_ELEMENTS or chunk
     for u in trace.units:
-        aliased = _aliases_master(u, choice)
+        aliased = aliases_master(u, choice)
         trainable = stepped and u.trainable_numel > 0
         is_consumed = trainable and consumed(trace, u, choice)
         # the master: always made when it is the home, else for what an optimizer steps
         # (without one, parameters already in the compute dtype have none)
         if aliased or stepped:
-            add(optimizer, "master weights", stored(optimizer, _master_bytes(u, choice)))
+            add(optimizer, "master weights", stored(optimizer, master_bytes(u, choice)))
         if trainable and states:  # (unpaged: a compact format's arrays are uneven)
             add(optimizer, "optimizer states", u.state_bytes)
         if trainable and not is_consumed:
@@ -122,19 +122,19 @@ def manual_floor(
                 blocks.append(u.param_bytes)
         if trainable and optimizer is Tier.DISK:
             steps.append(_chunk_sets(u, chunk, param, aliased, states, grad, is_consumed))
-            shadows.append(_paged(_master_bytes(u, choice)) + (u.state_bytes if states else 0))
+            shadows.append(paged(master_bytes(u, choice)) + (u.state_bytes if states else 0))
     add(Tier.DEVICE, "the root unit's working copy", root_params)
     add(Tier.DEVICE, "the largest block's working copy", max(blocks, default=0))
     if largest_home:
         # certain: the root's read while the first ``depth`` blocks are prefetched (a
         # model without a root unit on disk may turn one slot over)
         slots = min(depth, len(blocks)) + 1 if root_on_disk else 1
-        add(Tier.HOST, f"{PARAM_STAGING} ({slots} slots)", slots * _paged(largest_home))
+        add(Tier.HOST, f"{PARAM_STAGING} ({slots} slots)", slots * paged(largest_home))
     if disk_grads:
         # each unit's buffer is written out while the next fills; a step in backward
         # may give one back early
         slots = 1 if trace.step_in_backward else min(GRAD_STAGING_SLOTS, len(disk_grads))
-        add(Tier.HOST, f"gradient staging ({slots} slots)", slots * _paged(max(disk_grads)))
+        add(Tier.HOST, f"gradient staging ({slots} slots)", slots * paged(max(disk_grads)))
     add(Tier.HOST, STEP_CHUNKS, max(steps, default=0))
     add(Tier.DISK, STEP_SHADOW, max(shadows, default=0))
     return Floor({t: list(p.items()) for t, p in parts.items() if p})

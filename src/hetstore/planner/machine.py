@@ -22,8 +22,8 @@ from hetstore._safefs import make_private_dir, open_root
 from hetstore.optim.state_format import decode, encode, state_format, stored_arrays
 from hetstore.planner.plan import Capacities
 from hetstore.planner.trace import MachineRates
-from hetstore.tiers._hostmem import MappedBlock
 from hetstore.tiers.aio import AsyncIOEngine, DiskFile
+from hetstore.tiers.hostmem import MappedBlock
 
 __all__ = ["measure_machine", "machine_capacities"]
 

@@ -46,7 +46,7 @@ import torch
 
 from hetstore._safefs import create_private_file
 from hetstore.errors import ConfigError, DiskIOError
-from hetstore.tiers._hostmem import aligned_empty
+from hetstore.tiers.hostmem import aligned_empty
 
 __all__ = ["ALIGNMENT", "AsyncIOEngine", "DiskFile", "IOHandle", "DEFAULT_THREADS"]
 

@@ -38,8 +38,8 @@ import torch
 from hetstore._sizes import format_size
 from hetstore.errors import OutOfTierMemory
 from hetstore.tier import Tier
-from hetstore.tiers._hostmem import PAGE_SIZE, MappedBlock, round_up
 from hetstore.tiers.accounting import FlatAllocation, MemoryAccount, TierUsage
+from hetstore.tiers.hostmem import PAGE_SIZE, MappedBlock, round_up
 
 __all__ = ["HostTier", "HostBuffer", "PinnedMemoryWarning"]
 
