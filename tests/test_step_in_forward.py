@@ -187,7 +187,7 @@ def test_a_step_that_keeps_failing_raises_at_the_use_and_loses_nothing(tmp_path,
     assert any(
         "step_in_forward" in note and target.name in note for note in failure.value.__notes__
     )
-    assert target.pending_step is not None  # still to be done
+    assert target.work_pending  # still to be done
     assert torch.equal(master_on_disk(), before)  # nothing half-written in its place
     fault["on"] = False
     losses_on = train(on, on_opt, data[1:])

@@ -37,7 +37,8 @@ def no_sync(model: nn.Module) -> Iterator[None]:
             f"no_sync() takes a model returned by hetstore.offload(); this "
             f"{type(model).__name__} is not offloaded"
         )
-    ahead = state.runtime.step_ahead
+    optimizer = state.runtime.optimizer() if state.runtime.optimizer is not None else None
+    ahead = optimizer.step_ahead if optimizer is not None else None
     if ahead is None:  # nothing is stepped ahead: nothing to hold back
         yield
         return

@@ -28,6 +28,7 @@ from hetstore.planner.shapes import BatchGuard
 from hetstore.planner.tracer import model_data_trace, trace_model, with_batch
 from hetstore.runtime.activations import ActivationHooks
 from hetstore.runtime.copying import PlainCopies
+from hetstore.runtime.events import Events
 from hetstore.runtime.grads import GradContract
 from hetstore.runtime.hooks import OffloadRuntime
 from hetstore.runtime.materialize import materialize_module, owns_meta
@@ -41,7 +42,8 @@ from hetstore.runtime.unit import Placement, Unit
 from hetstore.tier import Tier
 from hetstore.tiers import Tiers
 from hetstore.tiers.accounting import MemoryAccount
-from hetstore.tiers.flat import ALIGN_ELEMENTS, BYTE_ALIGN_ELEMENTS, DiskArray
+from hetstore.tiers.flat import ALIGN_ELEMENTS, BYTE_ALIGN_ELEMENTS
+from hetstore.tiers.store import transfers_only
 from hetstore.units import UnitSpec, find_units
 
 __all__ = ["offload"]
@@ -141,6 +143,7 @@ def offload(
         advice=advice,
     )
     compute_dtype = config.torch_compute_dtype
+    events = Events()  # the model's bus: units and runtime publish, the optimizer listens
     # 1-byte states need page-aligned chunks of their own
     align = BYTE_ALIGN_ELEMENTS if config.optimizer_state_format == "8bit" else ALIGN_ELEMENTS
 
@@ -168,6 +171,7 @@ def offload(
             shards=shards,
             align=align,
             defer_disk_grad=config.step_in_backward and optimizer is not None,
+            events=events,
         )
 
     try:
@@ -273,6 +277,7 @@ def offload(
         ),
         copy_stream=streams.params if streams is not None else None,
         grad_stream=streams.grads if streams is not None else None,
+        events=events,
     )
     unoptimized = [
         e.param for u in unit_list for e in u.entries if e.param.requires_grad and e.group is None
@@ -350,13 +355,12 @@ def offload(
 
 
 def _wire_steps(runtime: OffloadRuntime, optimizer: OffloadedOptimizer) -> None:
-    """Tell the runtime what of the optimizer's work runs during backward (and the
-    optimizer the order of the next forward); again after states moved to disk."""
-    runtime.step_ahead = optimizer.step_ahead  # told when a unit's gradients are final
-    if optimizer.step_ahead is not None:  # steps in the next forward go in its order
+    """Tell the optimizer the order of the next forward (its steps in the next forward
+    go in it); again after states moved to disk. (What happens in backward reaches it
+    through the runtime's events, runtime.events.)"""
+    if optimizer.step_ahead is not None:
         use_order = weakref.WeakMethod(runtime.use_order)
         optimizer.step_ahead.use_order = lambda: use_order()() if use_order() else []
-    runtime.grad_norms = optimizer.grad_norms
 
 
 def _move_states(
@@ -567,7 +571,7 @@ def _move_home(unit: Unit, tier: Tier, units: list[Unit], tiers: Tiers, plan: Pl
 
 def _attach_stagers(units: list[Unit], tiers: Tiers, prefetch_depth: int) -> GradStager | None:
     """Give disk-resident units their bounded host staging (see runtime.staging)."""
-    disk_home = [u for u in units if isinstance(u.home, DiskArray)]
+    disk_home = [u for u in units if transfers_only(u.home)]
     if disk_home:
         stager = ParamStager(
             tiers.host, max(u.home_bytes for u in disk_home), param_staging_slots(prefetch_depth)

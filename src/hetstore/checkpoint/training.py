@@ -68,7 +68,8 @@ from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.offloaded import OffloadedOptimizer
 from hetstore.runtime.rewrite import ChunkedRewrite, Span
 from hetstore.runtime.unit import Unit
-from hetstore.tiers.flat import DiskArray, DiskSlice, wait_all_quiet
+from hetstore.tiers.flat import DiskSlice
+from hetstore.tiers.store import Store, transfers_only, wait_all_quiet
 
 __all__ = ["save", "load"]
 
@@ -356,7 +357,7 @@ def _shard_file(unit: Unit, index: int, optimizer, names, rank: int) -> tuple:
     """This rank's file of ``unit``: the piece of each parameter inside its shard (shaped
     like the parameter when whole, flat when cut) and the same range of its states."""
     start = unit.shard_start
-    on_disk = isinstance(unit.master, DiskArray)
+    on_disk = transfers_only(unit.master)
     segments = []
     if isinstance(optimizer, OffloadedOptimizer) and unit.trainable_numel:
         segments = [s for s in optimizer.segment_states(unit) if s["stepped"]]
@@ -384,7 +385,7 @@ def _shard_file(unit: Unit, index: int, optimizer, names, rank: int) -> tuple:
             by_key.setdefault("step", []).append(Item(f"{name}/step", segment["step"]))
         for key, data in segment["states"].items():
             at = local - segment["base"]
-            if isinstance(data, DiskArray):
+            if transfers_only(data):
                 piece = DiskSlice(data, at, b - a, shape)
             else:
                 piece = data[at : at + b - a].view(shape)
@@ -398,9 +399,9 @@ def master_of(unit: Unit, entry) -> torch.Tensor | DiskSlice:
     """A parameter's saved value: its fp32 master, or for a frozen parameter without one
     its compute-dtype ``home`` (saved in that dtype; a load casts). A step still running
     on (``step_in_forward``) lands first."""
-    unit.finish_pending_step()
+    unit.barrier()
     source = unit.master if entry.offset < unit.master_numel else unit.home
-    if isinstance(source, DiskArray):
+    if transfers_only(source):
         return DiskSlice(source, entry.offset, entry.numel, entry.shape)
     return source[entry.offset : entry.offset + entry.numel].view(entry.shape)
 
@@ -440,7 +441,7 @@ def stream(items: list[Item], buffers: Buffers) -> Iterator[tuple[Item, torch.Te
     to. Memory pieces are views; disk pieces are read one ahead into two alternating
     chunk buffers (a piece is valid until the next one is asked for). A failed read of
     the offload disk raises :class:`OffloadReadFailed`."""
-    jobs: list[tuple[Item, torch.Tensor | tuple[DiskArray, int, int]]] = []
+    jobs: list[tuple[Item, torch.Tensor | tuple[Store, int, int]]] = []
     owners: list[Item] = []  # the item of each disk job
     for item in items:
         data = item.data
@@ -1110,7 +1111,7 @@ def _prod(shape) -> int:
 
 
 def _load_unit(unit: Unit, ckpt, names, optimizer, groups_tensors, buffers: Buffers) -> None:
-    unit.finish_pending_step()  # (step_in_forward) not stepped over what is loaded
+    unit.barrier()  # (step_in_forward) not stepped over what is loaded
     entries = [(names[id(e.param)], e) for e in unit.entries]
     if unit.shards is not None:
         _load_shard(unit, entries, ckpt, optimizer)
@@ -1118,7 +1119,7 @@ def _load_unit(unit: Unit, ckpt, names, optimizer, groups_tensors, buffers: Buff
     streamed = (
         optimizer.streamed_step_of(unit) if isinstance(optimizer, OffloadedOptimizer) else None
     )
-    if isinstance(unit.master, DiskArray):
+    if transfers_only(unit.master):
         _rewrite_disk_unit(unit, entries, ckpt, streamed, buffers)
     else:
         flat = unit.master_copy()  # the master itself unless frozen parameters lack one

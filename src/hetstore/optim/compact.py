@@ -78,7 +78,7 @@ class CompactUnitStep(UnitStates):
                         unit.grad[c.start : c.step_end],
                         {key: value[:n] for key, value in values.items()},
                         self.steps[c.segment] if self.has_step else None,
-                        self._states_absent,
+                        self.states_absent,
                     )
                 self._encode(c.start, values)
         self._count_step()
@@ -98,14 +98,14 @@ class CompactUnitStep(UnitStates):
                     scratch[key] = buffer.tensor[:numel]
                 else:
                     scratch[key] = stack.enter_context(
-                        unit._device_scratch(numel, torch.float32, label)
+                        unit.device_scratch(numel, torch.float32, label)
                     )
             yield scratch
 
     def _decode(self, start: int, values: dict[str, torch.Tensor]) -> None:
         """``values[key]`` = state ``key``'s elements from ``start`` (a block boundary)."""
         for key, out in values.items():
-            if self._states_absent:
+            if self.states_absent:
                 out.zero_()
                 continue
             end = start + out.numel()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from hetstore.optim.streamed import ChunkNorms, StreamedUnitStep
+from hetstore.runtime.events import Event
 from hetstore.runtime.grad_sink import GradState
 from hetstore.runtime.unit import Unit
 
@@ -35,6 +36,21 @@ class RecordedNorms:
         # off until clip_grad_norm_ (L2) is first called: no cost for runs that never clip
         self.enabled = False
         self._norms: dict[int, tuple[GradState, dict[int, torch.Tensor]]] = {}
+        # told by the runtime when a unit's gradients are final; it reads their buffer
+        self._events = unit_steps[0].unit.events if unit_steps else None
+        if self._events is not None:
+            self._events.subscribe(Event.GRADS_FINAL, self.grads_final)
+            self._events.reads_grads_when_final(self._reads_buffers)
+
+    def _reads_buffers(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        """Stop listening (the optimizer arranged its steps anew, or was released)."""
+        if self._events is not None:
+            self._events.unsubscribe(Event.GRADS_FINAL, self.grads_final)
+            self._events.forget_reader(self._reads_buffers)
+            self._events = None
 
     def grads_final(self, unit: Unit) -> None:
         """``unit``'s gradients are final and its stager's write to disk has started."""

@@ -42,7 +42,8 @@ from hetstore.optim.streamed import ChunkNorms, StreamedUnitStep, UnitStates
 from hetstore.runtime.sharding import ShardGroup
 from hetstore.runtime.unit import ParamEntry, Unit
 from hetstore.tier import Tier
-from hetstore.tiers.flat import DiskArray, DiskSlice
+from hetstore.tiers.flat import DiskSlice
+from hetstore.tiers.store import transfers_only
 
 __all__ = ["OffloadedOptimizer"]
 
@@ -126,6 +127,12 @@ class OffloadedOptimizer(Optimizer):
         overlap_step, overlap_memory_step, step_in_forward = self._overlap
         if self.step_ahead is not None:
             self.step_ahead.close()
+        # the clip's norms of disk gradients, taken in backward (the runtime's
+        # GRADS_FINAL event); with or without the step ahead, and told before it
+        if self.grad_norms is not None:
+            self.grad_norms.close()
+        streamed = [s for s in self._unit_steps if isinstance(s, StreamedUnitStep)]
+        self.grad_norms = RecordedNorms(streamed) if self.shards is None and streamed else None
         # units stepped speculatively during backward (optim.step_ahead): disk units,
         # unsharded; memory units sharded too (a rank steps its own shard, with nothing
         # collective in it)
@@ -162,10 +169,6 @@ class OffloadedOptimizer(Optimizer):
                 pace=self._pace_memory_steps,
                 in_place=in_place,
             )
-        # the clip's norms of disk gradients, taken in backward (the runtime tells it
-        # when a unit's gradients are final); with or without the step ahead
-        streamed = [s for s in self._unit_steps if isinstance(s, StreamedUnitStep)]
-        self.grad_norms = RecordedNorms(streamed) if self.shards is None and streamed else None
 
     @property
     def can_move_states(self) -> bool:
@@ -233,6 +236,8 @@ class OffloadedOptimizer(Optimizer):
         if self.step_ahead is not None:
             self.step_ahead.close()
             self.step_ahead = None
+        if self.grad_norms is not None:
+            self.grad_norms.close()
         self.grad_norms = None  # it holds the unit steps (and their buffers)
         self._unit_steps = []
         self._entry_of = {}
@@ -255,7 +260,7 @@ class OffloadedOptimizer(Optimizer):
         return hyper
 
     def _build_unit_step(self, unit: Unit) -> InMemoryUnitStep | UnitStates:
-        on_disk = isinstance(unit.master, DiskArray)
+        on_disk = transfers_only(unit.master)
         if on_disk and not self._flat:
             raise TypeError(
                 f"offload_optimizer='disk' streams the states of {FLAT_NAMES}; "
@@ -311,7 +316,7 @@ class OffloadedOptimizer(Optimizer):
         """id(param) -> its gradient view, for parameters with a gradient in memory."""
         views = {}
         for unit in self.units:
-            if unit.grad is None or isinstance(unit.grad, DiskArray):
+            if unit.grad is None or transfers_only(unit.grad):
                 continue
             for entry in unit.trainable_entries:
                 if entry.has_grad:
@@ -332,7 +337,7 @@ class OffloadedOptimizer(Optimizer):
             us
             for us in self._unit_steps
             if isinstance(us, StreamedUnitStep)
-            and isinstance(us.unit.grad, DiskArray)
+            and transfers_only(us.unit.grad)
             and us.unit.grads.any()
         ]
 
@@ -669,7 +674,7 @@ class OffloadedOptimizer(Optimizer):
     def _factors_for(self, unit: Unit) -> list:
         """What the step multiplies ``unit``'s gradients by as it reads them: the clip's
         and fp16's factors for gradients on disk (in memory they were applied in place)."""
-        return list(self._disk_grad_factors) if isinstance(unit.grad, DiskArray) else []
+        return list(self._disk_grad_factors) if transfers_only(unit.grad) else []
 
     def finish_steps_in_forward(self) -> None:
         """Commit the unit steps still running on from the last ``optimizer.step()``
@@ -938,7 +943,7 @@ class OffloadedOptimizer(Optimizer):
         """The states of each of ``unit``'s optimizer segments (of this rank's shard), in
         order, without copies, for checkpoints of sharded runs: ``{"segment", "base",
         "step", "states", "stepped"}``, where element ``i`` of the shard's flat layout is
-        ``states[key][i - base]`` (a tensor in memory, a ``DiskArray`` on disk) and
+        ``states[key][i - base]`` (a tensor in memory, a ``Store`` on disk) and
         ``step`` the segment's counter (None for SGD). ``create``: per-element keys made
         as zeros where torch has not made them yet (SGD's momentum before its first step).
         Flat optimizers only (the ones sharding allows)."""

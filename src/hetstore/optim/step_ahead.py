@@ -79,10 +79,11 @@ from hetstore.footprints import LENT_MASTERS, READ_AHEAD_UNITS
 from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
 from hetstore.optim.pace import StepPace
 from hetstore.optim.streamed import StreamedUnitStep
+from hetstore.runtime.events import Event
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
 from hetstore.runtime.staging import GradStager, ParamStager, stagers_of
-from hetstore.tiers.flat import DiskArray, wait_all
 from hetstore.tiers.hostmem import PAGE_SIZE, round_up
+from hetstore.tiers.store import Store, transfers_only, wait_all
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -307,8 +308,21 @@ class StepAhead:
         # step_in_backward: steps taken in backward and committed, until optimizer.step()
         self.consume = consume
         self._consumed: dict[int, _Speculation] = {}
-        for unit_step in unit_steps:
-            unit_step.unit.before_rewrite = self._drop
+        # the runtime's events (runtime.events): told when gradients are final, when
+        # backward starts and ends, when a unit is read while its step runs on, and
+        # when a unit's states are rewritten outside a step
+        self._events = first.unit.events
+        self._subscriptions = [
+            (Event.BACKWARD_STARTED, self.backward_started),
+            (Event.GRADS_GATHERED, self.consume_grads),
+            (Event.GRADS_FINAL, self.grads_final),
+            (Event.BACKWARD_ENDED, self.backward_ended),
+            (Event.UNIT_READ, self.finish_unit_in_forward),
+            (Event.STATE_CHANGE, self._state_change),
+        ]
+        for event, handler in self._subscriptions:
+            self._events.subscribe(event, handler)
+        self._events.reads_grads_when_final(self._reads_grads_when_final)
         if consume:
             for stager in self._stagers:
                 if isinstance(stager, GradStager):
@@ -342,8 +356,7 @@ class StepAhead:
         if self.consume:
             self._collect(block=True)
 
-    @property
-    def reads_grads_when_final(self) -> bool:
+    def _reads_grads_when_final(self) -> bool:
         """Whether this thread must wait for a unit's gradient copies when its backward
         is done: a disk unit's step reads the stager's buffer from here. (A memory unit's
         step waits for them on the worker, so that backward goes on queueing work.)"""
@@ -663,8 +676,9 @@ class StepAhead:
             self._host.reclaim = None
         for stager in self._param_stagers:
             stager.on_give_back = stager.reclaim_lent = None
-        for unit_step in self._steps.values():
-            unit_step.unit.before_rewrite = None
+        for event, handler in self._subscriptions:
+            self._events.unsubscribe(event, handler)
+        self._events.forget_reader(self._reads_grads_when_final)
 
     @contextlib.contextmanager
     def _own_allocations(self):
@@ -811,7 +825,7 @@ class StepAhead:
         # a unit with a disk home that forward fetches without a step pending (frozen,
         # no gradients, stepped in backward) reads its parameters into a free buffer
         self._fetches_from_disk = any(
-            u.param_stager is not None and isinstance(u.home, DiskArray) and id(u) not in deferred
+            u.param_stager is not None and transfers_only(u.home) and id(u) not in deferred
             for u in used
         )
         with self._own_allocations():
@@ -858,7 +872,7 @@ class StepAhead:
         unit.param_version += 1  # as the ordinary step moves it before stepping
         record.future = self._pool().submit(_step_in_place, record)
         self._in_place[id(unit)] = record
-        unit.pending_step = self.finish_unit_in_forward
+        unit.work_pending = True
         self.stats.in_forward += 1
 
     def _finish_in_place(self, record: _InPlace) -> None:
@@ -868,7 +882,7 @@ class StepAhead:
         unit = record.unit_step.unit
         ok = self._wait_worker(record)
         del self._in_place[id(unit)]
-        unit.pending_step = None
+        unit.work_pending = False
         self._stop_worker_if_idle()
         if not ok:
             raise RuntimeError(
@@ -986,7 +1000,7 @@ class StepAhead:
         worker read them; False when the host has no room for them."""
         unit = unit_step.unit
         arrays = {"master": unit.master}
-        if not unit_step._states_absent:
+        if not unit_step.states_absent:
             arrays.update(unit_step.states)
         need = sum(round_up(a.numel * a.dtype.itemsize, PAGE_SIZE) for a in arrays.values())
         # beside it, the chunk buffers the step that reads it will make (the worker's, or
@@ -1137,7 +1151,7 @@ class StepAhead:
     def _arrays_of(unit_step: StreamedUnitStep) -> list:
         unit = unit_step.unit
         arrays = [unit.master, *unit_step.states.values(), *unit_step.scales.values()]
-        arrays += [a for a in (unit.home, unit.grad) if isinstance(a, DiskArray)]
+        arrays += [a for a in (unit.home, unit.grad) if transfers_only(a)]
         return arrays
 
     def _arm(self, unit_step: StreamedUnitStep, on: bool) -> None:
@@ -1147,7 +1161,7 @@ class StepAhead:
         gate = (lambda: self._finish_from_reader(unit)) if on else None
         for array in self._arrays_of(unit_step):
             array.before_read = gate
-        unit.pending_step = self.finish_unit_in_forward if on else None
+        unit.work_pending = on
 
     def _finish_from_reader(self, unit: Unit) -> None:
         """A disk read of one of ``unit``'s arrays: its step lands first, unless the
@@ -1214,6 +1228,10 @@ class StepAhead:
         self._arm(record.unit_step, False)
 
     # ------------------------------------------------------------------ internals
+    def _state_change(self, unit: Unit) -> None:
+        if id(unit) in self._steps:  # (only those stepped ahead hold anything of it)
+            self._drop(unit)
+
     def _drop(self, unit: Unit) -> None:
         """The unit's master or states are about to be rewritten outside a step."""
         self._cancel(id(unit))
@@ -1391,7 +1409,7 @@ def _step_in_place(record: _InPlace) -> None:
     record.unit_step.step(record.hyper.__getitem__)
 
 
-def _read_into(arrays: dict[str, DiskArray], into: dict[str, torch.Tensor]) -> None:
+def _read_into(arrays: dict[str, Store], into: dict[str, torch.Tensor]) -> None:
     """The worker: read each disk array whole into its host tensor."""
     wait_all([array.read(into[key], 0) for key, array in arrays.items()])
 
@@ -1402,7 +1420,7 @@ def _stages_params(unit: Unit) -> bool:
     element of it is rewritten by the step (no frozen tail without a master)."""
     return (
         unit.param_stager is not None
-        and isinstance(unit.home, DiskArray)
+        and transfers_only(unit.home)
         and unit.master_numel == unit.numel
     )
 

@@ -43,8 +43,8 @@ from hetstore.optim.state_format import (
 from hetstore.runtime.rewrite import ChunkedRewrite, WholeArray, chunk_buffers
 from hetstore.runtime.unit import Unit
 from hetstore.tier import Tier
-from hetstore.tiers.flat import DiskArray, wait_all_quiet
 from hetstore.tiers.host import own_version_counter
+from hetstore.tiers.store import Store, transfers_only, wait_all_quiet
 
 __all__ = ["StreamedUnitStep", "UnitStates", "step_flat", "chunks_of"]
 
@@ -196,7 +196,7 @@ class UnitStates:
         )
 
     @property
-    def _states_absent(self) -> bool:
+    def states_absent(self) -> bool:
         """True when torch creates the states itself on the first step (SGD momentum);
         Adam's fresh states are zeros."""
         return not self.stepped and not self.has_step
@@ -300,7 +300,7 @@ class StreamedUnitStep(UnitStates):
         after ``zero_grad`` or a scheduler may have changed the live ones).
         ``read_ahead``: see :meth:`run_in_forward`."""
         unit = self.unit
-        grad_on_disk = isinstance(unit.grad, DiskArray)
+        grad_on_disk = transfers_only(unit.grad)
         if unit.grad_stager is not None:
             unit.grad_stager.finish()  # backward's gradient writes, and their errors
         rewrite = self.new_rewrite()
@@ -340,7 +340,7 @@ class StreamedUnitStep(UnitStates):
                 host.free(buffer)
             taken.clear()
 
-        def host_copy(array: DiskArray, key: str) -> torch.Tensor:
+        def host_copy(array: Store, key: str) -> torch.Tensor:
             buffer = self.unit.scratch(array.numel, torch.float32, f"{key} scales")
             taken.append(buffer)
             return buffer.tensor[: array.numel]
@@ -370,7 +370,7 @@ class StreamedUnitStep(UnitStates):
         ``slot[key + " fp32"]``."""
         for key in self.states:
             out = slot[f"{key} fp32"][:n_state]
-            if self._states_absent:  # not read: fresh (the padding must stay zero)
+            if self.states_absent:  # not read: fresh (the padding must stay zero)
                 out.zero_()
                 continue
             scales = self._scales(rewrite, key, "before")
@@ -484,7 +484,7 @@ class StreamedUnitStep(UnitStates):
         # fp32 states only (optim.step_ahead._reads_ahead): a compact format's chunk must
         # be decoded from its own dtype, and its block scales are read whole
         assert self.format.exact and not self.scales, "read ahead of compact states"
-        keys = [k for k in self.states if k in read_ahead and not self._states_absent]
+        keys = [k for k in self.states if k in read_ahead and not self.states_absent]
         master = read_ahead["master"]
 
         def views(c: _Chunk) -> dict[str, torch.Tensor]:
@@ -527,7 +527,7 @@ class StreamedUnitStep(UnitStates):
             if n_state > 0:
                 if grad_on_disk:
                     handles.append(unit.grad.read(slot["grad"][:n_state], c.start))
-                if read_ahead is None and not self._states_absent:
+                if read_ahead is None and not self.states_absent:
                     for key, array in self.states.items():
                         handles.append(array.read(slot[key][:n_state], c.start))
             return handles
@@ -585,7 +585,7 @@ class StreamedUnitStep(UnitStates):
         hyper_of = hyper[unit.segments[c.segment].group]
         step = self.steps[c.segment] if self.has_step else None
         step_flat(
-            self._inner[c.segment], hyper_of, master[:n], grad, states, step, self._states_absent
+            self._inner[c.segment], hyper_of, master[:n], grad, states, step, self.states_absent
         )
 
     # ------------------------------------------------------------------ state dict

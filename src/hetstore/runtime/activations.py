@@ -36,7 +36,7 @@ from hetstore.config import TIERS as ACTIVATION_TIERS
 from hetstore.errors import BACKWARD_AFTER_RELEASE, ConfigError, OutOfTierMemory
 from hetstore.tier import Tier
 from hetstore.tiers import Tiers
-from hetstore.tiers.flat import DiskArray, wait_all_quiet
+from hetstore.tiers.store import Store, wait_all_quiet
 
 __all__ = ["ActivationHooks"]
 
@@ -92,7 +92,7 @@ class _Storage:
         self.device = storage.device
         self.restored: torch.UntypedStorage | None = None
         self.group = hooks.group_index
-        self.disk: DiskArray | None = None
+        self.disk: Store | None = None
         self._source: torch.UntypedStorage | None = None  # kept while a copy reads it
         self._copied = None  # CUDA event of the copy out
         self._written = None  # disk write in flight from self.host
@@ -114,7 +114,7 @@ class _Storage:
             else:
                 self.host.tensor[: self.nbytes].copy_(source)
             if tier is Tier.DISK:
-                self.disk = DiskArray(tiers.disk, self.nbytes, torch.uint8, _LABEL)
+                self.disk = tiers.of(tier).allocate_flat(self.nbytes, torch.uint8, _LABEL).data
                 if self._copied is None:
                     self._start_write()
         except BaseException:

@@ -29,7 +29,7 @@ import torch
 
 from hetstore.runtime.layout import ParamEntry
 from hetstore.tier import Tier
-from hetstore.tiers.flat import DiskArray
+from hetstore.tiers.store import FlatBuffer, Store, transfers_only
 
 if TYPE_CHECKING:
     from hetstore.runtime.unit import Unit
@@ -48,9 +48,7 @@ class GradState(NamedTuple):
 class GradSink:
     """The gradients of one :class:`~hetstore.runtime.unit.Unit` (see the module doc)."""
 
-    def __init__(
-        self, unit: Unit, *, deferred: bool, buffer: torch.Tensor | DiskArray | None = None
-    ):
+    def __init__(self, unit: Unit, *, deferred: bool, buffer: FlatBuffer | None = None):
         """``buffer``: one the unit already owns on the gradient tier (else made here)."""
         self._unit = unit
         self.deferred = deferred and bool(unit.trainable_numel)
@@ -58,7 +56,7 @@ class GradSink:
             buffer = unit.allocate(
                 unit.placement.grad, unit.trainable_numel, torch.float32, "grads"
             )
-        self.buffer: torch.Tensor | DiskArray | None = buffer
+        self.buffer: FlatBuffer | None = buffer
         if isinstance(self.buffer, torch.Tensor):
             self.buffer.zero_()  # padding between segments must be finite for overflow checks
         self.version = 0  # moves with every gradient added (see the module doc)
@@ -77,9 +75,9 @@ class GradSink:
     @property
     def staged(self) -> bool:
         """Gradients gather in the gradient stager's host buffer (they belong on disk)."""
-        return self.deferred or isinstance(self.buffer, DiskArray)
+        return self.deferred or transfers_only(self.buffer)
 
-    def region(self) -> DiskArray:
+    def region(self) -> Store:
         """The gradients' disk array; a deferred one is made now (raises
         :class:`OutOfTierMemory` naming it when the disk has no room)."""
         unit = self._unit

@@ -117,7 +117,7 @@ class GradContract:
         if entry.group is None or not entry.has_grad:
             return None  # frozen, not optimized, or no gradient since the last clear
         if unit.grads.staged and self.disk_gradients is not None and unit.shards is None:
-            unit.finish_pending_step()
+            unit.barrier()
             unit.grads.wait_copies()
             if not unit.grads.consumed:  # (else _view says why it is gone)
                 return self.disk_gradients.gradient(entry, torch.device("cpu"))
@@ -149,7 +149,7 @@ class GradContract:
         """A view of the gradient buffer. Handing one out counts as changing the
         gradients (``Unit.grads.version``): ``.data`` of it, or ``.numpy()``, changes them
         past its version counter, so a step taken ahead from them is not kept."""
-        unit.finish_pending_step()  # (step_in_forward) it reads them: a write must wait
+        unit.barrier()  # (step_in_forward) it reads them: a write must wait
         unit.grads.wait_copies()  # mid-backward, a gradient may still be crossing
         if unit.shards is not None:
             raise GradientAccessError(

@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hetstore.errors import BACKWARD_AFTER_RELEASE, ConfigError
 from hetstore.runtime import released
+from hetstore.runtime.events import Event, Events
 from hetstore.runtime.grads import set_torch_grad, torch_grad
 from hetstore.runtime.profiler import StepProfiler
 from hetstore.runtime.staging import stagers_of
@@ -89,20 +90,17 @@ class OffloadRuntime:
         batch_guard=None,
         copy_stream: torch.cuda.Stream | None = None,
         grad_stream: torch.cuda.Stream | None = None,
+        events: Events | None = None,
     ):
         self.model = model
+        # what this runtime tells others (runtime.events): the units publish on it too
+        self.events = events if events is not None else Events()
         self.units = units
         self.root = root
         self.block_units = [u for u in units if u is not root]
         # hooks on tensors find their unit by its index, which is its place in ``units``
         assert all(u.index == i for i, u in enumerate(units))
         self.optimizer: weakref.ref | None = None  # the OffloadedOptimizer, set by offload()
-        # the optimizer's optim.step_ahead.StepAhead, told when backward starts and when
-        # a unit's gradients are final (None: every unit is stepped in optimizer.step())
-        self.step_ahead = None
-        # the optimizer's optim.grad_norms.RecordedNorms, told when a unit's gradients
-        # are final (the clip's norms are taken from the buffer they are written from)
-        self.grad_norms = None
         self.released = False  # set by hetstore.release: a graph still alive must not run
         self.prefetch_depth = prefetch_depth
         self.grad_stager = grad_stager
@@ -323,14 +321,13 @@ class OffloadRuntime:
                 unit.grads.wait_copies()
             if unit.grads.has_bucket:  # sharded: average across ranks, keep this rank's shard
                 unit.grads.reduce()
-            # step_in_backward: the unit is stepped now, from the gradients gathered
-            consumed = self.step_ahead is not None and self.step_ahead.consume_grads(unit)
-            if self.grad_stager is not None and not consumed:
-                self.grad_stager.flush(unit)  # the write overlaps the next unit's backward
-            if self.grad_norms is not None and not consumed:
-                self.grad_norms.grads_final(unit)  # the clip's norms, from the buffer
-            if self.step_ahead is not None and not consumed:
-                self.step_ahead.grads_final(unit)  # its step overlaps the rest of backward
+            # step_in_backward: a subscriber steps the unit now, taking the gradients
+            consumed = self.events.publish(Event.GRADS_GATHERED, unit)
+            if not consumed:
+                if self.grad_stager is not None:
+                    self.grad_stager.flush(unit)  # the write overlaps the next unit's backward
+                # the clip's recorded norms, a step overlapping the rest of backward
+                self.events.publish(Event.GRADS_FINAL, unit)
             if unit is not self.root:
                 if unit.has_untracked_params:
                     # frozen weights may still be needed for the gradient of the unit's
@@ -361,8 +358,7 @@ class OffloadRuntime:
         for unit in self.units:  # (a parameter frozen at the forward brings none)
             unit.grads.pending = unit.expected_grads
         self._any_frozen = any(u.has_untracked_params for u in self.block_units)
-        if self.step_ahead is not None:
-            self.step_ahead.backward_started()
+        self.events.publish(Event.BACKWARD_STARTED)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     @property
@@ -370,11 +366,7 @@ class OffloadRuntime:
         """Whether anything reads a unit's gradient buffer as soon as its backward is
         done (the disk write, the clip's norms, the step in backward or ahead); if not,
         the copies to the host run on until the end of backward."""
-        return (
-            self.grad_stager is not None
-            or self.grad_norms is not None
-            or (self.step_ahead is not None and self.step_ahead.reads_grads_when_final)
-        )
+        return self.grad_stager is not None or self.events.grads_read_when_final
 
     def _end_of_backward(self) -> None:
         self._callback_task = None
@@ -387,8 +379,7 @@ class OffloadRuntime:
             self.grad_stager.flush_all()
         for unit in self.units:
             unit.release()
-        if self.step_ahead is not None:
-            self.step_ahead.backward_ended()  # commits the steps taken in backward
+        self.events.publish(Event.BACKWARD_ENDED)  # (the steps taken in backward commit)
         self._mark("other")
 
     def use_order(self) -> list[Unit]:
@@ -442,8 +433,6 @@ class OffloadRuntime:
         a zero-byte storage of its own, so nothing references the units' buffers."""
         self.remove()  # hooks, the gradient contract, the state-dict hooks
         self.released = True
-        self.step_ahead = None  # the optimizer's release closed it
-        self.grad_norms = None
         if self.activations is not None:
             self.activations.released = True
         for stager in stagers_of(self.units):

@@ -8,7 +8,7 @@ and must replace the old arrays only when every chunk is written.
 The pipeline, per chunk ``i``: start the reads of chunk ``i+1`` (if the caller reads
 anything), wait for chunk ``i``'s, let the caller fill the chunk's master and states,
 then write them, and the compute-dtype ``home`` cast from the master, into shadow
-regions (:meth:`DiskArray.shadow`); an in-memory home and a materialized device copy are
+regions (:meth:`Store.shadow`); an in-memory home and a materialized device copy are
 refreshed in place. Buffer set ``i mod depth`` is reused only after its writes are done.
 All shadows are committed together at the end. If anything fails (a read, the caller,
 a write, disk full), every shadow is discarded, an in-memory home and device copy are
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from hetstore.tiers.flat import DiskArray, wait_all, wait_all_quiet
+from hetstore.tiers.store import Store, transfers_only, wait_all, wait_all_quiet
 
 if TYPE_CHECKING:
     from hetstore.tiers import HostBuffer, HostTier
@@ -58,7 +58,7 @@ class WholeArray:
     block scales): its values ``before`` the rewrite, which the caller reads while
     filling chunks, and the new ones it fills into ``after``; shadowed like the rest."""
 
-    array: DiskArray
+    array: Store
     before: torch.Tensor
     after: torch.Tensor
 
@@ -110,7 +110,7 @@ class ChunkedRewrite:
     def __init__(
         self,
         unit,
-        states: dict[str, DiskArray],
+        states: dict[str, Store],
         *,
         speculative: bool = False,
         whole: dict[str, WholeArray] | None = None,
@@ -122,27 +122,27 @@ class ChunkedRewrite:
         self._on_close = on_close  # frees the caller's buffers once committed or discarded
         self.speculative = speculative
         home = unit.home
-        self.home_on_disk = isinstance(home, DiskArray) and home is not unit.master
+        self.home_on_disk = transfers_only(home) and home is not unit.master
         self.home_in_place = self.home_on_disk and unit.has_home_only
         if speculative and not self.can_speculate(unit):
             raise ValueError(f"unit {unit.name!r} has copies a speculative rewrite would touch")
-        self.targets: dict[str, DiskArray] = {"master": unit.master, **states}
+        self.targets: dict[str, Store] = {"master": unit.master, **states}
         if self.home_on_disk and not self.home_in_place:
             self.targets["home"] = home
         self.targets.update({name: whole.array for name, whole in self.whole.items()})
-        self._shadows: dict[str, DiskArray] = {}
+        self._shadows: dict[str, Store] = {}
         self._touched_memory = False
 
     @staticmethod
     def can_speculate(unit) -> bool:
         """True when every copy of the unit's parameters is a disk array written through a
         shadow (or the master itself): until the commit, nothing the model reads changes."""
-        if not isinstance(unit.master, DiskArray):
+        if not transfers_only(unit.master):
             return False
         home = unit.home
         if home is unit.master:
             return True
-        return isinstance(home, DiskArray) and not unit.has_home_only
+        return transfers_only(home) and not unit.has_home_only
 
     @property
     def shadow_bytes(self) -> int:

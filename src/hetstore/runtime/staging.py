@@ -35,8 +35,8 @@ import torch
 from hetstore.errors import OutOfTierMemory
 from hetstore.footprints import GRAD_STAGING_SLOTS
 from hetstore.tiers import HostBuffer, HostTier
-from hetstore.tiers.flat import Done
 from hetstore.tiers.hostmem import PAGE_SIZE, round_up
+from hetstore.tiers.store import Done
 
 if TYPE_CHECKING:
     from hetstore.runtime.unit import Unit

@@ -27,7 +27,8 @@ layout's order):
   ``device_flat``'s byte-less views on release. The device budget is charged the same.
 - ``grad`` (``grads.buffer``): fp32 on the gradient tier, accumulated across micro-batches.
 
-On the disk tier a form is a :class:`~hetstore.tiers.flat.DiskArray`, not a tensor:
+On a tier that is not addressable (disk) a form is a
+:class:`~hetstore.tiers.store.Store`, not a tensor:
 parameters come to the device through the runtime's :class:`ParamStager`, gradients go
 out through its :class:`GradStager`, and the optimizer streams master and states.
 
@@ -42,7 +43,6 @@ are gathered whole in a device bucket and reduce-scattered (averaged) by
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -51,13 +51,15 @@ import torch
 from torch import nn
 
 from hetstore.runtime import released
+from hetstore.runtime.events import Event, Events
 from hetstore.runtime.grad_sink import GradSink
 from hetstore.runtime.layout import ParamEntry, Segment, UnitLayout
 from hetstore.runtime.rewrite import ChunkedRewrite
 from hetstore.tier import Tier
 from hetstore.tiers import HostBuffer, Tiers
 from hetstore.tiers.accounting import FlatAllocation
-from hetstore.tiers.flat import ALIGN_ELEMENTS, DiskArray, read_into, write_from
+from hetstore.tiers.flat import ALIGN_ELEMENTS
+from hetstore.tiers.store import FlatBuffer, read_into, transfers_only, write_from
 
 if TYPE_CHECKING:
     from hetstore.runtime.sharding import ShardGroup
@@ -115,8 +117,11 @@ class Unit:
         shards: ShardGroup | None = None,
         align: int = ALIGN_ELEMENTS,
         defer_disk_grad: bool = False,
+        events: Events | None = None,
     ):
         self.index = index
+        # the model's bus (runtime.events): the unit publishes reads and rewrites on it
+        self.events = events if events is not None else Events()
         self.shards = shards
         # segment starts (and shard sizes) are multiples of this: 4096 bytes of the
         # narrowest array the unit keeps (BYTE_ALIGN_ELEMENTS with 8-bit states)
@@ -145,23 +150,22 @@ class Unit:
         # moves whenever the parameters' values may have changed (a step, a load, an
         # edit): an alias read while released (``p.detach()``) reads them again then
         self.param_version = 0
-        # called by before_state_change: the optimizer's step ahead drops a speculation
-        # of this unit first, so that its worker never reads arrays being replaced
-        self.before_rewrite: Callable[[Unit], None] | None = None
-        # set while the unit's optimizer step runs on during the next forward
-        # (``step_in_forward``): finishes and commits it. Every use of the unit's
-        # parameters, master, states or gradients calls it first (fetch, a released
-        # parameter's read, p.grad, a rewrite; disk reads through DiskArray.before_read)
-        self.pending_step: Callable[[Unit], None] | None = None
+        # set by whoever queued work that changes the unit (its optimizer step running
+        # on during the next forward): every use of the unit's parameters, master,
+        # states or gradients goes through barrier() first, which lands that work
+        self.work_pending = False
         # the root: backward releases it only once it is over (not when its gradients
         # are final), so its device copy is never lent away before that
         self.released_after_backward = False
         self._build(defer_disk_grad)
 
-    def finish_pending_step(self) -> None:
-        """Let a step still running for this unit (``step_in_forward``) land first."""
-        if self.pending_step is not None:
-            self.pending_step(self)
+    def barrier(self) -> None:
+        """The one way a reader waits for pending work on this unit (a step still running
+        for it during the next forward): publishes ``UNIT_READ``, and whoever queued the
+        work lands it before this returns. Every read of the parameters, master, states
+        or gradients, and every rewrite, calls it first."""
+        if self.work_pending:
+            self.events.publish(Event.UNIT_READ, self)
 
     @property
     def closed(self) -> bool:
@@ -233,7 +237,7 @@ class Unit:
         return f"{what} of unit {self.name!r}"
 
     def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        """A flat buffer on ``tier`` (a tensor; a ``DiskArray`` on disk) owned by this
+        """A flat buffer on ``tier`` (a tensor; a ``Store`` on disk) owned by this
         unit and freed by ``close()``; the optimizer keeps its states here too."""
         owned = self.new_buffer(tier, numel, dtype, what)
         self._owned.append(owned)
@@ -345,7 +349,7 @@ class Unit:
                 for e in self.entries:
                     master[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
             return
-        with self._device_scratch(self.full_numel, torch.float32, "master broadcast") as full:
+        with self.device_scratch(self.full_numel, torch.float32, "master broadcast") as full:
             full.zero_()
             for e in self.entries:
                 full[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
@@ -353,7 +357,7 @@ class Unit:
             self._store_shard(full[self.shard_start : self.shard_start + self.numel])
 
     @contextlib.contextmanager
-    def _device_scratch(self, numel: int, dtype: torch.dtype, what: str):
+    def device_scratch(self, numel: int, dtype: torch.dtype, what: str):
         """A transient device tensor, counted against the device budget while it lives."""
         nbytes, label = numel * dtype.itemsize, self.label(what)
         self.tiers.device_tier.reserve(nbytes, label)
@@ -366,15 +370,14 @@ class Unit:
         """Before the master or the optimizer states are written: a step taken ahead
         from the old ones goes first (its worker must not read arrays being written),
         and the version moves even if the write then fails."""
-        self.finish_pending_step()
+        self.barrier()
         self.state_version += 1
-        if self.before_rewrite is not None:
-            self.before_rewrite(self)
+        self.events.publish(Event.STATE_CHANGE, self)
 
     def _store_shard(self, shard: torch.Tensor) -> None:
         """Make ``shard`` (this rank's elements, anywhere) the master; refresh the copies."""
         self.before_state_change()
-        if isinstance(self.master, DiskArray):
+        if transfers_only(self.master):
             local = shard.to("cpu", copy=shard.device.type == "cpu").contiguous()
             self.master.write_all(local)
             self._sync_home(local)
@@ -404,7 +407,7 @@ class Unit:
         every rank must edit the same units in the same order) and keeps this rank's shard.
         """
         if self.shards is not None:
-            with self._device_scratch(self.full_numel, torch.float32, "master gather") as full:
+            with self.device_scratch(self.full_numel, torch.float32, "master gather") as full:
                 self.shards.all_gather(
                     full, self.master_copy().to(self.device), self.collective("the master")
                 )
@@ -413,7 +416,7 @@ class Unit:
                 finally:
                     self._store_shard(full[self.shard_start : self.shard_start + self.numel])
             return
-        if not isinstance(self.master, DiskArray) and not self.has_home_only:
+        if not transfers_only(self.master) and not self.has_home_only:
             self.before_state_change()
             try:
                 yield self.master
@@ -441,7 +444,7 @@ class Unit:
         if not self.has_home_only:
             return
         tail = flat[self.master_numel :]
-        if isinstance(self.home, DiskArray):
+        if transfers_only(self.home):
             with self.edit_home_only(write_back=False) as staged:  # read in its dtype
                 tail.copy_(staged)
         else:  # widened straight from memory, no staging copy
@@ -475,8 +478,8 @@ class Unit:
     def master_copy(self) -> torch.Tensor:
         """This rank's parameters in fp32 as a tensor over the whole layout: the master
         buffer itself when that is all of it in memory, else a fresh host copy."""
-        self.finish_pending_step()  # (step_in_forward) a step still running on lands first
-        if not isinstance(self.master, DiskArray) and not self.has_home_only:
+        self.barrier()  # (step_in_forward) a step still running on lands first
+        if not transfers_only(self.master) and not self.has_home_only:
             return self.master
         flat = torch.empty(self.numel, dtype=torch.float32)
         self._read_master_into(flat)
@@ -487,7 +490,7 @@ class Unit:
         copies (the frozen parameters without a master go to ``home`` only)."""
         head = flat[: self.master_numel]
         self.before_state_change()
-        if isinstance(self.master, DiskArray):
+        if transfers_only(self.master):
             self.master.write_all(head)
         elif self.master.data_ptr() != head.data_ptr():
             self.master.copy_(head)
@@ -520,7 +523,7 @@ class Unit:
             self.param_stager.forget(self)  # a staged read must not race a rewrite in place
         n = master.numel()
         with torch.no_grad():
-            if isinstance(self.home, DiskArray):
+            if transfers_only(self.home):
                 if self.home is not self.master:
                     self._write_home(master)
             elif self.home.data_ptr() != master.data_ptr():  # else home is the master
@@ -576,7 +579,7 @@ class Unit:
         new = self.master
         if not aliased:
             new = self.allocate(tier, self.numel, self.compute_dtype, "params")
-            if isinstance(new, DiskArray):
+            if transfers_only(new):
                 staged = self.scratch(self.numel, self.compute_dtype, "params scratch")
                 try:
                     staged.tensor.copy_(old)
@@ -663,7 +666,7 @@ class Unit:
         With a CUDA ``stream`` the copy is issued there and ``ready_event`` records it;
         ``wait_ready`` makes the compute stream wait before use.
         """
-        self.finish_pending_step()
+        self.barrier()
         if self.materialized:
             return
         if self.home_stale:  # a failed step left the disk copy behind the master
@@ -676,7 +679,7 @@ class Unit:
             return
         try:
             source, slot = self.home, None
-            if isinstance(self.home, DiskArray):
+            if transfers_only(self.home):
                 slot, source = self.param_stager.take(self)
             storage = self.device_flat.untyped_storage()
             if stream is not None:
@@ -718,7 +721,7 @@ class Unit:
             self.device.type == "cpu"
             and self.shards is None
             and self.device_flat is not self.home
-            and not isinstance(self.home, DiskArray)
+            and not transfers_only(self.home)
         )
 
     @property
@@ -762,12 +765,12 @@ class Unit:
         """One parameter's current value as forward sees it (compute dtype, on the
         device, a fresh tensor), for a read while the unit is released: from ``home``
         (from the master while a disk home is behind it)."""
-        self.finish_pending_step()
+        self.barrier()
         start, n = entry.offset, entry.numel
         source, dtype = self.home, self.compute_dtype
         if self.home_stale and start < self.master_numel:
             source, dtype = self.master, torch.float32
-        if not isinstance(source, DiskArray):
+        if not transfers_only(source):
             value = source[start : start + n]
             return value.to(self.device, self.compute_dtype, copy=True).view(entry.shape)
         staged = self.scratch(n, dtype, "parameter read")
@@ -790,10 +793,10 @@ class Unit:
     def prefetch(self) -> None:
         """Start bringing the parameters closer without waiting: a disk read into staging."""
         if (
-            isinstance(self.home, DiskArray)
+            transfers_only(self.home)
             and not self.materialized
             and not self.home_stale
-            and self.pending_step is None  # its home is about to change: read it after
+            and not self.work_pending  # its home is about to change: read it after
         ):
             self.param_stager.prefetch(self)
 
@@ -835,7 +838,7 @@ class Unit:
             self.device.type == "cpu"
             and self.shards is None
             and self.home is self.master
-            and isinstance(self.master, DiskArray)
+            and transfers_only(self.master)
             and self.residency is Residency.PRESENT  # (fetched by copy: a disk home)
             and not self.home_stale
             and not self.has_untracked_params
@@ -893,7 +896,7 @@ class Unit:
 
     # ------------------------------------------------------------------ gradients
     @property
-    def grad(self) -> torch.Tensor | DiskArray | None:
+    def grad(self) -> FlatBuffer | None:
         """The fp32 gradient buffer (``grads``, runtime.grad_sink, owns it and its state)."""
         return self.grads.buffer
 

@@ -129,6 +129,11 @@ class DiskRegion:
         self.freed = False
         self._written = _Intervals()
 
+    def forget_written(self, start: int, end: int) -> None:
+        """Bytes ``[start, end)`` no longer hold what was last written (a write into
+        them failed): reading them raises until they are written again."""
+        self._written.remove(start, end)
+
     def __repr__(self) -> str:
         state = ", freed" if self.freed else ""
         return f"DiskRegion({self.label!r}, {format_size(self.nbytes)}, {self.file.path}{state})"

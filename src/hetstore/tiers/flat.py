@@ -1,4 +1,5 @@
-"""``DiskArray``: a flat tensor whose elements live in a disk-tier region.
+"""``DiskArray``: a flat array whose elements live in a disk-tier region (the disk
+tier's :class:`~hetstore.tiers.store.Store`).
 
 What a unit keeps on disk (fp32 master, optimizer moments, gradients, compute-dtype
 parameters) is one ``DiskArray`` each. Elements move in and out through host buffers
@@ -29,19 +30,9 @@ import torch
 
 from hetstore.tiers.aio import IOHandle
 from hetstore.tiers.disk import DiskRegion, DiskTier
+from hetstore.tiers.store import Done, Store, wait_all_quiet
 
-__all__ = [
-    "ALIGN_ELEMENTS",
-    "BYTE_ALIGN_ELEMENTS",
-    "DiskArray",
-    "DiskSlice",
-    "Done",
-    "FlatBuffer",
-    "read_into",
-    "write_from",
-    "wait_all",
-    "wait_all_quiet",
-]
+__all__ = ["ALIGN_ELEMENTS", "BYTE_ALIGN_ELEMENTS", "DiskArray", "DiskSlice"]
 
 # 4096 bytes of the narrowest dtype a unit stores (2-byte compute dtypes)
 ALIGN_ELEMENTS = 2048
@@ -49,41 +40,9 @@ ALIGN_ELEMENTS = 2048
 BYTE_ALIGN_ELEMENTS = 4096
 
 
-class Done:
-    """A finished transfer (zero-filled reads of never-written arrays)."""
-
-    def wait(self, timeout: float | None = None) -> None:
-        return None
-
-    def done(self) -> bool:
-        return True
-
-
-def wait_all(handles: list) -> None:
-    """Wait for every handle, then raise the first error (no transfer is left running)."""
-    first: BaseException | None = None
-    for handle in handles:
-        try:
-            handle.wait()
-        except BaseException as exc:  # noqa: BLE001 - collected, re-raised below
-            first = first or exc
-    handles.clear()
-    if first is not None:
-        raise first
-
-
-def wait_all_quiet(handles: list) -> None:
-    """Wait for every handle, ignoring errors (cleanup after another error)."""
-    for handle in handles:
-        try:
-            handle.wait()
-        except BaseException:  # noqa: BLE001 - an error is already being raised
-            pass
-    handles.clear()
-
-
-class DiskArray:
-    """``numel`` elements of ``dtype`` in one region of ``disk``."""
+class DiskArray(Store):
+    """``numel`` elements of ``dtype`` in one region of ``disk``: the disk tier's
+    :class:`~hetstore.tiers.store.Store`."""
 
     # called before every read while a step that will replace this array's contents
     # runs on another thread (hetstore.optim.step_ahead, step_in_forward): it lets that
@@ -171,7 +130,7 @@ class DiskArray:
             try:
                 handle.wait()
             except BaseException as exc:  # noqa: BLE001 - re-raised below
-                region._written.remove(a, b)
+                region.forget_written(a, b)
                 first = first or exc
         done = {id(w) for w in writes}
         with self._writes_lock:
@@ -232,26 +191,3 @@ class DiskSlice:
     @property
     def dtype(self) -> torch.dtype:
         return self.array.dtype
-
-
-# One flat form of a unit on any tier: a tensor in device or host memory, or a DiskArray.
-FlatBuffer = torch.Tensor | DiskArray
-
-
-def read_into(source: FlatBuffer, dst: torch.Tensor, start: int = 0) -> None:
-    """Copy elements ``[start, start + dst.numel())`` of ``source`` into ``dst`` (cast to
-    its dtype in memory; a disk read needs ``dst`` in the array's dtype) and wait."""
-    if isinstance(source, DiskArray):
-        source.read(dst, start).wait()
-    else:
-        dst.copy_(source[start : start + dst.numel()])
-
-
-def write_from(target: FlatBuffer, src: torch.Tensor, start: int = 0) -> None:
-    """Write ``src`` into elements ``[start, start + src.numel())`` of ``target`` and
-    wait until it is there."""
-    if isinstance(target, DiskArray):
-        target.write(src, start)
-        target.wait_writes()
-    else:
-        target[start : start + src.numel()].copy_(src)
