@@ -91,64 +91,219 @@ def offload(
     Raises ``ConfigError`` for a bad configuration and ``OutOfDeviceMemory`` /
     ``OutOfTierMemory`` when the model states cannot be placed, before any training.
     """
-    config = config if config is not None else OffloadConfig()
-    if not isinstance(config, OffloadConfig):
-        raise ConfigError(f"config must be a hetstore.OffloadConfig, got {type(config).__name__}")
-    if state_of(model) is not None:
-        raise ConfigError("this model was already passed to hetstore.offload()")
-    if is_released(model):
-        raise ConfigError(
-            "this model was released by hetstore.release() and its weights freed; build a "
-            "new model to offload"
-        )
-    if optimizer is not None and config.offload_optimizer is Tier.DISK and not config.auto_offload:
-        _check_streamable(optimizer)
-    device = config.resolved_device()
-    shards = resolve_process_group(process_group, device)
-    if shards is not None:
-        device = rank_device(device)
-        if optimizer is not None and not flat_steppable(optimizer):
+    phases = _Offloading(model, optimizer, config, process_group)
+    phases.validate()
+    phases.group_into_units(units)
+    phases.plan_placement(units, example_inputs)
+    phases.materialize(init_fn)
+    phases.wire_hooks()
+    return model, phases.wire_optimizer()
+
+
+class _Offloading:
+    """``offload()``'s phases, in order, and what each made: validate the arguments,
+    group the parameters into units, plan their placement, materialize the units in
+    their tiers, wire the runtime's hooks into the model, wire the optimizer. Nothing is
+    allocated before ``materialize``; a refusal before it leaves the model untouched.
+    What the runtime asks of offload() later (a new plan for the first batch, the
+    profile's calibration, advice when a budget overflows) are methods here too."""
+
+    def __init__(self, model: nn.Module, optimizer, config, process_group):
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config if config is not None else OffloadConfig()
+        self.process_group = process_group
+        self.events = Events()  # the model's bus: units and runtime publish on it
+        self.units: list[Unit] = []  # built so far, in order (materialize)
+
+    # ------------------------------------------------------------------ phases
+    def validate(self) -> None:
+        """Refuse a bad configuration, model or optimizer before anything is made."""
+        model, optimizer, config = self.model, self.optimizer, self.config
+        if not isinstance(config, OffloadConfig):
             raise ConfigError(
-                f"sharded over {shards.world_size} ranks, hetstore steps flat shards of "
-                f"{FLAT_NAMES} (non-differentiable); got "
-                f"{type(optimizer).__name__}. Use one of those, or process_group=False"
+                f"config must be a hetstore.OffloadConfig, got {type(config).__name__}"
             )
-    if optimizer is not None and config.optimizer_state_format != "fp32":
-        _check_compact_states(optimizer, config.optimizer_state_format, shards)
-    if config.step_in_backward and shards is not None:
-        raise ConfigError(
-            f"step_in_backward=True is not supported sharded over {shards.world_size} ranks "
-            "yet; use step_in_backward=False (overlap_step keeps the step beside backward), "
-            "or process_group=False"
+        if state_of(model) is not None:
+            raise ConfigError("this model was already passed to hetstore.offload()")
+        if is_released(model):
+            raise ConfigError(
+                "this model was released by hetstore.release() and its weights freed; build "
+                "a new model to offload"
+            )
+        if (
+            optimizer is not None
+            and config.offload_optimizer is Tier.DISK
+            and not config.auto_offload
+        ):
+            _check_streamable(optimizer)
+        device = config.resolved_device()
+        shards = resolve_process_group(self.process_group, device)
+        if shards is not None:
+            device = rank_device(device)
+            if optimizer is not None and not flat_steppable(optimizer):
+                raise ConfigError(
+                    f"sharded over {shards.world_size} ranks, hetstore steps flat shards of "
+                    f"{FLAT_NAMES} (non-differentiable); got "
+                    f"{type(optimizer).__name__}. Use one of those, or process_group=False"
+                )
+        if optimizer is not None and config.optimizer_state_format != "fp32":
+            _check_compact_states(optimizer, config.optimizer_state_format, shards)
+        if config.step_in_backward and shards is not None:
+            raise ConfigError(
+                f"step_in_backward=True is not supported sharded over {shards.world_size} "
+                "ranks yet; use step_in_backward=False (overlap_step keeps the step beside "
+                "backward), or process_group=False"
+            )
+        self.device, self.shards = device, shards
+        # (its warning points at the caller of offload(): validate, offload, the caller)
+        self.groups_of = _group_index(model, optimizer, stacklevel=4)
+
+    def group_into_units(self, units: Sequence[nn.Module] | None) -> None:
+        """Which parameters move, fetch and step together (hetstore.units)."""
+        self.specs = find_units(self.model, units)
+
+    def plan_placement(self, units: Sequence[nn.Module] | None, example_inputs) -> None:
+        """Every unit's placement (manual or planned); refused here when nothing fits."""
+        self.trace, self.plan = _plan_for(
+            self.model,
+            self.optimizer,
+            self.config,
+            self.specs,
+            self.device,
+            units,
+            example_inputs,
         )
-    groups_of = _group_index(model, optimizer)
-    specs = find_units(model, units)
-    trace, plan = _plan_for(model, optimizer, config, specs, device, units, example_inputs)
-    if plan.source == "manual" and shards is None:
-        _check_manual_placement(trace, optimizer, config)
-    if device.type == "cpu":  # the device's memory is the process's: keep it bounded
-        bound_heap_retention()
-    built: list[Unit | None] = [None] * len(specs)
+        if self.plan.source == "manual" and self.shards is None:
+            _check_manual_placement(self.trace, self.optimizer, self.config)
 
-    def advice(tier: str, nbytes: int) -> list[str]:
-        kept = dict(tiers.device_tier.account.holders(n=1_000)).get("activations", 0)
-        return _placement_advice(config, [u for u in built if u is not None], tier, kept)
+    def materialize(self, init_fn: Callable[[nn.Module], None] | None) -> None:
+        """Make the tiers and every unit's buffers in them (a meta model is initialized
+        unit by unit on the way); a failure frees whatever was made."""
+        config, shards = self.config, self.shards
+        if self.device.type == "cpu":  # the device's memory is the process's: bounded
+            bound_heap_retention()
+        built: list[Unit | None] = [None] * len(self.specs)
+        self.built = built
+        self.tiers = Tiers(
+            config,
+            device=self.device,
+            rank=shards.rank if shards else 0,
+            world_size=shards.world_size if shards else 1,
+            ranks_on_host=_ranks_on_host() if shards else 1,
+            advice=self.advice,
+        )
+        try:
+            _build_units(self.model, self.specs, built, self._build_unit, init_fn)
+        except BaseException:
+            for unit in built:
+                if unit is not None:
+                    unit.close()
+            self.tiers.close()
+            raise
+        self.units = list(built)
+        _move_buffers(self.model, self.tiers)
+        self.root = next(
+            (u for u, s in zip(self.units, self.specs, strict=True) if s.is_root), None
+        )
+        if self.root is not None:
+            self.root.released_after_backward = True  # (runtime.hooks: the head's work)
+        self.grad_stager = _attach_stagers(self.units, self.tiers, self.plan.prefetch_depth)
 
-    tiers = Tiers(
-        config,
-        device=device,
-        rank=shards.rank if shards else 0,
-        world_size=shards.world_size if shards else 1,
-        ranks_on_host=_ranks_on_host() if shards else 1,
-        advice=advice,
-    )
-    compute_dtype = config.torch_compute_dtype
-    events = Events()  # the model's bus: units and runtime publish, the optimizer listens
-    # 1-byte states need page-aligned chunks of their own
-    align = BYTE_ALIGN_ELEMENTS if config.optimizer_state_format == "8bit" else ALIGN_ELEMENTS
+    def wire_hooks(self) -> None:
+        """The runtime's hooks in the model (fetch, release, prefetch, gradients,
+        activations, state dict, p.grad, copies), and the model's state attached."""
+        model, config, plan, unit_list = self.model, self.config, self.plan, self.units
+        streams = CudaStreams.for_device(self.device)  # the model's side streams (CUDA)
+        self.activations = _activation_hooks(model, unit_list, self.tiers, plan, config, streams)
+        self.profiler = StepProfiler(self.device, PROFILED_STEPS)
+        # an automatic plan places activations for the batch it was traced with, or at
+        # the first forward when none was given, and moves them for a larger batch later
+        guard = None
+        if plan.source == "auto":
+            guard = BatchGuard(
+                self.trace,
+                plan,
+                config,
+                self.replan,
+                trace_batch=self.trace_batch,
+                move_params=self.shards is None,
+            )
+        runtime = OffloadRuntime(
+            model,
+            unit_list,
+            {u.index: s.module for u, s in zip(unit_list, self.specs, strict=True)},
+            self.root,
+            prefetch_depth=plan.prefetch_depth,
+            grad_stager=self.grad_stager,
+            activations=self.activations,
+            profiler=self.profiler,
+            batch_guard=guard,
+            copy_stream=streams.params if streams is not None else None,
+            grad_stream=streams.grads if streams is not None else None,
+            events=self.events,
+        )
+        self.runtime = runtime
+        _refuse_untrained_grads(model, unit_list, self.optimizer, runtime)
+        runtime.adopt(install_state_dict_hooks(model, unit_list))
+        self.grad_contract = GradContract(unit_list)  # p.grad reads hetstore's buffers
+        runtime.adopt([self.grad_contract])
+        runtime.adopt([PlainCopies(model, unit_list, runtime)])  # copy.deepcopy: plain
+        attach(model, ModelState(runtime, self.tiers, self.shards))
+        runtime.plan = plan
+        runtime.trace = self.trace
+        runtime.profile = None  # the measured steps, once profiled
+        runtime.calibrated_plan = None  # the plan's prediction re-made from them
+        self.profiler.on_profiled = self.profiled
 
-    def build(index: int) -> None:
-        spec = specs[index]
+    def wire_optimizer(self) -> OffloadedOptimizer | None:
+        """The optimizer to use instead of the user's, stepping the units' flat buffers;
+        the user's one redirected to it."""
+        optimizer, config, runtime, profiler = (
+            self.optimizer,
+            self.config,
+            self.runtime,
+            self.profiler,
+        )
+        self.optimizer = None  # (this object lives on in the runtime's batch guard)
+        if optimizer is None:
+            return None
+        scaler = DynamicLossScaler() if config.compute_dtype == "fp16" else None
+        wrapped = OffloadedOptimizer(
+            optimizer,
+            self.units,
+            loss_scaler=scaler,
+            chunk_numel=config.optimizer_chunk_size // 4,
+            param_order=list(self.model.parameters()),
+            shards=self.shards,
+            overlap_step=config.overlaps_disk_steps,
+            overlap_memory_step=config.overlaps_memory_steps(self.device),
+            # 'auto': only the units the worker can finish before optimizer.step()
+            pace_memory_steps=config.overlap_step == "auto",
+            step_in_forward_memory=config.steps_memory_in_forward(self.device),
+            root=self.root,
+            step_in_backward=config.step_in_backward,
+            step_in_forward=config.steps_disk_in_forward,
+            state_format=state_format(config.optimizer_state_format),
+            on_step_begin=lambda: profiler.switch("optimizer"),
+            on_step=profiler.step_ends,
+        )
+        # the user's optimizer held the original parameters; its state is meaningless now
+        optimizer.state.clear()
+        # ...and it stays usable: its param groups are the returned one's, its step and
+        # state dict go there (a scheduler made before offload() keeps scheduling)
+        redirect_original(optimizer, wrapped)
+        self.grad_contract.disk_gradients = wrapped.disk_grads  # (p.grad of disk grads)
+        runtime.optimizer = weakref.ref(wrapped)  # hetstore.release(model) releases it too
+        _wire_steps(runtime, wrapped)
+        if runtime.batch_guard is not None:  # the first batch may move its states to disk
+            runtime.batch_guard.move_states = wrapped.can_move_states
+        return wrapped
+
+    # ------------------------------------------------------------------ used later
+    def _build_unit(self, index: int) -> None:
+        spec = self.specs[index]
+        config, plan = self.config, self.plan
         params = []
         for module, attr, qualified in spec.params:
             param = module._parameters[attr]
@@ -157,67 +312,35 @@ def offload(
                     f"parameter {qualified!r} has dtype {param.dtype}; hetstore manages "
                     "floating-point parameters only"
                 )
-            params.append((qualified, param, groups_of.get(id(param))))
+            params.append((qualified, param, self.groups_of.get(id(param))))
         choice = plan.choice_of(spec.name)
         grad = choice.optimizer if plan.source == "auto" else config.grad_tier
         placement = Placement(param=choice.param, optimizer=choice.optimizer, grad=grad)
-        built[index] = Unit(
+        # 1-byte states need page-aligned chunks of their own
+        align = BYTE_ALIGN_ELEMENTS if config.optimizer_state_format == "8bit" else ALIGN_ELEMENTS
+        self.built[index] = Unit(
             index,
             spec.name,
             params,
             placement,
-            tiers,
-            compute_dtype,
-            shards=shards,
+            self.tiers,
+            config.torch_compute_dtype,
+            shards=self.shards,
             align=align,
-            defer_disk_grad=config.step_in_backward and optimizer is not None,
-            events=events,
+            defer_disk_grad=config.step_in_backward and self.optimizer is not None,
+            events=self.events,
         )
 
-    try:
-        _build_units(model, specs, built, build, init_fn)
-    except BaseException:
-        for unit in built:
-            if unit is not None:
-                unit.close()
-        tiers.close()
-        raise
-    unit_list: list[Unit] = list(built)
-    _move_buffers(model, tiers)
+    def advice(self, tier: str, nbytes: int) -> list[str]:
+        """What a tier's overflow report adds: the placement change that would fit."""
+        kept = dict(self.tiers.device_tier.account.holders(n=1_000)).get("activations", 0)
+        built = [u for u in self.built if u is not None]
+        return _placement_advice(self.config, built, tier, kept)
 
-    root = next((u for u, s in zip(unit_list, specs, strict=True) if s.is_root), None)
-    if root is not None:
-        root.released_after_backward = True  # (runtime.hooks: the head's and loss's work)
-    unit_modules = {u.index: s.module for u, s in zip(unit_list, specs, strict=True)}
-    grad_stager = _attach_stagers(unit_list, tiers, plan.prefetch_depth)
-    streams = CudaStreams.for_device(device)  # the model's side streams (CUDA), one owner
-    activations = None
-    default_tier = Tier.DEVICE if plan.source == "auto" else config.offload_activations
-    # an automatic plan places activations for the batch it was traced with, or at the
-    # first forward when none was given, and moves them for a larger batch later
-    replannable = plan.source == "auto"
-    if (
-        device.type == "cpu"
-        or replannable
-        or any(u.choice.activations is not Tier.DEVICE for u in plan.units)
-    ):
-        activations = ActivationHooks(
-            model,
-            unit_list,
-            tiers,
-            default_tier,
-            _min_bytes(plan, config),
-            prefetch_depth=plan.prefetch_depth,
-            stream=streams.activations if streams is not None else None,
-        )
-        for unit_plan in plan.units:
-            if unit_plan.choice.activations != default_tier:
-                activations.set_unit_tier(unit_plan.name, unit_plan.choice.activations)
-    profiler = StepProfiler(device, PROFILED_STEPS)
-
-    def replan(new_plan: Plan) -> None:
+    def replan(self, new_plan: Plan) -> None:
         """The first batch or a larger one placed activations, and parameters that had
         to leave the device (planner.shapes): put the new plan in effect."""
+        unit_list, tiers, runtime = self.units, self.tiers, self.runtime
         by_name = {u.name: u for u in unit_list}
         # states first: a master leaving host memory makes room for a home moved there
         _move_states(
@@ -234,51 +357,66 @@ def offload(
             unit = by_name[unit_plan.name]
             if unit_plan.choice.param != unit.placement.param:
                 _move_home(unit, unit_plan.choice.param, unit_list, tiers, new_plan)
-            activations.set_unit_tier(unit_plan.name, unit_plan.choice.activations)
-        activations.min_bytes = _min_bytes(new_plan, config)
-        runtime.plan = new_plan  # bound below, before any forward can run
+            self.activations.set_unit_tier(unit_plan.name, unit_plan.choice.activations)
+        self.activations.min_bytes = _min_bytes(new_plan, self.config)
+        runtime.plan = new_plan
 
-    def trace_batch(args: tuple, kwargs: dict) -> Trace:
+    def trace_batch(self, args: tuple, kwargs: dict) -> Trace:
         """The first training batch's activations, traced on fake tensors."""
+        runtime = self.runtime
         with runtime.tracing():
             traced = with_batch(
-                trace,
-                model,
+                self.trace,
+                self.model,
                 args,
                 kwargs,
-                specs,
-                config,
+                self.specs,
+                self.config,
                 on_meta=True,
-                probe=Probe(device, accounts=_probe_budgets(tiers, device)),
+                probe=Probe(self.device, accounts=_probe_budgets(self.tiers, self.device)),
             )
         runtime.trace = traced
         return traced
 
-    runtime = OffloadRuntime(
+    def profiled(self, profiles) -> None:
+        """The profiled steps are in: the plan's prediction re-made from them."""
+        runtime = self.runtime
+        runtime.profile = steady_profile(profiles)
+        if runtime.trace.machine is not None:  # the trace and plan in effect
+            measured = calibrated_trace(runtime.trace, runtime.profile)
+            runtime.calibrated_plan = runtime.plan.reestimated(
+                measured, self.config.optimizer_chunk_size
+            )
+
+
+def _activation_hooks(model, unit_list, tiers, plan: Plan, config, streams):
+    """The saved-tensor hooks that move activations, when anything may move them (a
+    CPU device always: its budget counts them), set to each unit's planned tier."""
+    default_tier = Tier.DEVICE if plan.source == "auto" else config.offload_activations
+    if not (
+        tiers.device.type == "cpu"
+        or plan.source == "auto"
+        or any(u.choice.activations is not Tier.DEVICE for u in plan.units)
+    ):
+        return None
+    activations = ActivationHooks(
         model,
         unit_list,
-        unit_modules,
-        root,
+        tiers,
+        default_tier,
+        _min_bytes(plan, config),
         prefetch_depth=plan.prefetch_depth,
-        grad_stager=grad_stager,
-        activations=activations,
-        profiler=profiler,
-        batch_guard=(
-            BatchGuard(
-                trace,
-                plan,
-                config,
-                replan,
-                trace_batch=trace_batch,
-                move_params=shards is None,
-            )
-            if replannable
-            else None
-        ),
-        copy_stream=streams.params if streams is not None else None,
-        grad_stream=streams.grads if streams is not None else None,
-        events=events,
+        stream=streams.activations if streams is not None else None,
     )
+    for unit_plan in plan.units:
+        if unit_plan.choice.activations != default_tier:
+            activations.set_unit_tier(unit_plan.name, unit_plan.choice.activations)
+    return activations
+
+
+def _refuse_untrained_grads(model, unit_list, optimizer, runtime: OffloadRuntime) -> None:
+    """Parameters that require grad outside the optimizer: warned, their gradients
+    dropped; frozen at offload() but the optimizer's: refused if ever unfrozen."""
     unoptimized = [
         e.param for u in unit_list for e in u.entries if e.param.requires_grad and e.group is None
     ]
@@ -286,7 +424,7 @@ def offload(
         warnings.warn(
             f"{len(unoptimized)} parameters require grad but are not in the optimizer; their "
             "gradients are dropped after backward (set requires_grad=False to silence)",
-            stacklevel=2,
+            stacklevel=4,  # (_refuse_untrained_grads, wire_hooks, offload: the caller)
         )
         runtime.drop_grads_of(unoptimized)
     if optimizer is not None:  # frozen at offload() but the optimizer's: never unfrozen
@@ -299,59 +437,6 @@ def offload(
         ]
         if frozen:
             runtime.adopt([RefuseUnfrozen.install(model, frozen)])
-    runtime.adopt(install_state_dict_hooks(model, unit_list))
-    grad_contract = GradContract(unit_list)  # p.grad reads hetstore's gradient buffers
-    runtime.adopt([grad_contract])
-    runtime.adopt([PlainCopies(model, unit_list, runtime)])  # copy.deepcopy: a plain model
-    attach(model, ModelState(runtime, tiers, shards))
-    runtime.plan = plan
-    runtime.trace = trace
-    runtime.profile = None  # the measured steps, once profiled
-    runtime.calibrated_plan = None  # the plan's prediction re-made from them
-
-    def profiled(profiles) -> None:
-        runtime.profile = steady_profile(profiles)
-        if runtime.trace.machine is not None:  # the trace and plan in effect
-            measured = calibrated_trace(runtime.trace, runtime.profile)
-            runtime.calibrated_plan = runtime.plan.reestimated(
-                measured, config.optimizer_chunk_size
-            )
-
-    profiler.on_profiled = profiled
-
-    wrapped = None
-    if optimizer is not None:
-        scaler = DynamicLossScaler() if config.compute_dtype == "fp16" else None
-        wrapped = OffloadedOptimizer(
-            optimizer,
-            unit_list,
-            loss_scaler=scaler,
-            chunk_numel=config.optimizer_chunk_size // 4,
-            param_order=list(model.parameters()),
-            shards=shards,
-            overlap_step=config.overlaps_disk_steps,
-            overlap_memory_step=config.overlaps_memory_steps(device),
-            # 'auto': only the units the worker can finish before optimizer.step()
-            pace_memory_steps=config.overlap_step == "auto",
-            step_in_forward_memory=config.steps_memory_in_forward(device),
-            root=root,
-            step_in_backward=config.step_in_backward,
-            step_in_forward=config.steps_disk_in_forward,
-            state_format=state_format(config.optimizer_state_format),
-            on_step_begin=lambda: profiler.switch("optimizer"),
-            on_step=profiler.step_ends,
-        )
-        # the user's optimizer held the original parameters; its state is meaningless now
-        optimizer.state.clear()
-        # ...and it stays usable: its param groups are the returned one's, its step and
-        # state dict go there (a scheduler made before offload() keeps scheduling)
-        redirect_original(optimizer, wrapped)
-        grad_contract.disk_gradients = wrapped.disk_grads  # (p.grad of gradients on disk)
-        runtime.optimizer = weakref.ref(wrapped)  # hetstore.release(model) releases it too
-        _wire_steps(runtime, wrapped)
-        if runtime.batch_guard is not None:  # the first batch may move its states to disk
-            runtime.batch_guard.move_states = wrapped.can_move_states
-    return model, wrapped
 
 
 def _wire_steps(runtime: OffloadRuntime, optimizer: OffloadedOptimizer) -> None:
@@ -592,7 +677,9 @@ def _min_bytes(plan: Plan, config: OffloadConfig) -> int:
     )
 
 
-def _group_index(model: nn.Module, optimizer: Optimizer | None) -> dict[int, int]:
+def _group_index(
+    model: nn.Module, optimizer: Optimizer | None, stacklevel: int = 3
+) -> dict[int, int]:
     """Parameter id -> index of its optimizer param group; checks the optimizer's params."""
     if optimizer is None:
         return {}
@@ -615,7 +702,7 @@ def _group_index(model: nn.Module, optimizer: Optimizer | None) -> dict[int, int
         warnings.warn(
             "the optimizer already has state (it has stepped); hetstore starts from fresh "
             "state. Load saved state with optimizer.load_state_dict() after offload().",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
     return index
 
