@@ -4,9 +4,13 @@ A unit is split by concern:
 
 - **layout** (:mod:`hetstore.runtime.layout`, ``Unit.layout``): where each parameter
   sits in the flat buffers, a pure function of the parameters, fixed at construction;
-- **buffers per role** (here): the forms below, each allocated on its tier;
-- **residency** (here): ``fetch`` / ``release`` / ``prefetch`` of the device copy, with
-  ``ready_event`` naming an in-flight CUDA copy, and reads of a released parameter;
+- **buffers per role** (:mod:`hetstore.runtime.unit_forms`, :class:`UnitForms`): the
+  forms below, each allocated on its tier, edited and moved whole or not at all;
+- **residency** (:mod:`hetstore.runtime.residency`, :class:`DeviceResidency`):
+  ``fetch`` / ``release`` / ``prefetch`` of the device copy, with ``ready_event`` naming
+  an in-flight CUDA copy, and reads of a released parameter;
+- **pending work** (here): :meth:`Unit.barrier`, the one wait for work queued on the
+  unit, and the events it publishes (:mod:`hetstore.runtime.events`);
 - **the gradient sink** (:mod:`hetstore.runtime.grad_sink`, ``Unit.grads``): where
   backward's gradients go and the state of filling them.
 
@@ -42,9 +46,7 @@ are gathered whole in a device bucket and reduce-scattered (averaged) by
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, replace
-from enum import Enum
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,39 +56,19 @@ from hetstore.runtime import released
 from hetstore.runtime.events import Event, Events
 from hetstore.runtime.grad_sink import GradSink
 from hetstore.runtime.layout import ParamEntry, Segment, UnitLayout
+from hetstore.runtime.residency import DeviceResidency, Residency
 from hetstore.runtime.rewrite import ChunkedRewrite
+from hetstore.runtime.unit_forms import MasterMove, UnitForms
 from hetstore.tier import Tier
-from hetstore.tiers import HostBuffer, Tiers
-from hetstore.tiers.accounting import FlatAllocation
+from hetstore.tiers import Tiers
 from hetstore.tiers.flat import ALIGN_ELEMENTS
-from hetstore.tiers.store import FlatBuffer, read_into, transfers_only, write_from
 
 if TYPE_CHECKING:
     from hetstore.runtime.sharding import ShardGroup
     from hetstore.runtime.staging import GradStager, ParamStager
 
 __all__ = ["MasterMove", "ParamEntry", "Placement", "Residency", "Segment", "Unit"]
-
-
-class Residency(Enum):
-    """Where a unit's device copy stands (``Unit.residency``)."""
-
-    RELEASED = "released"  # no bytes: the parameters carry runtime.released's layer
-    FETCHING = "fetching"  # bytes allocated, a CUDA copy in flight (``ready_event``)
-    PRESENT = "present"  # the parameters are on the device, plain nn.Parameter views
-    # on a CPU device, host memory is the device's: the parameters are views of a home
-    # there, used in place (``Unit.fetches_in_place``); nothing was copied
-    IN_PLACE = "in place"
-
-
-@dataclass(eq=False)
-class MasterMove:
-    """A move of a unit's master and gradients under way (``Unit.prepare_master_move``):
-    the new buffers, made and written, not yet the unit's."""
-
-    tier: Tier
-    master: FlatAllocation
-    grads: FlatAllocation | None = None
+# (MasterMove and Residency live with their concern; named here for the unit's users)
 
 
 @dataclass(frozen=True)
@@ -102,7 +84,7 @@ class Placement:
             object.__setattr__(self, name, Tier(getattr(self, name)))
 
 
-class Unit:
+class Unit(UnitForms, DeviceResidency):
     """A group of parameters moved, stepped and accounted together."""
 
     def __init__(
@@ -136,20 +118,11 @@ class Unit:
         self.layout = UnitLayout.build(
             params, compute_dtype, align=align, shards=shards, master_is_home=aliased
         )
-        self._owned: list[FlatAllocation] = []  # every buffer allocate() made
-        self.residency = Residency.RELEASED
-        self.ready_event = None  # CUDA event guarding an in-flight fetch (FETCHING)
+        self.init_forms()
+        self.init_residency()
         # set by the runtime when some form lives on disk
         self.param_stager: ParamStager | None = None
         self.grad_stager: GradStager | None = None
-        self.home_stale = False  # master changed but a disk ``home`` not yet rewritten
-        # counts rewrites of the master or of the optimizer states kept for it (loads,
-        # edits, an ordinary streamed step): a step taken ahead from older ones is stale
-        # (hetstore.optim.step_ahead)
-        self.state_version = 0
-        # moves whenever the parameters' values may have changed (a step, a load, an
-        # edit): an alias read while released (``p.detach()``) reads them again then
-        self.param_version = 0
         # set by whoever queued work that changes the unit (its optimizer step running
         # on during the next forward): every use of the unit's parameters, master,
         # states or gradients goes through barrier() first, which lands that work
@@ -171,12 +144,6 @@ class Unit:
     def closed(self) -> bool:
         """``close()`` freed every buffer (``hetstore.release``)."""
         return self.master is None
-
-    @property
-    def materialized(self) -> bool:
-        """The device copy has its bytes (present, or being copied in on a CUDA stream:
-        the compute stream waits with :meth:`wait_ready` before use)."""
-        return self.residency is not Residency.RELEASED
 
     # ------------------------------------------------------------------ the layout
     # (runtime.layout: fixed at construction; read everywhere, hence these names)
@@ -236,61 +203,6 @@ class Unit:
     def collective(self, what: str) -> str:
         return f"{what} of unit {self.name!r}"
 
-    def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        """A flat buffer on ``tier`` (a tensor; a ``Store`` on disk) owned by this
-        unit and freed by ``close()``; the optimizer keeps its states here too."""
-        owned = self.new_buffer(tier, numel, dtype, what)
-        self._owned.append(owned)
-        return owned.data
-
-    def new_buffer(self, tier: Tier, numel: int, dtype: torch.dtype, what: str) -> FlatAllocation:
-        """A flat buffer on ``tier`` labelled for this unit but not yet owned by it: the
-        caller frees it, or hands it to :meth:`adopt` (a speculative step's shadows)."""
-        return self.tiers.of(Tier(tier)).allocate_flat(numel, dtype, self.label(what))
-
-    def adopt(self, new: FlatAllocation, replacing: object | None) -> None:
-        """Make ``new`` one of the unit's buffers in place of ``replacing`` (freed now if
-        the unit owns it; a tensor torch made itself, SGD's first momentum, just goes)."""
-        if replacing is not None:
-            self.free_buffer(replacing)
-        self._owned.append(new)
-
-    def free_buffer(self, data: object) -> None:
-        """Free the unit's buffer ``data`` now (nothing if the unit does not own it)."""
-        old = next((o for o in self._owned if o.data is data), None)
-        if old is not None:
-            self._owned.remove(old)
-            old.free()
-
-    def replace_master(self, new: FlatAllocation) -> None:
-        """Make ``new`` (an in-memory fp32 buffer of the whole master, a step taken ahead
-        into it) the master, and the home when the master is the home; the old one is
-        freed. The caller refreshes the compute-dtype copies (``refresh_after_step``)."""
-        old = self.master
-        if self.home is old:
-            self.home = new.data
-            if self.residency is Residency.IN_PLACE:
-                self._point_params(self.home)  # the old one is freed below
-        self.master = new.data
-        self.adopt(new, old)
-
-    @contextlib.contextmanager
-    def freed_on_failure(self):
-        """Buffers the unit comes to own inside the block are freed if it raises (a
-        failure part-way through making several leaves none behind)."""
-        mark = len(self._owned)
-        try:
-            yield
-        except BaseException:
-            for owned in self._owned[mark:]:
-                owned.free()
-            del self._owned[mark:]
-            raise
-
-    def scratch(self, numel: int, dtype: torch.dtype, what: str) -> HostBuffer:
-        """A temporary host buffer (free it with ``tiers.host.free``)."""
-        return self.tiers.host.allocate(max(numel, 1) * dtype.itemsize, self.label(what), dtype)
-
     def _build(self, defer_disk_grad: bool) -> None:
         p = self.placement
         fp32 = torch.float32
@@ -301,7 +213,7 @@ class Unit:
         else:
             self.home = self.allocate(p.param, self.numel, self.compute_dtype, "params")
         with torch.no_grad():
-            self._initialize_master()
+            self.initialize_master()
         if p.param is Tier.DEVICE and self.shards is None:
             self.device_flat = self.home
             self.residency = Residency.PRESENT
@@ -325,46 +237,13 @@ class Unit:
             else "sharded over ranks, its value is read by a collective: call "
             "model.state_dict() on every rank"
         )
-        self._take_flat_views()
+        self.take_flat_views()
         for e, view in zip(self.entries, self._flat_views, strict=True):
             e.param.data = view
             released.attach(e.param, released.ParamSource(self, e, refusal))
         if not self.materialized:
             self.device_flat.untyped_storage().resize_(0)
             self.conceal_params()
-
-    def _take_flat_views(self) -> None:
-        """Each parameter's view of ``device_flat``, kept: a view can be taken only while
-        its storage has bytes, and the parameters come back to these after an in-place
-        use or a lent copy."""
-        self._flat_views = [
-            self.device_flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries
-        ]
-
-    def _initialize_master(self) -> None:
-        """The master from the parameters' current values; sharded, rank 0's values (as
-        DDP does at construction, so ranks that initialized differently agree)."""
-        if self.shards is None:
-            with self.edit_master() as master:
-                for e in self.entries:
-                    master[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
-            return
-        with self.device_scratch(self.full_numel, torch.float32, "master broadcast") as full:
-            full.zero_()
-            for e in self.entries:
-                full[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
-            self.shards.broadcast(full, self.collective("the initial parameters"))
-            self._store_shard(full[self.shard_start : self.shard_start + self.numel])
-
-    @contextlib.contextmanager
-    def device_scratch(self, numel: int, dtype: torch.dtype, what: str):
-        """A transient device tensor, counted against the device budget while it lives."""
-        nbytes, label = numel * dtype.itemsize, self.label(what)
-        self.tiers.device_tier.reserve(nbytes, label)
-        try:
-            yield torch.empty(numel, dtype=dtype, device=self.device)
-        finally:
-            self.tiers.device_tier.release(nbytes, label)
 
     def before_state_change(self) -> None:
         """Before the master or the optimizer states are written: a step taken ahead
@@ -374,539 +253,15 @@ class Unit:
         self.state_version += 1
         self.events.publish(Event.STATE_CHANGE, self)
 
-    def _store_shard(self, shard: torch.Tensor) -> None:
-        """Make ``shard`` (this rank's elements, anywhere) the master; refresh the copies."""
-        self.before_state_change()
-        if transfers_only(self.master):
-            local = shard.to("cpu", copy=shard.device.type == "cpu").contiguous()
-            self.master.write_all(local)
-            self._sync_home(local)
-        else:
-            self.master.copy_(shard)
-            self._sync_home(self.master)
-
-    @property
-    def device_bytes(self) -> int:
-        """Bytes of the full unit in the compute dtype: what a fetch puts on the device."""
-        return self.full_numel * self.compute_dtype.itemsize
-
-    @property
-    def home_bytes(self) -> int:
-        """Bytes of this rank's compute-dtype parameters (all of them in one process)."""
-        return self.numel * self.compute_dtype.itemsize
-
-    @contextlib.contextmanager
-    def edit_master(self):
-        """Yield the whole fp32 master as a tensor to read or change in place; on exit the
-        change is written back (disk) and the compute-dtype copies are refreshed.
-
-        A disk-resident master passes through one temporary host buffer of the unit's
-        size, so loading or initializing a model holds one unit in host memory at a time.
-
-        Sharded, it yields the full unit (all-gathered on the device; a collective, so
-        every rank must edit the same units in the same order) and keeps this rank's shard.
-        """
-        if self.shards is not None:
-            with self.device_scratch(self.full_numel, torch.float32, "master gather") as full:
-                self.shards.all_gather(
-                    full, self.master_copy().to(self.device), self.collective("the master")
-                )
-                try:
-                    yield full
-                finally:
-                    self._store_shard(full[self.shard_start : self.shard_start + self.numel])
-            return
-        if not transfers_only(self.master) and not self.has_home_only:
-            self.before_state_change()
-            try:
-                yield self.master
-            finally:  # even a half-done edit: the copies must match the master
-                self._sync_home(self.master)
-            return
-        scratch = self.scratch(self.numel, torch.float32, "master scratch")
-        try:
-            flat = scratch.tensor[: self.numel]
-            self._read_master_into(flat)
-            yield flat
-            self.store_master(flat)
-        finally:
-            self.tiers.host.free(scratch)
-
-    @property
-    def has_home_only(self) -> bool:
-        """True when some frozen parameters have no fp32 master (see ``master_numel``)."""
-        return self.master_numel < self.numel
-
-    def _read_master_into(self, flat: torch.Tensor) -> None:
-        """The whole layout in fp32 into ``flat`` (host): the master, and the frozen
-        parameters that live only in ``home``, widened."""
-        read_into(self.master, flat[: self.master_numel])  # a never-written one reads zeros
-        if not self.has_home_only:
-            return
-        tail = flat[self.master_numel :]
-        if transfers_only(self.home):
-            with self.edit_home_only(write_back=False) as staged:  # read in its dtype
-                tail.copy_(staged)
-        else:  # widened straight from memory, no staging copy
-            tail.copy_(self.home[self.master_numel :])
-
-    @contextlib.contextmanager
-    def edit_home_only(self, write_back: bool = True):
-        """Yield the frozen parameters that have no master (elements ``[master_numel,
-        numel)``) as a host tensor in the compute dtype; on exit (``write_back``) they
-        are written into ``home`` and a materialized device copy.
-
-        That part of a disk home is whole even when ``home_stale``: a failed rewrite
-        touches only the head (in place), or a shadow that was thrown away."""
-        start, n = self.master_numel, self.numel - self.master_numel
-        staged = self.scratch(n, self.compute_dtype, "frozen params scratch")
-        try:
-            tail = staged.tensor[:n]
-            read_into(self.home, tail, start)
-            yield tail
-            if not write_back:
-                return
-            self.param_version += 1
-            if self.param_stager is not None:
-                self.param_stager.forget(self)
-            with torch.no_grad():
-                write_from(self.home, tail, start)
-                self.write_device_copy(tail, start)
-        finally:
-            self.tiers.host.free(staged)
-
-    def master_copy(self) -> torch.Tensor:
-        """This rank's parameters in fp32 as a tensor over the whole layout: the master
-        buffer itself when that is all of it in memory, else a fresh host copy."""
-        self.barrier()  # (step_in_forward) a step still running on lands first
-        if not transfers_only(self.master) and not self.has_home_only:
-            return self.master
-        flat = torch.empty(self.numel, dtype=torch.float32)
-        self._read_master_into(flat)
-        return flat
-
-    def store_master(self, flat: torch.Tensor) -> None:
-        """Make ``flat`` (from :meth:`master_copy`, changed) the master and refresh the
-        copies (the frozen parameters without a master go to ``home`` only)."""
-        head = flat[: self.master_numel]
-        self.before_state_change()
-        if transfers_only(self.master):
-            self.master.write_all(head)
-        elif self.master.data_ptr() != head.data_ptr():
-            self.master.copy_(head)
-        self._sync_home(flat)
-
-    def full_master(self) -> torch.Tensor:
-        """The whole unit's fp32 master on the host (all-gathered when sharded: a
-        collective); hand it back changed with :meth:`store_full_master`."""
-        if self.shards is None:
-            return self.master_copy()
-        full = torch.empty(self.full_numel, dtype=torch.float32, device=self.device)
-        self.shards.all_gather(
-            full, self.master_copy().to(self.device), self.collective("the master")
-        )
-        return full.cpu()
-
-    def store_full_master(self, full: torch.Tensor) -> None:
-        """Make ``full`` (from :meth:`full_master`, changed) the master; keeps this rank's shard."""
-        if self.shards is None:
-            self.store_master(full)
-        else:
-            self._store_shard(full[self.shard_start : self.shard_start + self.numel])
-
-    def _sync_home(self, master: torch.Tensor) -> None:
-        """Make ``home`` (and a materialized device copy) equal ``master``, cast.
-        ``master`` may be a prefix of the layout (the trainable head after a step, see
-        :meth:`refresh_after_step`): only that much is rewritten."""
-        self.param_version += 1
-        if self.param_stager is not None:
-            self.param_stager.forget(self)  # a staged read must not race a rewrite in place
-        n = master.numel()
-        with torch.no_grad():
-            if transfers_only(self.home):
-                if self.home is not self.master:
-                    self._write_home(master)
-            elif self.home.data_ptr() != master.data_ptr():  # else home is the master
-                self.home[:n].copy_(master)
-            if self.materialized and self.shards is not None:
-                self.release()  # the next fetch gathers every rank's new shard
-            else:
-                self.write_device_copy(master)
-
-    def _write_home(self, master: torch.Tensor) -> None:
-        """Write ``master`` cast to the compute dtype into the disk ``home``. The whole
-        layout goes into a shadow region, committed only when complete; a prefix (the
-        trainable head: the frozen tail after it never changes) is written in place.
-        Either way ``home_stale`` is set until the write is done, and a fetch of a stale
-        unit rebuilds the home whole from the master."""
-        self.home_stale = True
-        staged = self.scratch(master.numel(), self.compute_dtype, "params scratch")
-        shadow = self.home.shadow() if master.numel() == self.numel else None
-        try:
-            staged.tensor.copy_(master)
-            self.home.write(staged.tensor, 0, into=shadow)
-            if shadow is None:
-                self.home.wait_writes()
-            else:
-                self.home.commit(shadow)
-        except BaseException:
-            if shadow is not None:
-                shadow.discard()
-            raise
-        finally:
-            self.tiers.host.free(staged)
-        self.home_stale = False
-
-    def move_home(self, tier: Tier) -> None:
-        """Move the compute-dtype parameters kept on the device to ``tier`` (host or
-        disk): the plan made without a batch is refined at the first forward
-        (``planner.plan_first_batch``). The values are copied once; the device bytes go,
-        and the unit is fetched like any offloaded one from then on. A disk home needs
-        ``param_stager`` set first. Not for sharded units (their device home is a shard)."""
-        if self.placement.param is not Tier.DEVICE or tier is Tier.DEVICE or self.shards:
-            raise ValueError(
-                f"unit {self.name!r}: only unsharded parameters kept on the device move, "
-                f"from {self.placement.param.label} to {tier.label}"
-            )
-        old = self.home
-        owned = next(o for o in self._owned if o.data is old)
-        # fp32 on the master's tier: the master is the home (it holds the same values)
-        aliased = (
-            tier is self.placement.optimizer
-            and self.compute_dtype == torch.float32
-            and not self.has_home_only
-        )
-        new = self.master
-        if not aliased:
-            new = self.allocate(tier, self.numel, self.compute_dtype, "params")
-            if transfers_only(new):
-                staged = self.scratch(self.numel, self.compute_dtype, "params scratch")
-                try:
-                    staged.tensor.copy_(old)
-                    write_from(new, staged.tensor)
-                finally:
-                    self.tiers.host.free(staged)
-            else:
-                new.copy_(old)
-        # the device bytes now count as a fetched copy (same label and size), which
-        # release() gives back; device_flat (old) keeps the parameters' views
-        self._owned.remove(owned)
-        self.home = new
-        self.placement = replace(self.placement, param=tier)
-        self.release()
-
-    def prepare_master_move(self, tier: Tier) -> MasterMove:
-        """The first half of moving the fp32 master and the gradients from host memory to
-        ``tier`` (disk): the plan made without a batch is refined at the first forward
-        when the batch's activations need the host room (``planner.plan_first_batch``).
-        Only before any gradient exists. The master is written to its new place and the
-        gradients' buffer made there; nothing of the unit changes or is freed yet, so a
-        failure (the disk full) leaves it as it was: :meth:`discard_master_move` gives
-        the new buffers back, :meth:`commit_master_move` makes them the unit's. Not for
-        sharded units."""
-        if self.placement.optimizer is not Tier.HOST or tier is not Tier.DISK or self.shards:
-            raise ValueError(
-                f"unit {self.name!r}: only an unsharded master in host memory moves to disk, "
-                f"not from {self.placement.optimizer.label} to {tier.label}"
-            )
-        if self.grads.any() or self.grads.pending:
-            raise ValueError(f"unit {self.name!r}: its master moves before any gradient")
-        self.before_state_change()  # (a step taken ahead from the old master goes first)
-        move = MasterMove(
-            tier, self.new_buffer(tier, self.master_numel, torch.float32, "master params")
-        )
-        try:
-            write_from(move.master.data, self.master)
-            # (the home stays in memory, so no step in backward consumes the gradients:
-            # their disk array is made now, not deferred)
-            if self.trainable_numel:
-                move.grads = self.new_buffer(tier, self.trainable_numel, torch.float32, "grads")
-        except BaseException:
-            self.discard_master_move(move)
-            raise
-        return move
-
-    @staticmethod
-    def discard_master_move(move: MasterMove) -> None:
-        """Give back what :meth:`prepare_master_move` made (the unit never owned it)."""
-        for made in (move.master, move.grads):
-            if made is not None:
-                made.free()
-
-    def commit_master_move(self, move: MasterMove) -> None:
-        """The second half (see :meth:`prepare_master_move`); allocates nothing, so it
-        cannot run out of room. A home that was the master keeps the old master's buffer,
-        accounted as parameters from now on; otherwise that buffer is freed, and so is the
-        old gradient buffer (nothing was in it). The optimizer's states move with
-        ``OffloadedOptimizer.prepare_states_move`` / ``commit_states_move``; a disk
-        gradient needs ``grad_stager`` set before the next backward."""
-        old = self.master
-        self._owned.append(move.master)
-        self.master = move.master.data
-        if self.home is old:
-            kept = next(o for o in self._owned if o.data is old)
-            kept.rename(self.label("params"))
-        else:
-            self.free_buffer(old)
-        old_grads = self.grads.buffer
-        self.grads.close()
-        if old_grads is not None:
-            self.free_buffer(old_grads)
-        self.placement = replace(self.placement, optimizer=move.tier, grad=move.tier)
-        if move.grads is not None:
-            self._owned.append(move.grads)
-        self.grads = GradSink(
-            self, deferred=False, buffer=None if move.grads is None else move.grads.data
-        )
-
     # ------------------------------------------------------------------ movement
-    def fetch(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Make the parameters present on the device (idempotent).
-
-        With a CUDA ``stream`` the copy is issued there and ``ready_event`` records it;
-        ``wait_ready`` makes the compute stream wait before use.
-        """
-        self.barrier()
-        if self.materialized:
-            return
-        if self.home_stale:  # a failed step left the disk copy behind the master
-            self.refresh_from_master()
-        self.tiers.device_tier.reserve(self.device_bytes, self.label("params"))
-        if self.fetches_in_place:
-            self.residency = Residency.IN_PLACE
-            self.expose_params()
-            self._point_params(self.home)
-            return
-        try:
-            source, slot = self.home, None
-            if transfers_only(self.home):
-                slot, source = self.param_stager.take(self)
-            storage = self.device_flat.untyped_storage()
-            if stream is not None:
-                # Allocated on the compute stream, where the parameters are used and
-                # freed: one pool, whose freed blocks the next fetch reuses. A block
-                # allocated on the copy stream stays cached in that stream's pool, out of
-                # compute's reach: on an H100 the demo stopped over its budget with 95 MiB
-                # stranded so. The copy waits for compute queued before it, which may
-                # still be using the block's previous tenant.
-                storage.resize_(self.device_bytes)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    self._fill_device_flat(source, non_blocking=True)
-                    self.ready_event = torch.cuda.Event()
-                    self.ready_event.record(stream)
-            else:
-                storage.resize_(self.device_bytes)
-                self._fill_device_flat(source, non_blocking=False)
-        except BaseException:
-            self.device_flat.untyped_storage().resize_(0)
-            self.tiers.device_tier.release(self.device_bytes, self.label("params"))
-            raise
-        if slot is not None:
-            self.param_stager.give_back(slot, self.ready_event)
-        self.residency = Residency.PRESENT if self.ready_event is None else Residency.FETCHING
-        self.expose_params()
-
-    @property
-    def fetches_in_place(self) -> bool:
-        """A fetch points the parameters at ``home`` instead of copying it into
-        ``device_flat``: on a CPU device a home in host memory is in the device's memory
-        already (DeepSpeed uses its CPU tensors in place too). A copy there cost a
-        freshly page-faulted buffer and a memcpy per fetch, two fetches a step. The
-        device budget is still charged while fetched, so plans and budgets are those of
-        an accelerator. (A disk home's staging buffer is not used so: it serves other
-        units after the release, and the planner's host peak does not allow for one
-        held through the unit's compute.)"""
-        return (
-            self.device.type == "cpu"
-            and self.shards is None
-            and self.device_flat is not self.home
-            and not transfers_only(self.home)
-        )
-
-    @property
-    def compute_flat(self) -> torch.Tensor:
-        """The flat tensor the parameters are views of while fetched."""
-        return self.home if self.residency is Residency.IN_PLACE else self.device_flat
-
-    def _point_params(self, flat: torch.Tensor) -> None:
-        """Make every parameter a view of ``flat`` (the home, used in place)."""
-        for e in self.entries:
-            e.param.data = flat[e.offset : e.offset + e.numel].view(e.shape)
-
-    def _point_params_at_device_flat(self) -> None:
-        """Make every parameter its view of ``device_flat`` again (bytes or none)."""
-        for e, view in zip(self.entries, self._flat_views, strict=True):
-            e.param.data = view
-
-    def restore_param_views(self) -> None:
-        """Point the parameters back at the unit's own bytes after something pointed
-        them elsewhere (state_dict's master views); a released unit's are concealed."""
-        if self.residency is Residency.IN_PLACE:
-            self._point_params(self.home)
-            return
-        self._point_params_at_device_flat()
-        if not self.materialized:
-            self.conceal_params()
-
-    def expose_params(self) -> None:
-        """The parameters are plain ``nn.Parameter`` views of ``device_flat`` (its bytes
-        are there, or the caller points them elsewhere: state_dict's master views)."""
-        for e in self.entries:
-            released.expose(e.param)
-
-    def conceal_params(self) -> None:
-        """``device_flat`` has no bytes: reads of the parameters are served from home,
-        writes refused (:mod:`hetstore.runtime.released`), instead of touching freed memory."""
-        for e in self.entries:
-            released.conceal(e.param)
-
-    def read_param(self, entry: ParamEntry) -> torch.Tensor:
-        """One parameter's current value as forward sees it (compute dtype, on the
-        device, a fresh tensor), for a read while the unit is released: from ``home``
-        (from the master while a disk home is behind it)."""
-        self.barrier()
-        start, n = entry.offset, entry.numel
-        source, dtype = self.home, self.compute_dtype
-        if self.home_stale and start < self.master_numel:
-            source, dtype = self.master, torch.float32
-        if not transfers_only(source):
-            value = source[start : start + n]
-            return value.to(self.device, self.compute_dtype, copy=True).view(entry.shape)
-        staged = self.scratch(n, dtype, "parameter read")
-        try:
-            value = staged.tensor[:n]
-            read_into(source, value, start)
-            return value.to(self.device, self.compute_dtype, copy=True).view(entry.shape)
-        finally:
-            self.tiers.host.free(staged)
-
-    def _fill_device_flat(self, source: torch.Tensor, non_blocking: bool) -> None:
-        """Copy ``source`` (this rank's compute-dtype parameters) into ``device_flat``;
-        sharded, all-gather every rank's into it (on the current stream)."""
-        if self.shards is None:
-            self.device_flat.copy_(source, non_blocking=non_blocking)
-            return
-        shard = source.to(self.device, non_blocking=non_blocking)
-        self.shards.all_gather(self.device_flat, shard, self.collective("the parameters"))
-
-    def prefetch(self) -> None:
-        """Start bringing the parameters closer without waiting: a disk read into staging."""
-        if (
-            transfers_only(self.home)
-            and not self.materialized
-            and not self.home_stale
-            and not self.work_pending  # its home is about to change: read it after
-        ):
-            self.param_stager.prefetch(self)
-
-    def wait_ready(self) -> None:
-        if self.ready_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready_event)
-            self.ready_event = None
-            self.residency = Residency.PRESENT
-
-    def release(self) -> None:
-        """Free the device copy unless the parameters live on the device."""
-        if self.residency is Residency.IN_PLACE:
-            self._point_params_at_device_flat()  # no bytes: the home is not theirs to keep
-            self._mark_released()
-            return
-        if not self.has_device_copy:
-            return
-        self.wait_ready()
-        # allocated on the compute stream and freed there (see fetch): the allocator
-        # reuses the block only for work queued after what used it
-        self.device_flat.untyped_storage().resize_(0)
-        self._mark_released()
-
-    def _mark_released(self) -> None:
-        """The device copy's bytes are gone (freed, lent, or never copied): give the
-        device budget back and conceal the parameters."""
-        self.tiers.device_tier.release(self.device_bytes, self.label("params"))
-        self.residency = Residency.RELEASED
-        self.conceal_params()
-
-    @property
-    def lends_device_copy(self) -> bool:
-        """The device copy holds the master's values in host memory, so a step right
-        after backward can read them from it instead of from disk: a CPU device (its
-        memory is host memory), one process, an fp32 home that is the master on disk
-        (the copy is its values exactly), fetched by copy, and nothing frozen that
-        backward may still read."""
-        return (
-            self.device.type == "cpu"
-            and self.shards is None
-            and self.home is self.master
-            and transfers_only(self.master)
-            and self.residency is Residency.PRESENT  # (fetched by copy: a disk home)
-            and not self.home_stale
-            and not self.has_untracked_params
-            and not self.released_after_backward
-        )
-
-    def lend_device_copy(self) -> torch.Tensor:
-        """Release the unit, handing the device copy's bytes to the caller instead of
-        freeing them: its first ``master_numel`` elements, the master's values. The unit
-        gets a new, empty device copy for its next fetch (the parameters point at it);
-        the device budget is given back here, and the caller counts the bytes it keeps
-        (see ``lends_device_copy``)."""
-        if not self.lends_device_copy:
-            raise ValueError(f"unit {self.name!r} has no device copy to lend")
-        lent = self.device_flat
-        # untouched pages of a fresh allocation cost nothing; its views are taken while
-        # it has bytes, then they go
-        self.device_flat = torch.empty_like(lent)
-        self._take_flat_views()
-        self.device_flat.untyped_storage().resize_(0)
-        self._point_params_at_device_flat()
-        self._mark_released()
-        return lent[: self.master_numel]
-
-    @property
-    def has_device_copy(self) -> bool:
-        """The parameters are fetched into a device copy apart from ``home`` (not used in
-        place, and ``home`` is not on the device itself), which writes to ``home`` must
-        update too."""
-        return self.materialized and self.compute_flat is not self.home
-
-    def write_device_copy(self, values: torch.Tensor, start: int = 0) -> None:
-        """Write ``values`` (compute dtype or castable) into the device copy from element
-        ``start``, if there is one. A fetch still copying in on a CUDA stream would land
-        over them: the write waits for it first."""
-        if not self.has_device_copy:
-            return
-        self.wait_ready()
-        self.device_flat[start : start + values.numel()].copy_(values)
-
-    def refresh_after_step(self) -> None:
-        """After the optimizer changed an in-memory master: refresh the compute-dtype
-        copies of the trainable head ``[0, frozen_start)`` only. Frozen parameters sit
-        after it (from an aligned offset) and never change, so a LoRA model's frozen base
-        on disk is read by fetches and never rewritten by a step."""
-        if self.shards is not None:  # frozen_start is a full-layout offset, not a shard's
-            self.refresh_from_master()
-        else:
-            self._sync_home(self.master[: self.frozen_start])
-
-    def refresh_from_master(self) -> None:
-        """After ``master`` changed: update the compute-dtype copies (a disk ``home`` is
-        rewritten whole, atomically)."""
-        self._sync_home(self.master_copy())
 
     # ------------------------------------------------------------------ gradients
-    @property
-    def grad(self) -> FlatBuffer | None:
-        """The fp32 gradient buffer (``grads``, runtime.grad_sink, owns it and its state)."""
-        return self.grads.buffer
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         self.release()
         self.grads.close()
-        for owned in self._owned:
-            owned.free()
-        self._owned.clear()
+        self.free_all()
         # a closed unit holds no buffer, so its bytes go now even if something still
         # references the unit (a reference cycle awaiting the collector)
         self.master = self.home = self.device_flat = None
