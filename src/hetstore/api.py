@@ -619,7 +619,7 @@ def _check_manual_placement(trace: Trace, optimizer, config: OffloadConfig) -> N
     floor = floor_of_config(trace, config, optimizer)
     host = config.offload_cpu_size
     disk = config.offload_disk_size
-    capacities = {Tier.DEVICE: config.max_device_memory, Tier.HOST: host, Tier.DISK: disk}
+    capacities = {tier: getattr(config, tier.capacity_key) for tier in Tier}
     machine = set()  # tiers without a key set: limited by the machine itself
     if host is None:
         capacities[Tier.HOST] = physical_memory()

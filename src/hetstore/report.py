@@ -10,12 +10,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hetstore.errors import ConfigError
-from hetstore.tier import TIER_LABELS
+from hetstore.tier import TIER_LABELS, Tier
 from hetstore.timeline import MemoryTimeline
 
 __all__ = ["plot_timeline", "plot_losses"]
 
-_TIER_COLORS = {"device": "#d62728", "host": "#1f77b4", "disk": "#2ca02c"}
 _PHASE_COLORS = {"forward": "#fff3c4", "backward": "#dcebff", "step": "#e6f5e1"}
 
 
@@ -59,12 +58,19 @@ def plot_timeline(timeline: MemoryTimeline, path: str | Path) -> Path:
         values = [_mib(s[column]) for s in timeline.samples]
         if not any(values):
             continue
-        ax.step(times, values, where="post", color=_TIER_COLORS[tier], label=tier, linewidth=1.6)
+        ax.step(
+            times,
+            values,
+            where="post",
+            color=Tier.from_label(tier).color,
+            label=tier,
+            linewidth=1.6,
+        )
     budget = timeline.capacities.get("device")
     if budget:
         ax.axhline(
             _mib(budget),
-            color=_TIER_COLORS["device"],
+            color=Tier.DEVICE.color,
             linestyle="--",
             linewidth=1,
             label="device budget",

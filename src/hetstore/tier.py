@@ -6,9 +6,11 @@ tier is never a bare string compared in many places. Its value is the config spe
 ``StrEnum`` member equals that string, so configs written as strings keep working.
 ``label`` is the name reports and ``memory_stats()`` use ("device", "host", "disk").
 
-Adding a tier (GPU-direct storage, say) is one member here, its storage class in
-:mod:`hetstore.tiers` (``allocate_flat`` and ``usage``) and its cost term in
-:mod:`hetstore.planner.cost`; see docs/how-it-works.md.
+Everything that differs by tier and is not its storage or its cost lives here, in one
+table per property (label, capacity key, share key, the next tier toward the device,
+report colour), so that reports, budgets and the planner's capacity checks walk
+``Tier`` in order instead of naming three. Adding a tier: see docs/how-it-works.md,
+"Where a new piece plugs in".
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ class Tier(StrEnum):
         return _CAPACITY_KEYS[self]
 
     @property
+    def share_key(self) -> str | None:
+        """The config key of the share of this tier the planner may fill (``hbm_ratio``,
+        ``cpu_ratio``); None where it may fill all of it."""
+        return _SHARE_KEYS[self]
+
+    @property
+    def color(self) -> str:
+        """The tier's colour in the memory timeline's plot."""
+        return _COLORS[self]
+
+    @property
     def closer(self) -> Tier | None:
         """The next tier toward the device (faster, smaller); None for the device."""
         return _CLOSER[self]
@@ -57,6 +70,8 @@ _CAPACITY_KEYS = {
     Tier.HOST: "offload_cpu_size",
     Tier.DISK: "offload_disk_size",
 }
+_SHARE_KEYS = {Tier.DEVICE: "hbm_ratio", Tier.HOST: "cpu_ratio", Tier.DISK: None}
+_COLORS = {Tier.DEVICE: "#d62728", Tier.HOST: "#1f77b4", Tier.DISK: "#2ca02c"}
 _CLOSER = {Tier.DEVICE: None, Tier.HOST: Tier.DEVICE, Tier.DISK: Tier.HOST}
 
 # report names, nearest first: the keys of memory_stats() and of the planner's peaks

@@ -21,6 +21,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hetstore.tier import TIER_LABELS
+
 __all__ = ["MemoryTimeline", "TimelineRecorder"]
 
 
@@ -35,7 +37,7 @@ class MemoryTimeline:
     title: str = ""
 
     def peak(self, tier: str) -> int:
-        column = {"device": 1, "host": 2, "disk": 3}[tier]
+        column = 1 + TIER_LABELS.index(tier)  # (samples: seconds, then each tier in order)
         return max((s[column] for s in self.samples), default=0)
 
     def to_json(self) -> str:

@@ -42,8 +42,6 @@ from hetstore.tier import TIER_LABELS, Tier
 
 __all__ = ["make_plan"]
 
-_RATIOS = {Tier.DEVICE: "hbm_ratio", Tier.HOST: "cpu_ratio", Tier.DISK: None}
-
 
 def _fits(value: int, cap: int | None) -> bool:
     return cap is None or value <= cap
@@ -407,7 +405,7 @@ def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) 
         cap = capacities.of(tier)
         if cap is not None and need > cap:
             short.append(tier)
-            ratio, key = _RATIOS[tier], tier.capacity_key
+            ratio, key = tier.share_key, tier.capacity_key
             share = f" x {ratio} {getattr(config, ratio)}" if ratio else ""
             lines.append(
                 f"  {tier.label}: needs at least {format_size(need)}, may use {format_size(cap)} "
