@@ -2,7 +2,7 @@
 
     python benchmarks/planner_ladders.py [--seeds 40]
 
-Over ``tests/test_planner.py``'s random traces (seeds 0..N-1, a GPU's rates for odd
+Over ``tests/planner/helpers.py``'s random traces (seeds 0..N-1, a GPU's rates for odd
 seeds and a CPU device's for even), three host sizes each, it plans at 10% ... 100% of
 the device every unit would need and counts the ladders where a larger device was
 predicted slower than a smaller one, with the worst ratio. No measurement: the plans'
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.test_planner import CPU, GPU, all_none_peak, caps, config, random_trace  # noqa: E402
+from tests.planner.helpers import CPU, GPU, all_none_peak, caps, config, random_trace  # noqa: E402
 
 from hetstore.errors import OutOfTierMemory  # noqa: E402
 from hetstore.planner.planner import make_plan  # noqa: E402

@@ -9,28 +9,7 @@ import torch
 import hetstore
 from hetstore import ConfigError, OffloadConfig
 from hetstore._sizes import format_size, parse_size, short_repr
-
-# The two dicts of the MindSpore guide (seeds/002), verbatim.
-SEED_MANUAL = {
-    "offload_param": "cpu",
-    "auto_offload": False,
-    "offload_cpu_size": "512GB",
-    "offload_disk_size": "1024GB",
-    "offload_path": "./offload/",
-    "host_mem_block_size": "1GB",
-    "enable_aio": True,
-    "enable_pinned_mem": True,
-}
-SEED_AUTO = {
-    "offload_path": "./offload/",
-    "auto_offload": True,
-    "offload_param": "cpu",
-    "offload_cpu_size": "512GB",
-    "offload_disk_size": "1024GB",
-    "host_mem_block_size": "1GB",
-    "enable_aio": True,
-    "enable_pinned_mem": True,
-}
+from tests.api.helpers import SEED_AUTO, SEED_MANUAL
 
 
 @pytest.mark.parametrize(
@@ -242,7 +221,7 @@ def test_docs_config_reference_is_in_sync():
 
     from hetstore.config import config_reference_markdown
 
-    path = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+    path = Path(__file__).resolve().parents[2] / "docs" / "config.md"
     assert path.read_text() == config_reference_markdown(), (
         'docs/config.md is stale: regenerate with python -c "from hetstore.config import '
         "config_reference_markdown as m; open('docs/config.md','w').write(m())\""
@@ -253,7 +232,7 @@ def test_docs_config_reference_is_in_sync():
 
 # --------------------------------------------------------------------------- issue 19 item 5
 # Every rejection is a ConfigError naming the key, raised by OffloadConfig(...) itself,
-# before anything is created (tests/test_config_fuzz.py fuzzes the same promises).
+# before anything is created (tests/api/test_config_fuzz.py fuzzes the same promises).
 
 
 def _refused(match_key, **kwargs):

@@ -13,25 +13,13 @@ import pytest
 import torch
 
 import hetstore
-from hetstore import OffloadConfig
 from hetstore.errors import OutOfTierMemory
 from tests.disk_helpers import small_tmpfs
 from tests.models.cnn import ResNet, image_batches
 from tests.models.gpt import GPT, batches
-from tests.test_host_offload import TIGHT, adamw, assert_same_weights, pair, run, train_both
+from tests.parity import TIGHT, adamw, assert_same_weights, disk_config, pair, run, train_both
 
 TIERS = ("none", "cpu", "disk")
-
-
-def disk_config(path, param="disk", optim="disk", **kwargs):
-    return OffloadConfig(
-        offload_param=param,
-        offload_optimizer=optim,
-        offload_path=str(path),
-        enable_pinned_mem=False,
-        device="cpu",
-        **kwargs,
-    )
 
 
 @pytest.mark.parametrize("param", TIERS)
@@ -290,7 +278,7 @@ def test_a_killed_runs_swap_files_are_removed_by_the_next_run(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", CRASHING_RUN, str(tmp_path)], cwd=root)
     assert proc.returncode == -9
     leftovers = [p for p in os.listdir(tmp_path) if p.startswith("hetstore-")]

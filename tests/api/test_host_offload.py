@@ -18,71 +18,21 @@ import torch
 from torch import nn
 
 import hetstore
-from hetstore import OffloadConfig, OutOfDeviceMemory
+from hetstore import OutOfDeviceMemory
 from tests.models.cnn import ResNet, image_batches
 from tests.models.gpt import GPT, batches
+from tests.parity import (
+    TIGHT,
+    adamw,
+    assert_same_weights,
+    config,
+    pair,
+    run,
+    states_bytes,
+    train_both,
+)
 
-TIGHT = dict(rtol=1e-6, atol=1e-7)
 PLACEMENTS = [("none", "none"), ("cpu", "none"), ("none", "cpu"), ("cpu", "cpu")]
-
-
-def config(param="cpu", optim="cpu", **kwargs):
-    return OffloadConfig(
-        offload_param=param,
-        offload_optimizer=optim,
-        enable_pinned_mem=False,
-        device="cpu",
-        **kwargs,
-    )
-
-
-def adamw(params, **kwargs):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True, **kwargs)
-
-
-def run(model, optimizer, data, *, accumulate=1, clip=None, scheduler=None):
-    losses, norms = [], []
-    for i, (x, y) in enumerate(data):
-        loss = model(x, y) / accumulate
-        loss.backward()
-        losses.append(loss.item())
-        if (i + 1) % accumulate:
-            continue
-        if clip is not None:
-            if hasattr(optimizer, "clip_grad_norm_"):
-                norms.append(float(optimizer.clip_grad_norm_(clip)))
-            else:
-                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        optimizer.step()
-        optimizer.zero_grad()
-        if scheduler is not None:
-            scheduler.step()
-    return losses, norms
-
-
-def assert_same_weights(ref: nn.Module, mine: nn.Module, **tol):
-    ref_sd, mine_sd = ref.state_dict(), mine.state_dict()
-    assert ref_sd.keys() == mine_sd.keys()
-    for key in ref_sd:
-        assert mine_sd[key].shape == ref_sd[key].shape, key
-        torch.testing.assert_close(mine_sd[key], ref_sd[key], **(tol or TIGHT), msg=key)
-
-
-def pair(factory, seed=0):
-    torch.manual_seed(seed)
-    ref = factory()
-    return ref, copy.deepcopy(ref)
-
-
-def train_both(factory, data, cfg=None, make_opt=adamw, **run_kwargs):
-    """Train a plain model and its offloaded copy (same seed) on ``data``; return both
-    models and each ``run`` result (losses, clip norms)."""
-    ref, mine = pair(factory)
-    ref_opt = make_opt(ref.parameters())
-    mine, opt = hetstore.offload(mine, make_opt(mine.parameters()), cfg or config())
-    ref_out = run(ref, ref_opt, data, **run_kwargs)
-    out = run(mine, opt, data, **run_kwargs)
-    return ref, mine, ref_out, out
 
 
 @pytest.mark.parametrize("param, optim", PLACEMENTS)
@@ -340,11 +290,6 @@ def test_state_dict_round_trips_with_plain_pytorch():
         run(fresh, fresh_opt, data)[0], run(plain, plain_opt, data)[0], **TIGHT
     )
     assert_same_weights(plain, fresh)
-
-
-def states_bytes(model):
-    """fp32 params + grads + two Adam moments."""
-    return 16 * sum(p.numel() for p in model.parameters())
 
 
 def test_device_peak_stays_within_budget_below_states_size():

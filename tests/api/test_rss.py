@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 GiB = 2**30
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPTH = 22  # 277M parameters: 3.1 GiB of fp32 master + Adam moments, 4.1 GiB with grads
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 MiB = 2**20
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKING = 192 * MiB
 
 

@@ -289,7 +289,7 @@ KILLED_SAVE = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {root!r})
     from pathlib import Path
-    from tests.test_checkpoint import Run
+    from tests.checkpoint.test_checkpoint import Run
     tmp, kill_at = Path(sys.argv[1]), int(sys.argv[2])
     run = Run(tmp / "a", "disk")
     run.load(tmp / "ck")
@@ -314,7 +314,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_resuming(tmp_path,
     first.train(K)
     first.save(tmp_path / "ck")
     expected = first.train(M)
-    root = str(pathlib.Path(__file__).resolve().parents[1])
+    root = str(pathlib.Path(__file__).resolve().parents[2])
     script = KILLED_SAVE.format(root=root)
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(kill_at)], timeout=300)
     assert done.returncode == -signal.SIGKILL

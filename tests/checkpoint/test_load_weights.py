@@ -17,6 +17,7 @@ from hetstore import ConfigError, OffloadConfig
 from hetstore.weights import LoadResult
 from tests.models.cnn import ResNet, image_batches
 from tests.models.gpt import GPT, batches
+from tests.parity import train
 
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 PLACEMENTS = [("cpu", "cpu"), ("disk", "disk"), ("none", "disk")]
@@ -34,17 +35,6 @@ def cfg(tmp_path, param="cpu", optim="cpu"):
 
 def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, fused=True)
-
-
-def train(model, optimizer, data):
-    losses = []
-    for x, y in data:
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def trained(factory, data, seed=0):

@@ -1,4 +1,4 @@
-"""One rank of the multi-process tests (tests/test_distributed.py), run by torchrun or
+"""One rank of the multi-process tests (tests/integration/test_distributed.py), run by torchrun or
 by tests/distributed/launch.py. Writes what it measured to ``<out>/<scenario>-rank<r>.pt``;
 the test process compares.
 

@@ -19,8 +19,7 @@ import torch
 import hetstore
 from hetstore import ConfigError
 from tests.models.gpt import GPT, batches
-from tests.test_host_offload import TIGHT, adamw, assert_same_weights, config
-from tests.test_load_weights import train
+from tests.parity import TIGHT, adamw, assert_same_weights, config, train
 
 
 @pytest.fixture(autouse=True)

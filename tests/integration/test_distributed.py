@@ -232,7 +232,7 @@ def test_every_state_survives_two_ranks_to_one_bitwise(results):
 
 @pytest.mark.parametrize("where", ["cpu", "disk"])
 def test_two_ranks_honour_unfreezing_and_refreezing(results, where):
-    """tests/test_unfreeze.py's schedule over 2 ranks (blocks 0-1 frozen, unfrozen at
+    """tests/runtime/test_unfreeze.py's schedule over 2 ranks (blocks 0-1 frozen, unfrozen at
     step 2, frozen again at 4): the combined batch's plain PyTorch, within the sharded
     tolerances above; the frozen blocks moved only while unfrozen, on both ranks alike."""
     rank0, rank1 = results("unfreeze", 0), results("unfreeze", 1)

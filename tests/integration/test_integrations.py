@@ -13,8 +13,8 @@ import torch
 
 import hetstore
 from hetstore import OffloadConfig
-from tests.test_hf_models import build, llama
-from tests.test_host_offload import TIGHT, assert_same_weights
+from tests.models.hf import build, llama
+from tests.parity import TIGHT, assert_same_weights
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")

@@ -19,7 +19,7 @@ import torch
 import hetstore
 from hetstore import OffloadConfig
 from tests.models.gpt import GPT, batches
-from tests.test_host_offload import TIGHT, assert_same_weights
+from tests.parity import TIGHT, assert_same_weights
 
 pl = pytest.importorskip("pytorch_lightning")
 

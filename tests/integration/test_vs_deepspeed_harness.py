@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "benchmarks" / "vs_deepspeed.py"
 TOLERANCE = 1e-6  # vs_deepspeed.EXACT_TOLERANCE: measured 0
 

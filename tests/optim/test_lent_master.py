@@ -17,17 +17,11 @@ import hetstore
 from hetstore import OffloadConfig
 from hetstore.footprints import LENT_MASTERS
 from hetstore.optim import step_ahead
-from hetstore.runtime.unit import Unit
 from tests.models.gpt import batches
-from tests.test_step_ahead import assert_bitwise, fresh, train
-from tests.test_step_ahead import config as step_ahead_config
+from tests.optim.helpers import assert_bitwise, fresh, train, without_lending
+from tests.optim.helpers import config as step_ahead_config
 
 LENT = "lent master "
-
-
-def without_lending(patch) -> None:
-    """Every unit reads its master from disk (``patch``: a pytest monkeypatch)."""
-    patch.setattr(Unit, "lends_device_copy", property(lambda self: False))
 
 
 def offloaded(path, consume: bool, **kwargs):

@@ -18,8 +18,7 @@ import torch
 import hetstore
 from hetstore import ConfigError
 from tests.models.gpt import GPT, batches
-from tests.test_disk_offload import disk_config
-from tests.test_host_offload import TIGHT, adamw, assert_same_weights, pair
+from tests.parity import TIGHT, adamw, assert_same_weights, disk_config, pair
 
 PLACEMENTS = ["cpu", "disk"]
 

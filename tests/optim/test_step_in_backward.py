@@ -19,9 +19,9 @@ import hetstore
 from hetstore import ConfigError, GradientAccessError, OffloadConfig
 from hetstore.optim.step_ahead import StepAhead
 from tests.models.gpt import batches
-from tests.test_host_offload import TIGHT, adamw, assert_same_weights
-from tests.test_step_ahead import assert_bitwise, fresh, train
-from tests.test_step_ahead import config as step_ahead_config
+from tests.optim.helpers import assert_bitwise, fresh, train
+from tests.optim.helpers import config as step_ahead_config
+from tests.parity import TIGHT, adamw, assert_same_weights
 
 
 def config(path, consume: bool, grad: str = "disk", **kwargs) -> OffloadConfig:

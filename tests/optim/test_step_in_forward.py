@@ -5,7 +5,7 @@ Reference: the same offloaded model without it (the ordinary streamed step), com
 bitwise: the worker runs the same chunks through the same fused kernel with the group
 values, gradient flags and factors of the ``optimizer.step()`` call, so anything but
 equality is a bug. The ordinary step itself is checked against plain PyTorch elsewhere
-(tests/test_disk_offload.py, TIGHT).
+(tests/api/test_disk_offload.py, TIGHT).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from hetstore.optim import step_ahead
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.staging import ParamStager
 from tests.models.gpt import GPT, batches
-from tests.test_host_offload import adamw
-from tests.test_step_ahead import (
+from tests.optim.helpers import (
     WIDTH,
     assert_bitwise,
     assert_same_optimizer_state,
@@ -28,6 +27,7 @@ from tests.test_step_ahead import (
     fresh,
     train,
 )
+from tests.parity import adamw
 
 GRADS = pytest.mark.parametrize("grad", ["cpu", "disk"])
 
@@ -494,7 +494,7 @@ EXITS_AFTER_A_LAST_STEP = """
 import sys, time
 import torch, hetstore
 from tests.models.gpt import batches
-from tests.test_step_ahead import config, fresh
+from tests.optim.helpers import config, fresh
 model, opt = fresh()
 model, opt = hetstore.offload(model, opt, config(sys.argv[1], False, "disk", step_in_forward=True))
 for x, y in batches(2, vocab=64):
@@ -515,7 +515,7 @@ def test_a_program_whose_last_step_has_no_forward_after_it_exits_promptly(tmp_pa
     import time
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-c", EXITS_AFTER_A_LAST_STEP, str(tmp_path / "offload")],
         cwd=root,

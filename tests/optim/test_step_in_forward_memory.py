@@ -6,7 +6,7 @@ unit's next use.
 Reference: the same offloaded model without ``step_in_forward``, compared bitwise. The
 worker runs the same inner optimizer with the group values of the ``optimizer.step()``
 call on the same buffers, so anything but equality is a bug. (The ordinary host step is
-checked against plain PyTorch elsewhere: tests/test_host_offload.py.)
+checked against plain PyTorch elsewhere: tests/api/test_host_offload.py.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import hetstore
 from hetstore.config import OffloadConfig
 from hetstore.optim.in_memory import InMemoryUnitStep
 from tests.models.gpt import batches
-from tests.test_step_ahead import assert_bitwise, assert_same_optimizer_state, fresh, train
+from tests.optim.helpers import assert_bitwise, assert_same_optimizer_state, fresh, train
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from hetstore.config import OffloadConfig
 from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.pace import StepPace
 from tests.models.gpt import batches
-from tests.test_step_ahead import assert_bitwise, assert_same_optimizer_state, fresh, train
+from tests.optim.helpers import assert_bitwise, assert_same_optimizer_state, fresh, train
 
 
 class Clock:

@@ -10,10 +10,10 @@ import hetstore
 from hetstore import OffloadConfig, OutOfDeviceMemory
 from hetstore.planner import UnitChoice
 from hetstore.planner.tracer import trace_model
+from tests.api.helpers import SEED_AUTO
 from tests.models.gpt import GPT, batches
-from tests.test_config import SEED_AUTO
-from tests.test_host_offload import TIGHT, adamw, assert_same_weights, pair, run
-from tests.test_planner import CPU
+from tests.parity import TIGHT, adamw, assert_same_weights, pair, run
+from tests.planner.helpers import CPU, auto_config
 
 # Measured peaks against predicted ones: the cost model mirrors the runtime's accounting
 # but rounds some things (host slices to pages, the gradient in flight as the largest
@@ -25,17 +25,6 @@ PEAK_FLOOR = 256 << 10
 def deep():
     """Blocks hold most of the states (the root unit never leaves the device)."""
     return GPT(width=64, depth=8)
-
-
-def auto_config(tmp_path, **kw):
-    return OffloadConfig(
-        auto_offload=True,
-        activation_min_bytes=0,
-        offload_path=str(tmp_path),
-        enable_pinned_mem=False,
-        device="cpu",
-        **kw,
-    )
 
 
 def states_bytes(model_fn, data):

@@ -28,7 +28,7 @@ import hetstore
 from hetstore import OffloadConfig
 from hetstore.errors import OutOfTierMemory
 from tests.models.gpt import GPT, batches
-from tests.test_planner import CPU
+from tests.planner.helpers import CPU
 
 STATED_ERROR = 0.2  # plan.confidence: step time within about 20% (probed compute)
 SMALL = dict(vocab=128, width=64, depth=3, heads=4, ctx=16)

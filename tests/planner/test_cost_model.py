@@ -9,7 +9,7 @@ import pytest
 from hetstore.planner import Trace, UnitChoice, estimate
 from hetstore.planner.cost import memory, times
 from hetstore.planner.plan import Capacities, Plan
-from tests.test_planner import CPU, GPU, MiB, gpt_like, unit
+from tests.planner.helpers import CPU, GPU, MiB, gpt_like, unit
 
 
 def test_everything_on_device_counts_every_state_and_activation():

@@ -17,8 +17,8 @@ from hetstore.planner import cost
 from hetstore.planner.tracer import model_data_trace
 from hetstore.tiers.flat import DiskArray
 from tests.models.gpt import GPT, batches
-from tests.test_auto_offload import auto_config
-from tests.test_host_offload import TIGHT, adamw, assert_same_weights, pair, run
+from tests.parity import TIGHT, adamw, assert_same_weights, pair, run
+from tests.planner.helpers import auto_config
 
 
 def model():
@@ -239,7 +239,7 @@ def test_the_first_batch_moves_optimizer_states_to_disk_when_activations_need_th
 
 
 def assert_same_optimizer_state(ref: dict, mine: dict) -> None:
-    """Within TIGHT (tests/test_step_ahead.py's is bit for bit, between two hetstore
+    """Within TIGHT (tests/optim/test_step_ahead.py's is bit for bit, between two hetstore
     runs; against plain PyTorch's per-parameter fused step the flat one differs in the
     last bits)."""
     assert ref["state"].keys() == mine["state"].keys()

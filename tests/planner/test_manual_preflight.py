@@ -24,9 +24,9 @@ from hetstore.planner.floor import check_manual_floor, floor_of_config
 from hetstore.planner.tracer import model_data_trace
 from hetstore.tier import Tier
 from tests.models.gpt import GPT, batches
-from tests.test_disk_offload import disk_config
-from tests.test_lent_master import without_lending
-from tests.test_load_weights import train as train_on
+from tests.optim.helpers import without_lending
+from tests.parity import disk_config
+from tests.parity import train as train_on
 
 VOCAB = 4096  # a root unit (tied embedding and head) five times a block
 

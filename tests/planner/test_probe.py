@@ -14,8 +14,7 @@ import hetstore
 from hetstore.planner.probe import Probe
 from hetstore.planner.tracer import trace_model
 from tests.models.gpt import GPT, batches
-from tests.test_auto_offload import auto_config
-from tests.test_planner import CPU
+from tests.planner.helpers import CPU, auto_config
 
 CPU_DEVICE = torch.device("cpu")
 

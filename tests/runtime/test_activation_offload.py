@@ -9,7 +9,7 @@ import hetstore
 from hetstore import OffloadConfig, OutOfDeviceMemory
 from tests.models.cnn import ResNet, image_batches
 from tests.models.gpt import GPT, batches
-from tests.test_host_offload import TIGHT, adamw, assert_same_weights, pair, run, train_both
+from tests.parity import TIGHT, adamw, assert_same_weights, pair, run, train_both
 
 
 def act_config(path, acts, param="cpu", optim="cpu", **kwargs):

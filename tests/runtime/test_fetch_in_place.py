@@ -20,7 +20,7 @@ import hetstore
 from hetstore.runtime.unit import Residency, Unit
 from hetstore.tier import Tier
 from tests.models.gpt import GPT, batches
-from tests.test_host_offload import adamw, assert_same_weights, config, pair, run, states_bytes
+from tests.parity import adamw, assert_same_weights, config, pair, run, states_bytes
 
 
 def gpt():

@@ -18,8 +18,8 @@ from hetstore import OffloadConfig
 from hetstore.runtime.rewrite import ChunkedRewrite, Span
 from hetstore.tiers.flat import DiskArray
 from tests.models.gpt import GPT, batches
-from tests.test_hf_models import build, llama
-from tests.test_host_offload import TIGHT, assert_same_weights
+from tests.models.hf import build, llama
+from tests.parity import TIGHT, assert_same_weights
 
 peft = pytest.importorskip("peft")
 

@@ -16,7 +16,7 @@ from hetstore import GradientAccessError, OffloadConfig
 from hetstore.runtime.released import Released, ReleasedParameter
 from tests.host_step import HostStepReference
 from tests.models.gpt import GPT, batches
-from tests.test_host_offload import TIGHT, adamw, assert_same_weights, config, pair
+from tests.parity import TIGHT, adamw, assert_same_weights, config, pair
 
 ALL_MEMORY = [("none", "none"), ("cpu", "none"), ("none", "cpu"), ("cpu", "cpu")]
 

@@ -9,8 +9,7 @@ from torch import nn
 import hetstore
 from hetstore import ConfigError
 from tests.models.gpt import GPT, batches
-from tests.test_disk_offload import disk_config
-from tests.test_host_offload import TIGHT, adamw, assert_same_weights, run
+from tests.parity import TIGHT, adamw, assert_same_weights, disk_config, run
 
 
 class Layer(nn.Module):

@@ -20,7 +20,7 @@ import hetstore
 from hetstore import OffloadedParameterError
 from tests.disk_helpers import disk_config
 from tests.models.gpt import GPT, batches
-from tests.test_host_offload import TIGHT, adamw, assert_same_weights, config, pair
+from tests.parity import TIGHT, adamw, assert_same_weights, config, pair
 
 PLACEMENTS = {"host": lambda path: config("cpu", "cpu"), "disk": disk_config}
 HOOK_DICTS = (

@@ -23,7 +23,7 @@ from hetstore.runtime.released import is_released
 from hetstore.runtime.unit import Unit
 from tests.disk_helpers import disk_config
 from tests.models.gpt import GPT, batches
-from tests.test_host_offload import adamw, config
+from tests.parity import adamw, config
 
 PLACEMENTS = {
     "host": lambda path: config("cpu", "cpu"),

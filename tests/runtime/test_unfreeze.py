@@ -11,7 +11,7 @@ naming it and the way out (runtime.unfrozen says why it is not laid out anyway).
 
 Reference: plain PyTorch on the same seed with torch's fused AdamW; tolerance TIGHT
 (fp32 round-off: the same kernel on the same gradients, measured bitwise equal), as in
-test_host_offload. Over 2 gloo ranks: tests/test_distributed.py.
+test_host_offload. Over 2 gloo ranks: tests/integration/test_distributed.py.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import torch
 import hetstore
 from hetstore import HetstoreError
 from tests.models.gpt import GPT, batches
-from tests.test_disk_offload import disk_config
-from tests.test_host_offload import TIGHT, adamw, assert_same_weights, pair
+from tests.parity import TIGHT, adamw, assert_same_weights, disk_config, pair
 
 
 def freeze_schedule(model, step: int) -> None:

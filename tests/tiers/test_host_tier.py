@@ -139,7 +139,7 @@ def test_pinning_without_accelerator_falls_back_with_one_warning():
 
 
 def test_a_mapping_is_unlocked_when_its_last_view_dies_not_before():
-    """Page locks (mlock here; CUDA's registration on a GPU, tests/test_cuda.py) are
+    """Page locks (mlock here; CUDA's registration on a GPU, tests/api/test_cuda.py) are
     undone when the last tensor viewing the mapping dies, before its pages are unmapped:
     a lock left on unmapped pages is what made CUDA refuse the next mapping placed there."""
     import gc
