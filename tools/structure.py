@@ -10,6 +10,10 @@
   private names of its own classes on other instances of them).
 - *type dispatch on disk*: ``isinstance(..., DiskArray)`` outside ``hetstore/tiers``.
 - *largest classes*: lines from ``class`` to the class's last line.
+- *private reads in tests*: the same reaches from ``tests/``: ``obj._attr`` where
+  ``_attr`` is a private name hetstore defines (not torch's, not the test module's own)
+  and ``from hetstore... import _name``. Importing a private *module* (``hetstore._sizes``)
+  is allowed there.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "hetstore"
+TESTS = SRC.parent.parent / "tests"
 
 
 def _private(name: str) -> bool:
@@ -92,6 +97,33 @@ def private_reaches(path: Path, ours: set[str]) -> list[str]:
     return found
 
 
+def _is_module(dotted: str) -> bool:
+    """Whether ``hetstore.a.b`` names a module or package of hetstore's source."""
+    path = SRC.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def test_private_reads(path: Path, ours: set[str]) -> list[str]:
+    """The private names of hetstore a test module reads (see the module docstring)."""
+    tree = ast.parse(path.read_text())
+    own = _own_names(tree)
+    found: list[str] = []
+    for node in ast.walk(tree):
+        where = f"{path.relative_to(TESTS.parent)}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hetstore"):
+            for alias in node.names:
+                if _private(alias.name) and not _is_module(f"{node.module}.{alias.name}"):
+                    found.append(f"{where} import {node.module}.{alias.name}")
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if node.attr in own or node.attr not in ours:
+                continue
+            found.append(f"{where} .{node.attr}")
+    return sorted(found, key=lambda r: (r.split(":")[0], int(r.split(":")[1].split()[0])))
+
+
 def disk_dispatch(path: Path) -> list[str]:
     if "tiers" in path.relative_to(SRC).parts[:1]:
         return []
@@ -128,12 +160,15 @@ def counts() -> dict:
     dispatch = [d for f in files for d in disk_dispatch(f)]
     sized = sorted((c for f in files for c in classes(f)), reverse=True)
     lines = sum(len(f.read_text().splitlines()) for f in files)
+    tests = sorted(TESTS.rglob("*.py")) if TESTS.is_dir() else []
+    test_reads = [r for f in tests for r in test_private_reads(f, ours)]
     return {
         "modules": len(files),
         "lines": lines,
         "private_reaches": reaches,
         "disk_dispatch": dispatch,
         "largest_classes": sized[:8],
+        "test_private_reads": test_reads,
     }
 
 
@@ -151,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for d in c["disk_dispatch"]:
             print("   ", d)
+    print(f"private reads in tests: {len(c['test_private_reads'])}")
+    if args.list:
+        for r in c["test_private_reads"]:
+            print("   ", r)
     print("largest classes:")
     for n, name in c["largest_classes"]:
         print(f"    {n:5d}  {name}")

@@ -142,7 +142,7 @@ def run_scenario(name: str, out: str, path: str) -> None:
     result["sharded_seconds"] = time.perf_counter() - start
     result["sharded_losses"], result["sharded_norms"] = losses, norms
     result["sharded_stats"] = hetstore.memory_stats(model)
-    disk = hetstore.state_of(model).tiers._disk
+    disk = hetstore.state_of(model).tiers.disk_if_created
     result["disk_dir"] = disk.path if disk is not None else ""
     result["sharded_weights"] = weights(model)  # a collective: full weights on every rank
     if name == "cpu":

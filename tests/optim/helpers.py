@@ -88,7 +88,7 @@ def train(
 def finish_steps_taken_ahead(opt) -> None:
     ahead = opt.step_ahead
     if ahead is not None:
-        for spec in list(ahead._pending.values()):
+        for spec in ahead.speculations:
             spec.future.result()
 
 

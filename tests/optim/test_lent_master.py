@@ -132,7 +132,7 @@ def test_no_more_than_the_cap_are_lent_and_none_without_host_room(tmp_path, monk
     ref, _, ref_losses, _, _ = trained(tmp_path / "ref", True, data, False, monkeypatch)
     stats = opt.speculation_stats
     assert stats["master_from_memory"] == 0 and seen["most"] == 0
-    assert stats["committed"] == 2 * len(opt.step_ahead._steps) and stats["not_started"] == 0
+    assert stats["committed"] == 2 * len(opt.step_ahead.unit_steps) and stats["not_started"] == 0
     assert losses == ref_losses
     assert_bitwise(model, ref)
 

@@ -276,8 +276,10 @@ def test_host_too_small_for_every_shadow_steps_ahead_a_window_of_units(tmp_path)
     probe, probe_opt = offloaded(tmp_path / "probe", False, grad="host")
     losses = train(probe, probe_opt, data)
     peak = hetstore.memory_stats(probe)["host"]["peak"]
-    step = probe_opt._unit_steps[0]
-    shadow = step.shadow_bytes({g: probe_opt._hyper(g) for g in range(len(probe_opt.param_groups))})
+    step = probe_opt.unit_steps[0]
+    shadow = step.shadow_bytes(
+        {g: probe_opt.group_hyper(g) for g in range(len(probe_opt.param_groups))}
+    )
     weights = {k: v.clone() for k, v in probe.state_dict().items()}
     hetstore.release(probe)
     model, opt = offloaded(tmp_path, True, grad="host", offload_cpu_size=peak + shadow * 5 // 2)
@@ -403,7 +405,7 @@ def test_a_step_that_fails_and_is_resumed_steps_each_unit_once(tmp_path, monkeyp
     results = []
     for overlap in (True, False):
         model, opt = offloaded(tmp_path, overlap)
-        first = opt._unit_steps[0].unit
+        first = opt.unit_steps[0].unit
         failed = []
 
         def step_once_failing(self, multipliers, first=first, failed=failed):

@@ -73,7 +73,7 @@ def test_steps_in_the_next_forward_train_bitwise_like_the_ordinary_step(
     if clip is not None or not overlap:  # a clip that bites: none is kept from backward
         assert stats["committed"] == 0
         assert stats["in_forward"] == units_of(on) * len(data)
-    assert not on_opt.step_ahead._in_forward  # state_dict() above committed the last ones
+    assert not on_opt.step_ahead.steps_in_forward  # state_dict() above committed the last ones
 
 
 @GRADS
@@ -89,7 +89,7 @@ def test_every_reader_between_step_and_forward_sees_the_stepped_values(tmp_path,
             model(x, y).backward()
             opt.clip_grad_norm_(0.05)
             opt.step()
-        assert on_opt.step_ahead._in_forward, "nothing was left to the next forward"
+        assert on_opt.step_ahead.steps_in_forward, "nothing was left to the next forward"
         weight = next(p for n, p in on.named_parameters() if "blocks.1" in n)
         weight_off = dict(off.named_parameters())[
             next(n for n, p in on.named_parameters() if p is weight)
@@ -308,7 +308,7 @@ def _train_reading_ahead(
         for x, y in data[1:]:
             start = disk.stats()["bytes_read"]
             loss.backward()
-            for record in ahead._read_ahead.values():  # (the worker's reads are async)
+            for record in ahead.read_ahead:  # (the worker's reads are async)
                 ahead._wait_worker(record)
             middle = disk.stats()["bytes_read"]
             losses.append(loss.item())
@@ -347,10 +347,10 @@ def test_the_first_units_states_are_read_during_backward_for_their_step(
     assert_bitwise(on, off)
     assert_same_optimizer_state(on_opt, off_opt)
     runtime = hetstore.state_of(on).runtime
-    order = runtime.use_order() if in_forward else [s.unit for s in on_opt._unit_steps]
+    order = runtime.use_order() if in_forward else [s.unit for s in on_opt.unit_steps]
     first = [u for u in order if u.trainable_numel][:2]
     per_step = sum(
-        u.master.nbytes + sum(a.nbytes for a in on_opt.step_ahead._steps[id(u)].states.values())
+        u.master.nbytes + sum(a.nbytes for a in on_opt.step_ahead.step_of(u).states.values())
         for u in first
     )
     # the first backward reads ahead only once a clip bit (with overlap_step)
@@ -363,7 +363,7 @@ def test_the_first_units_states_are_read_during_backward_for_their_step(
     assert moved[1:] == [per_step] * (len(data) - 2)
     if not overlap:  # (with it, the first step's speculations read when the worker does)
         assert 0 < moved[0] < per_step
-    assert not on_opt.step_ahead._read_ahead  # each step freed what it read ahead
+    assert not on_opt.step_ahead.read_ahead  # each step freed what it read ahead
 
 
 def test_read_ahead_states_are_stepped_where_they_were_read(tmp_path, monkeypatch):
@@ -407,8 +407,8 @@ def test_a_step_after_a_clip_leaves_no_read_ahead_and_no_worker_behind(tmp_path)
         model(x, y).backward()
         opt.clip_grad_norm_(0.05)
         opt.step()
-        assert not opt.step_ahead._read_ahead
-        assert opt.step_ahead._executor is None  # (before zero_grad, which stops it too)
+        assert not opt.step_ahead.read_ahead
+        assert not opt.step_ahead.worker_running  # (before zero_grad, which stops it too)
         opt.zero_grad()
     assert opt.speculation_stats["read_ahead"] > 0
 
@@ -450,14 +450,14 @@ def test_what_was_read_ahead_gives_way_to_a_host_allocation_and_to_a_rewrite(tmp
             model(x, y).backward()
             if name == "reclaimed":
                 held = host.account.current
-                assert opt.step_ahead._read_ahead
+                assert opt.step_ahead.read_ahead
                 if i == 0:
                     assert host.reclaim()  # what an allocation without room calls
-                    assert not opt.step_ahead._read_ahead
+                    assert not opt.step_ahead.read_ahead
                     assert host.account.current < held
                 else:
                     model.load_state_dict(model.state_dict())
-                    assert not opt.step_ahead._read_ahead
+                    assert not opt.step_ahead.read_ahead
             else:
                 model.load_state_dict(model.state_dict()) if i else None
             opt.step()
@@ -480,7 +480,7 @@ def test_steps_finish_during_the_loops_own_work_between_step_and_forward(tmp_pat
     x, y = data[0]
     model(x, y).backward()
     opt.step()
-    pending = list(opt.step_ahead._in_forward.values())
+    pending = list(opt.step_ahead.steps_in_forward)
     assert len(pending) == units_of(model)
     deadline = time.monotonic() + 30
     while not all(r.future.done() for r in pending) and time.monotonic() < deadline:
@@ -501,7 +501,7 @@ for x, y in batches(2, vocab=64):
     model(x, y).backward()
     opt.step()
     opt.zero_grad()
-assert opt.step_ahead._in_forward  # the last step's units: still to land
+assert opt.step_ahead.steps_in_forward  # the last step's units: still to land
 print("left", time.perf_counter(), flush=True)
 """
 
@@ -594,7 +594,7 @@ def test_a_steps_shadow_bytes_are_what_its_shadows_take_of_the_disk(tmp_path, st
     train(model, opt, batches(1, vocab=64))  # the states exist
     disk = hetstore.state_of(model).tiers.disk
     unaligned = 0
-    for unit_step in opt._unit_steps:
+    for unit_step in opt.unit_steps:
         arrays = [unit_step.unit.master, *unit_step.states.values()]
         unaligned += sum(a.nbytes % 4096 != 0 for a in arrays)
         before = disk.stats()["current"]

@@ -123,11 +123,11 @@ def test_a_worker_too_slow_for_backward_leaves_the_late_units_to_the_ordinary_st
     assert_bitwise(on, off)
     assert_same_optimizer_state(on_opt, off_opt)
     stats = on_opt.speculation_stats
-    units = len(on_opt.step_ahead._steps)
+    units = len(on_opt.step_ahead.unit_steps)
     assert units >= 3
     # step 1 steps every unit ahead (and measures); steps 2-4 at least the first each
     assert stats["started"] == stats["committed"] >= units + 3
-    assert on_opt.step_ahead._pace.limit < units
+    assert on_opt.step_ahead.pace.limit < units
     assert stats["too_late"] > 0
     assert stats["started"] + stats["too_late"] == units * len(data)
 
@@ -143,7 +143,7 @@ def test_a_worker_fast_enough_for_backward_steps_every_unit_ahead(tmp_path, monk
     train(on, on_opt, data, between=between)
     stats = on_opt.speculation_stats
     assert stats["too_late"] == 0
-    assert stats["committed"] == len(on_opt.step_ahead._steps) * len(data)
+    assert stats["committed"] == len(on_opt.step_ahead.unit_steps) * len(data)
     assert torch.isfinite(next(on.parameters())).all()
 
 

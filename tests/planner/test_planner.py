@@ -265,7 +265,7 @@ def test_nothing_is_offloaded_that_buys_nothing(seed):
     from dataclasses import replace
 
     from hetstore.planner.cost import memory
-    from hetstore.planner.planner import _spill_headroom
+    from hetstore.planner.planner import spill_headroom
 
     rng = random.Random(100 + seed)
     trace = random_trace(rng, GPU if seed % 2 else CPU)
@@ -279,9 +279,9 @@ def test_nothing_is_offloaded_that_buys_nothing(seed):
     choices = [u.choice for u in plan.units]
     step = plan.estimate.step_s
     # where the plan fits with the room for activations to spill later, that room is
-    # what it keeps free on host (planner._spill_headroom): a move into it buys a
+    # what it keeps free on host (planner.spill_headroom): a move into it buys a
     # little speed at the price of refusing a later batch, so it is not taken
-    room = _spill_headroom(trace, cfg)
+    room = spill_headroom(trace, cfg)
     if plan.estimate.host <= limits.host - room:
         limits = replace(limits, host=limits.host - room)
     closer = {"disk": "cpu", "cpu": "none"}

@@ -119,7 +119,7 @@ def test_synchronous_mode_finishes_inside_submit(dfile):
         dst = torch.empty_like(src)
         assert eng.submit_read(dfile, 7, dst).done()
         assert torch.equal(dst, src)
-        assert not eng._pool.threads  # no worker was ever started
+        assert not eng.started_threads  # no worker was ever started
 
 
 def test_buffered_file_round_trip(engine, tmp_path):
@@ -169,7 +169,7 @@ def test_enospc_on_a_full_file_system_then_engine_still_works(engine, small_tmpf
     assert info.value.errno == errno.ENOSPC
     assert str(small_tmpfs / "big.bin") in str(info.value)
     assert "free space" in str(info.value)
-    assert h.done() and f._pending == 0  # every request of the transfer has finished
+    assert h.done() and f.pending == 0  # every request of the transfer has finished
     f.close()
     # the failure stayed with its transfer: the pool serves the next one normally
     g = DiskFile(tmp_path / "after.bin")
@@ -189,7 +189,7 @@ def test_read_past_end_of_file_is_a_short_read_error(engine, dfile, shift):
     with pytest.raises(DiskIOError, match="short read") as info:
         h.wait(TIMEOUT)
     assert info.value.path == dfile.path
-    assert h.done() and dfile._pending == 0
+    assert h.done() and dfile.pending == 0
 
 
 def test_submit_after_close_raises_from_wait(dfile):
@@ -211,7 +211,7 @@ def test_close_with_queued_requests_cancels_them_without_hanging(dfile):
         h.wait(TIMEOUT)
     except DiskIOError as err:
         assert "closed" in str(err)
-    assert dfile._pending == 0
+    assert dfile.pending == 0
 
 
 def test_file_close_waits_for_its_transfers(engine, tmp_path):
@@ -227,4 +227,4 @@ def test_rejects_non_contiguous_and_non_cpu_buffers(engine, dfile):
         engine.submit_write(dfile, 0, torch.zeros(64, 64).t())
     with pytest.raises(ValueError, match=">= 0"):
         engine.submit_write(dfile, -1, torch.zeros(4))
-    assert dfile._pending == 0
+    assert dfile.pending == 0

@@ -227,7 +227,7 @@ def test_shared_engine_is_not_closed_by_the_tier(tmp_path):
     with AsyncIOEngine() as eng:
         with DiskTier(root=tmp_path, capacity=MiB, engine=eng) as t:
             assert t.engine is eng
-        assert not eng._closed
+        assert not eng.closed
 
 
 def _fake_dir(root, host: str, pid: int, owner: dict | None, tag: str = "deadbeef") -> str:

@@ -223,6 +223,16 @@ class OffloadedOptimizer(Optimizer):
         self._unit_steps[index] = new
 
     @property
+    def unit_steps(self) -> tuple[InMemoryUnitStep | UnitStates, ...]:
+        """Each trainable unit's step, in the order ``step()`` takes them."""
+        return tuple(self._unit_steps)
+
+    def group_hyper(self, group_index: int) -> dict:
+        """The values a unit step of param group ``group_index`` runs with (the group's,
+        with torch's fused kernel for a flat optimizer)."""
+        return self._hyper(group_index)
+
+    @property
     def speculation_stats(self) -> dict[str, int] | None:
         """Speculative steps started, committed, rolled back, cancelled (None when no
         unit is stepped ahead; see ``overlap_step``)."""

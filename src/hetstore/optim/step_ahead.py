@@ -340,6 +340,46 @@ class StepAhead:
                 stager.on_give_back = self._fetch_gave_back
                 stager.reclaim_lent = self._reclaim_lent_params
 
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def unit_steps(self) -> tuple[StreamedUnitStep | InMemoryUnitStep, ...]:
+        """The unit steps this object may take outside ``optimizer.step()``."""
+        return tuple(self._steps.values())
+
+    def step_of(self, unit: Unit) -> StreamedUnitStep | InMemoryUnitStep | None:
+        """``unit``'s step, or None where this object takes none of it."""
+        return self._steps.get(id(unit))
+
+    @property
+    def speculations(self) -> tuple[_Speculation, ...]:
+        """The steps started during backward, not yet committed or rolled back."""
+        return tuple(self._pending.values())
+
+    @property
+    def steps_in_forward(self) -> tuple[_InForward, ...]:
+        """The disk units' steps left to the next forward, in the order the worker runs them."""
+        return tuple(self._in_forward.values())
+
+    @property
+    def steps_in_place(self) -> tuple[_InPlace, ...]:
+        """The host-memory units' steps handed to the worker and not yet waited for."""
+        return tuple(self._in_place.values())
+
+    @property
+    def read_ahead(self) -> tuple[_ReadAhead, ...]:
+        """The units' masters and states read during backward, not yet taken by a step."""
+        return tuple(self._read_ahead.values())
+
+    @property
+    def worker_running(self) -> bool:
+        """Whether the worker thread exists (it is stopped when nothing is left for it)."""
+        return self._executor is not None
+
+    @property
+    def pace(self) -> StepPace | None:
+        """The pacing of host-memory units stepped ahead (``overlap_step='auto'``), or None."""
+        return self._pace
+
     # ------------------------------------------------------------------ runtime events
     def backward_started(self) -> None:
         self.finish_in_forward()  # the gradients they read are about to be written

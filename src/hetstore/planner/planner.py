@@ -183,6 +183,11 @@ def _step_s(plan: Plan) -> float:
     return plan.estimate.step_s if plan.estimate is not None else 0.0
 
 
+def spill_headroom(trace: Trace, config) -> int:
+    """The host bytes a plan keeps free so that any unit's activations can go to disk later."""
+    return _spill_headroom(trace, config)
+
+
 def _spill_headroom(trace: Trace, config) -> int:
     """Host bytes that let any unit's activations go to disk later: the disk staging
     window of the largest unit's."""

@@ -80,6 +80,11 @@ class Tiers:
             )
         return self._disk
 
+    @property
+    def disk_if_created(self) -> DiskTier | None:
+        """The disk tier if something has used it, else None (reading ``disk`` creates it)."""
+        return self._disk
+
     def of(self, tier: Tier) -> DeviceTier | HostTier | DiskTier:
         """The storage of ``tier``: each has ``allocate_flat`` and ``usage``."""
         if tier is Tier.DEVICE:

@@ -126,6 +126,11 @@ class DiskFile:
     def closed(self) -> bool:
         return self.fd < 0
 
+    @property
+    def pending(self) -> int:
+        """Requests submitted on this file that have not finished."""
+        return self._pending
+
     def wait_idle(self) -> None:
         """Block until no transfer submitted on this file is still running."""
         with self._idle:
@@ -581,6 +586,16 @@ class AsyncIOEngine:
                     t.request_done(_cancelled(req, why))
         t.request_done()
         return IOHandle(t)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    @property
+    def started_threads(self) -> int:
+        """Worker threads started so far (none until the first asynchronous transfer)."""
+        return len(self._pool.threads)
 
     def close(self) -> None:
         """Cancel queued requests, wait for running ones, stop the workers (idempotent).
