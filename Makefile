@@ -33,10 +33,10 @@ $(VENV)/.ready: pyproject.toml Makefile
 	@touch $@
 
 # DeepSpeed (the bench extra), for benchmarks/vs_deepspeed.py and its test. Not fatal:
-# without it tests/test_vs_deepspeed_harness.py skips and says why.
+# without it tests/integration/test_vs_deepspeed_harness.py skips and says why.
 $(VENV)/.bench: $(VENV)/.ready
 	@if $(PY) -m pip install -q -e ".[bench]"; then touch $@; \
-	else echo "deepspeed not installed: tests/test_vs_deepspeed_harness.py will skip"; fi
+	else echo "deepspeed not installed: tests/integration/test_vs_deepspeed_harness.py will skip"; fi
 
 demo: $(VENV)/.ready
 	$(PY) -m hetstore demo --compare

@@ -41,7 +41,7 @@ Process memory (``--rss``, on by default on a CPU device): the tiers' figures ar
 hetstore's own accounting, so each budget also trains alone in a subprocess that
 measures its peak resident set (``hetstore.peak_rss``) and its size before ``offload()``
 (interpreter, torch, hetstore); the table sets the predicted device and host peaks plus
-that start-up size against the measured peak RSS (tests/test_rss_budgets.py states the
+that start-up size against the measured peak RSS (tests/api/test_rss_budgets.py states the
 bound: within 192 MiB above it).
 """
 

@@ -192,7 +192,7 @@ def memory(
     copy and the activations before it). The planner's search fits with their sum, a
     bound that falls with every move off the device on its own, so the search's orders
     and its "more capacity is never slower" hold (with the moments apart a larger device
-    once planned 1.4% slower, tests/test_planner.py seed 5); the plan reports the
+    once planned 1.4% slower, tests/planner/test_planner.py seed 5); the plan reports the
     moments apart (``timeline=True``, :func:`estimate`)."""
     device = trace.buffer_bytes
     host = disk = 0

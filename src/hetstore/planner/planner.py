@@ -24,7 +24,7 @@ later is taken unless it is predicted more than ``HEADROOM_COST`` (25%) slower.
 The feasible set only grows with capacity, and the search's moves mostly add time, so
 more capacity should not predict a slower step; the greedy pass can, rarely: over 40
 seeds of random traces x 3 host sizes, 1 ladder of 120 plans 1.5% slower with more device
-(``tests/test_planner.py`` checks seeds that once failed). When nothing fits, the error
+(``tests/planner/test_planner.py`` checks seeds that once failed). When nothing fits, the error
 names each short tier with the least capacity that would do.
 """
 
