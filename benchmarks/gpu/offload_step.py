@@ -74,33 +74,15 @@ def settled_allocated() -> int:
 
 def busy_fraction(model, optimizer, x, y, max_norm=None) -> float:
     """Share of one step's wall time during which the GPU ran a kernel or a copy."""
-    from torch.profiler import ProfilerActivity, profile
+    from spans import device_busy_fraction
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
+    def step():
         model(x, y).backward()
         clip(model, optimizer, max_norm)
         optimizer.step()
         optimizer.zero_grad()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-    busy, open_start, open_end = 0.0, None, None
-    for s, e in spans:  # the union of intervals (streams overlap)
-        if open_end is None or s > open_end:
-            if open_end is not None:
-                busy += open_end - open_start
-            open_start, open_end = s, e
-        else:
-            open_end = max(open_end, e)
-    if open_end is not None:
-        busy += open_end - open_start
-    return busy / 1e6 / wall
+
+    return device_busy_fraction(step)[0]
 
 
 def write_spans(runs, x, y, max_norm, path) -> None:

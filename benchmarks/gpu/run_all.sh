@@ -1,21 +1,96 @@
 #!/usr/bin/env bash
-# Every GPU check in one command, for a lent GPU machine (its python3 holds a CUDA torch;
-# hetstore runs from src/): the CUDA tests, then the GPU benchmark's placements, then
-# everything on disk with a clip at 1.0, with step_in_forward (the default) and without. Logs go to
-# $OUT (or ./gpu-logs). Each part has its own time limit so that one hang cannot eat
-# the rest.
+# Every GPU check in one command, for a lent GPU machine (one H100 80 GB, 16 cores, 128 GB
+# of memory, no network; its python3 holds a CUDA torch and transformers; hetstore runs
+# from src/): the CUDA tests, then one table of training steps (step_table.py): the 185M
+# GPT and a 0.95B Llama, batches 8x512 and 32x512, plain PyTorch, hetstore (host, host
+# without overlap, disk), FSDP2 CPU offload and torchao's CPUOffloadOptimizer, every row
+# against plain PyTorch in the same process. About 8 minutes in all.
+#
+#   bash benchmarks/gpu/fetch_wheels.sh      # here, once: torchao's wheel into .wheels/
+#   GIT_COMMIT=<sha> bash benchmarks/gpu/run_all.sh   # there, with .wheels carried
+#   SMOKE=1 bash benchmarks/gpu/run_all.sh   # anywhere: every row, tiny, on the CPU
+#   PYTHON=.venv/bin/python PART_ARGS="--cpu --tiny" RESULTS_DIR=/tmp OUT=/tmp/rehearsal \
+#       bash benchmarks/gpu/run_all.sh       # a rehearsal of this script without a GPU
+#
+# Logs go to $OUT (or ./gpu-logs); the table is also written to
+# benchmarks/results/gpu_step_engine_<date>_<device>.txt and copied to $OUT. Each part has
+# its own time limit so that one hang cannot eat the rest: wheels 30 s, CUDA tests 90 s,
+# the GPT 100 s, the Llama what is left of TOTAL_S=465 s (at least 120 s), the table 20 s.
+# The step parts also stop themselves in time (--budget-s: fewer timed steps, never fewer
+# than one per batch shape) and write their rows after each batch shape, so a part killed
+# by its limit keeps what it finished and the table says which rows are missing.
+#
+# Sizing, assumed from the H100 runs of 2026-11-26 (benchmarks/results/gpu_offload_step_*):
+# the GPT's steps take 0.1-0.5 s (plain, hetstore host) to about 1.5 s (hetstore disk), so
+# a round of its six runners takes 3-5 s and the part (build, warm-up, 5 timed, 1 profiled
+# round per shape) about 80 s. The Llama is 5x the GPT: the host rows' CPU AdamW step on
+# 0.95B fp32 parameters about 1 s, its disk row about 10 s a step (about 34 bytes of disk
+# traffic per parameter at ~3 GB/s), so a round takes 15-17 s, set-up about a minute
+# (pinning about 60 GB of host memory, writing the disk row's ~30 GB: hetstore's disk tier
+# peaks at ~32 bytes per parameter with its shadow regions), and the part runs 3 timed
+# steps per shape in the ~300 s the tests and the GPT leave (fewer if that runs short).
+# GPU memory: the Llama's plain runner holds 15 GB between steps, torchao's 4 GB, a 32x512
+# step's activations about 40 GB at most. Disk: ~30 GB free under OFFLOAD_DIR (else the
+# Llama's disk row says OutOfTierMemory and the rest of the table is unaffected).
 set -u
 cd "$(dirname "$0")/../.."
+PYTHON=${PYTHON:-python3}
+if [ "${SMOKE:-0}" = 1 ]; then
+    exec "$PYTHON" benchmarks/gpu/step_table.py --smoke
+fi
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1
+STARTED=$(date +%s)
+
 nvidia-smi -L
-python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-timeout "${TESTS_S:-180}" python3 -m pytest -q -p no:cacheprovider -m cuda --timeout 60 \
-    tests/test_cuda.py tests/test_device_tier.py tests/test_grad_contract.py \
+"$PYTHON" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+timeout "${TESTS_S:-90}" "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda --timeout 60 \
+    tests/api/test_cuda.py tests/tiers/test_device_tier.py tests/runtime/test_grad_contract.py \
     2>&1 | tee "$OUT/cuda_tests.log"
-timeout "${BENCH_S:-150}" python3 benchmarks/gpu/offload_step.py --steps 4 \
-    --variants cpu-cpu,cpu-cpu:in-forward,cpu-cpu:no-overlap,none-cpu,disk-cpu \
-    2>&1 | tee "$OUT/bench.log"
-timeout "${DISK_S:-110}" python3 benchmarks/gpu/offload_step.py --steps 3 --clip 1.0 \
-    --variants disk-disk:step-after,disk-disk 2>&1 | tee "$OUT/bench_disk_clip.log"
+TESTS=$(grep -E '(passed|failed|error|no tests ran)' "$OUT/cuda_tests.log" | tail -n 1)
+
+# torchao travels as a wheel (the machine has no package registry): install it apart,
+# without dependencies, and put it after src/ on the path
+if ls .wheels/*.whl >/dev/null 2>&1; then
+    SITE=/tmp/hetstore-gpu-wheels
+    rm -rf "$SITE"
+    if timeout "${WHEELS_S:-30}" "$PYTHON" -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --target "$SITE" .wheels/*.whl >"$OUT/wheels.log" 2>&1; then
+        export PYTHONPATH="$PYTHONPATH:$SITE"
+        echo "wheels installed: $(cd .wheels && ls *.whl | tr '\n' ' ')"
+    else
+        echo "wheels not installed (see $OUT/wheels.log): their rows will say why"
+    fi
+else
+    echo "no .wheels/ here (bash benchmarks/gpu/fetch_wheels.sh, then carry .wheels): the torchao row will say so"
+fi
+
+# One process per model; every runner of it in that process. expandable segments: six
+# runners' different allocation patterns in one process without fragmentation.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+OFFLOAD_DIR=${OFFLOAD_DIR:-/tmp}
+FREE=$(df -h --output=avail "$OFFLOAD_DIR" 2>/dev/null | tail -n 1 | tr -d ' ')
+part() {  # part MODEL LIMIT_S STEPS
+    local started=$SECONDS
+    timeout -k 20 "$2" "$PYTHON" benchmarks/gpu/step_table.py part --model "$1" \
+        --steps "$3" --budget-s "$(($2 - 10))" --reserve-s 20 --offload-dir "$OFFLOAD_DIR" \
+        --json "$OUT/step_$1.json" ${PART_ARGS:-} >"$OUT/step_$1.log" 2>&1
+    local rc=$?
+    rm -rf "$OFFLOAD_DIR"/hetstore-step-table-*  # what a killed part left on disk
+    echo "$1 part: exit $rc after $((SECONDS - started)) s (log: $OUT/step_$1.log)"
+    if [ "$rc" != 0 ]; then tail -n 15 "$OUT/step_$1.log"; fi
+}
+part gpt "${GPT_S:-100}" "${GPT_STEPS:-5}"
+# the Llama part gets what is left of the whole run's TOTAL_S (less the table's limit)
+LEFT=$((${TOTAL_S:-465} - ($(date +%s) - STARTED) - ${TABLE_S:-20}))
+part llama "$((LEFT < ${LLAMA_MIN_S:-120} ? ${LLAMA_MIN_S:-120} : LEFT))" "${LLAMA_STEPS:-3}"
+
+timeout "${TABLE_S:-20}" "$PYTHON" benchmarks/gpu/step_table.py table --dir "$OUT" \
+    --results-dir "${RESULTS_DIR:-benchmarks/results}" --copy-to "$OUT" \
+    --run-command "bash benchmarks/gpu/run_all.sh" \
+    --note "CUDA tests: ${TESTS:-no summary (see cuda_tests.log)}" \
+    --note "PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF; disk tier under $OFFLOAD_DIR (${FREE:-?} free at the start)" \
+    2>&1
+echo "run_all.sh: $(($(date +%s) - STARTED)) s"

@@ -5,6 +5,10 @@ its commit, the ordinary unit step, gradient-copy waits, the home refresh) so th
 call appends ``(name, thread, start, end)``; the benchmark marks its own phases with
 ``mark``. Used by ``offload_step.py --spans FILE`` to tell where an overlapped step's
 time goes on a GPU machine, where a profiler of CPU threads is not at hand.
+
+``device_busy_fraction(step)``: the share of one step's wall time during which the GPU
+ran a kernel or a copy, from ``torch.profiler`` (offload_step.py's and step_table.py's
+GPU busy column).
 """
 
 from __future__ import annotations
@@ -13,12 +17,18 @@ import contextlib
 import functools
 import threading
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
 
 from hetstore.optim import step_ahead
 from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.offloaded import OffloadedOptimizer
 from hetstore.runtime import grad_sink, staging
 from hetstore.runtime.unit import Unit
+
+T = TypeVar("T")
 
 WRAPPED = [
     (InMemoryUnitStep, "begin_speculation"),
@@ -92,3 +102,34 @@ def summary(spans: Spans) -> list[str]:
     for (name, thread), (calls, total, last) in sorted(rows.items(), key=lambda r: r[1][2]):
         lines.append(f"  {name:44s} {thread[:24]:24s} {calls:5d} {total:8.4f} {last:10.4f}")
     return lines
+
+
+def device_busy_fraction(step: Callable[[], T]) -> tuple[float, T]:
+    """Run ``step()`` once under ``torch.profiler``: the share of its wall time during
+    which the GPU ran a kernel or a copy (the union of every device event's interval:
+    streams overlap), and what ``step`` returned. The device is synchronized before and
+    at the end of the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        result: Any = step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, open_start, open_end = 0.0, None, None
+    for s, e in intervals:
+        if open_end is None or s > open_end:
+            if open_end is not None:
+                busy += open_end - open_start
+            open_start, open_end = s, e
+        else:
+            open_end = max(open_end, e)
+    if open_end is not None:
+        busy += open_end - open_start
+    return busy / 1e6 / wall, result

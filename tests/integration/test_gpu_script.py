@@ -1,0 +1,67 @@
+"""benchmarks/gpu/step_table.py, the GPU machine's one table, in its CPU smoke mode: every
+row is there, and every plain and hetstore row was measured (a finite ratio to plain).
+Timings are not asserted (benchmarks measure speed, tests do not); the GPU run itself is
+benchmarks/gpu/run_all.sh on a lent machine."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RUNNERS = (
+    "plain",
+    "hetstore host",
+    "hetstore host no-overlap",
+    "hetstore disk",
+    "fsdp2 cpu-offload",
+    "torchao cpu-offload",
+)
+ROW = re.compile(r"^\| (gpt|llama) [^|]+ \| (\d+x\d+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|")
+
+
+def test_smoke_run_prints_every_row_against_plain(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("SMOKE", None)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "gpu" / "step_table.py"),
+            "--smoke",
+            "--out",
+            str(tmp_path / "parts"),
+            "--offload-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = done.stdout.split("| model | tokens/step | runner |")[-1]  # the merged one
+    rows = {}
+    for line in table.splitlines():
+        match = ROW.match(line)
+        if match:
+            model, tokens, runner, median, ratio = (g.strip() for g in match.groups())
+            rows[model, tokens, runner] = (median, ratio)
+    for model in ("gpt", "llama"):
+        for tokens in ("2x16", "4x16"):
+            for runner in RUNNERS:
+                assert (model, tokens, runner) in rows, (model, tokens, runner, table)
+                median, ratio = rows[model, tokens, runner]
+                if runner == "plain" or runner.startswith("hetstore"):
+                    assert math.isfinite(float(median)), (model, tokens, runner, median)
+                    assert math.isfinite(float(ratio)) and float(ratio) > 0, (runner, ratio)
+    assert rows["gpt", "2x16", "plain"][1] == "1.00"
+    # the CPU has no CUDA for torchao's optimizer: the row says so instead of figures
+    torchao = rows["gpt", "2x16", "torchao cpu-offload"][0]
+    assert torchao.startswith(("needs CUDA", "unavailable:")), torchao
+    # the disk tier's files are gone with the run
+    assert not list(tmp_path.glob("hetstore-step-table-*"))
