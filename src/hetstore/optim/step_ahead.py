@@ -69,7 +69,7 @@ import functools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,6 +78,7 @@ from hetstore.errors import OutOfTierMemory
 from hetstore.footprints import LENT_MASTERS, READ_AHEAD_UNITS
 from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
 from hetstore.optim.pace import StepPace
+from hetstore.optim.step_job import JobState, StepJob, Target, When
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.events import Event
 from hetstore.runtime.rewrite import ChunkedRewrite, chunk_buffers
@@ -88,7 +89,6 @@ from hetstore.tiers.store import Store, transfers_only, wait_all
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from hetstore.runtime.grad_sink import GradState
     from hetstore.runtime.unit import Unit
 
 __all__ = ["StepAhead", "SpeculationStats"]
@@ -128,58 +128,7 @@ class SpeculationStats:
 
 
 @dataclass
-class _Speculation:
-    unit_step: StreamedUnitStep | InMemoryUnitStep
-    shadows: ChunkedRewrite | MemoryShadows  # where it steps into; discard() drops it
-    grad_state: GradState
-    hyper: dict[int, dict]
-    state_version: int
-    factor: float | None = None  # fp16: the unscale factor it applied (1 / loss scale)
-    future: Future | None = field(default=None)
-    lent: bool = False  # it reads the gradient stager's buffer: give it back when done
-    ok: bool | None = None  # the worker's outcome, once waited for
-    # the unit's device copy, lent at the end of its backward: the master it steps from
-    # (Unit.lend_device_copy), counted on the host tier until the worker is done with it
-    master: torch.Tensor | None = None
-
-
-@dataclass
-class _InForward:
-    """A unit's step that ``optimizer.step()`` handed to the worker, committed before the
-    unit's next use (``step_in_forward``): what it steps with, taken at that call."""
-
-    unit_step: StreamedUnitStep
-    hyper: dict[int, dict]
-    multipliers: list  # the ordinary step's factors for gradients on disk (clip, unscale)
-    has_grad: tuple[bool, ...]
-    shadows: ChunkedRewrite | None  # None: run again on the caller's thread
-    future: Future | None = None
-    ok: bool | None = None
-    # a parameter staging buffer lent for the unit's new parameters (ParamStager.lend),
-    # given to the record until the worker starts it (``claimed``); ``filled`` once the
-    # worker's run wrote them into it
-    params: torch.Tensor | None = None
-    claimed: bool = False
-    filled: bool = False
-    wants_params: bool = False  # its unit can take its parameters from a staging buffer
-    read_ahead: _ReadAhead | None = None  # the master and states it reads, in memory
-
-
-@dataclass
-class _InPlace:
-    """A host-memory unit's ordinary step that ``optimizer.step()`` handed to the worker
-    (``step_in_forward`` on a GPU): in place on the live master and states, with the
-    group values of that call, waited for before the unit's next use. Nothing to commit
-    or discard: once the worker starts it, it is the step, as in ``optimizer.step()``."""
-
-    unit_step: InMemoryUnitStep
-    hyper: dict[int, dict]
-    future: Future | None = None
-    ok: bool | None = None
-
-
-@dataclass
-class _ReadAhead:
+class ReadAhead:
     """A disk unit's master and optimizer states read into host memory during backward,
     for its step in the next forward to read instead of the disk; valid while the unit's
     ``state_version`` (loads, edits) and ``param_version`` (every step) are the ones
@@ -254,7 +203,7 @@ class StepAhead:
         # host-memory units whose ordinary step runs on during the next forward, in
         # place (step_in_forward on a GPU); and those running now
         self._in_place_steps = {id(s.unit): s for s in in_place}
-        self._in_place: dict[int, _InPlace] = {}
+        self._in_place: dict[int, StepJob] = {}
         first = (list(unit_steps) or list(in_place))[0]  # (the tiers of either)
         # step units during backward (overlap_step, step_in_backward); and finish the
         # ordinary step of disk units during the next forward (step_in_forward)
@@ -265,7 +214,7 @@ class StepAhead:
         self._pace = StepPace() if pace else None
         # the worker thread then lasts across steps (see _stop_worker_if_idle)
         self._keep_worker = pace and any(isinstance(s, InMemoryUnitStep) for s in unit_steps)
-        self._in_forward: dict[int, _InForward] = {}  # in the order the worker runs them
+        self._in_forward: dict[int, StepJob] = {}  # in the order the worker runs them
         # the units in the order the next forward uses them (the runtime's), else None
         self.use_order: Callable[[], list[Unit]] | None = None
         # the worker thread's ident, set by the thread itself: a box, not this object,
@@ -274,7 +223,7 @@ class StepAhead:
         self._streamed = [s for s in unit_steps if isinstance(s, StreamedUnitStep)]
         self._hyper = hyper
         self._loss_scaler = loss_scaler  # fp16: gradients are unscaled before the step
-        self._pending: dict[int, _Speculation] = {}
+        self._pending: dict[int, StepJob] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._slots: list[dict[str, torch.Tensor]] | None = None
         # the host needed the worker's buffers back (_reclaim_host): none are made again
@@ -307,7 +256,7 @@ class StepAhead:
         self._host.reclaim = self._reclaim_host
         # step_in_backward: steps taken in backward and committed, until optimizer.step()
         self.consume = consume
-        self._consumed: dict[int, _Speculation] = {}
+        self._consumed: dict[int, StepJob] = {}
         # the runtime's events (runtime.events): told when gradients are final, when
         # backward starts and ends, when a unit is read while its step runs on, and
         # when a unit's states are rewritten outside a step
@@ -333,7 +282,7 @@ class StepAhead:
         self._waiting = 0
         self._forward_running = False  # a fetch gave a buffer back since the last defer
         self._fetches_from_disk = False  # (set by defer; see _buffers_to_keep)
-        self._read_ahead: dict[int, _ReadAhead] = {}  # unit id -> read during backward
+        self._read_ahead: dict[int, ReadAhead] = {}  # unit id -> read during backward
         self._param_stagers = [s for s in self._stagers if isinstance(s, ParamStager)]
         if in_forward:
             for stager in self._param_stagers:
@@ -351,22 +300,22 @@ class StepAhead:
         return self._steps.get(id(unit))
 
     @property
-    def speculations(self) -> tuple[_Speculation, ...]:
+    def speculations(self) -> tuple[StepJob, ...]:
         """The steps started during backward, not yet committed or rolled back."""
         return tuple(self._pending.values())
 
     @property
-    def steps_in_forward(self) -> tuple[_InForward, ...]:
+    def steps_in_forward(self) -> tuple[StepJob, ...]:
         """The disk units' steps left to the next forward, in the order the worker runs them."""
         return tuple(self._in_forward.values())
 
     @property
-    def steps_in_place(self) -> tuple[_InPlace, ...]:
+    def steps_in_place(self) -> tuple[StepJob, ...]:
         """The host-memory units' steps handed to the worker and not yet waited for."""
         return tuple(self._in_place.values())
 
     @property
-    def read_ahead(self) -> tuple[_ReadAhead, ...]:
+    def read_ahead(self) -> tuple[ReadAhead, ...]:
         """The units' masters and states read during backward, not yet taken by a step."""
         return tuple(self._read_ahead.values())
 
@@ -431,7 +380,7 @@ class StepAhead:
         if spec is not None:
             self._pending[id(unit)] = spec
 
-    def _start(self, unit: Unit) -> _Speculation | None:
+    def _start(self, unit: Unit) -> StepJob | None:
         """A step of ``unit`` into shadows on the worker, or None when there is no room
         for it (counted in ``not_started``)."""
         unit_step = self._steps.get(id(unit))
@@ -472,14 +421,22 @@ class StepAhead:
         if unit.grad_stager is not None:
             stager = unit.grad_stager
             grads = stager.hand_over(unit) if self.consume else stager.lend(unit)
-        spec.lent = grads is not None
+        spec.lent_grads = grads is not None
         try:
             master = self._lend_master(spec)
-            spec.future = self._pool().submit(
-                unit_step.run_speculation, rewrite, slots, spec.hyper, grads, spec.factor, master
+            spec.submitted(
+                self._pool().submit(
+                    unit_step.run_speculation,
+                    rewrite,
+                    slots,
+                    spec.hyper,
+                    grads,
+                    spec.factor,
+                    master,
+                )
             )
         except BaseException:
-            if spec.lent:
+            if spec.lent_grads:
                 unit.grad_stager.give_back(unit)
             _give_back_master(spec)
             rewrite.discard()
@@ -487,7 +444,7 @@ class StepAhead:
         self.stats.started += 1
         return spec
 
-    def _lend_master(self, spec: _Speculation) -> torch.Tensor | None:
+    def _lend_master(self, spec: StepJob) -> torch.Tensor | None:
         """The unit's device copy as the master the step reads, instead of a disk read of
         the same values, when it is in host memory (``Unit.lends_device_copy``), fewer
         than ``LENT_MASTERS`` are lent, and the host tier has room for it beside what
@@ -517,19 +474,21 @@ class StepAhead:
         """A snapshot of the values of every param group ``unit`` has a segment in."""
         return {s.group: _snapshot(self._hyper(s.group)) for s in unit.segments}
 
-    def _speculation(self, unit_step, shadows, hyper: dict | None = None) -> _Speculation:
+    def _speculation(self, unit_step, shadows, hyper: dict | None = None) -> StepJob:
         """What a speculation of ``unit_step`` into ``shadows`` assumes, taken now."""
         unit = unit_step.unit
-        return _Speculation(
+        return StepJob(
             unit_step,
+            When.IN_BACKWARD,
+            Target.SHADOWS,
+            hyper if hyper is not None else self._hyper_now(unit),
             shadows,
             grad_state=unit.grads.state(),
-            hyper=hyper if hyper is not None else self._hyper_now(unit),
             state_version=unit.state_version,
             factor=1.0 / self._loss_scaler.scale if self._loss_scaler is not None else None,
         )
 
-    def _start_in_memory(self, unit: Unit, unit_step: InMemoryUnitStep) -> _Speculation | None:
+    def _start_in_memory(self, unit: Unit, unit_step: InMemoryUnitStep) -> StepJob | None:
         """A step of a unit whose master and states are in host memory, into host
         shadows (:mod:`hetstore.optim.in_memory`), or None when the host tier has no
         room for them beside what the rest of backward will still allocate."""
@@ -548,8 +507,10 @@ class StepAhead:
             return None
         try:
             spec = self._speculation(unit_step, shadows, hyper)
-            spec.future = self._pool().submit(
-                self._run_in_memory, unit_step, shadows, spec.factor, unit.grads.copies_event()
+            spec.submitted(
+                self._pool().submit(
+                    self._run_in_memory, unit_step, shadows, spec.factor, unit.grads.copies_event()
+                )
             )
         except BaseException:
             shadows.discard()
@@ -608,12 +569,14 @@ class StepAhead:
                         verified = not holds and self._grads_equal(spec)
                     if holds or verified:
                         spec.unit_step.commit_speculation(spec.shadows)
+                        spec.move(JobState.COMMITTED)
                         committed.add(key)
                         self.stats.committed += 1
                         self.stats.verified += verified
                         outcomes[key] = True
                     else:
                         spec.shadows.discard()
+                        spec.cancel()
                         self.stats.rolled_back += 1
                         outcomes[key] = False
                 if self._pace is not None:
@@ -795,7 +758,7 @@ class StepAhead:
         """The gradient stager needs a buffer: wait for the oldest step in backward that
         holds one. False when none does."""
         for spec in self._pending.values():
-            if spec.lent:
+            if spec.lent_grads:
                 self._finished(spec, keep_failed_grads=True)
                 return True
         return False
@@ -812,9 +775,11 @@ class StepAhead:
             del self._pending[key]
             if not spec.ok:
                 spec.shadows.discard()
+                spec.cancel()
                 self.stats.rolled_back += 1
                 continue
             spec.unit_step.commit_speculation(spec.shadows)
+            spec.move(JobState.COMMITTED)
             unit.grads.consumed = True
             self._consumed[key] = spec
             self.stats.committed += 1
@@ -908,14 +873,14 @@ class StepAhead:
         run it now: the same group values, the missing gradients zeroed here."""
         unit = unit_step.unit
         unit.grads.fill_missing()
-        record = _InPlace(unit_step, self._hyper_now(unit))
+        record = StepJob(unit_step, When.IN_FORWARD, Target.IN_PLACE, self._hyper_now(unit))
         unit.param_version += 1  # as the ordinary step moves it before stepping
-        record.future = self._pool().submit(_step_in_place, record)
+        record.submitted(self._pool().submit(_step_in_place, record))
         self._in_place[id(unit)] = record
         unit.work_pending = True
         self.stats.in_forward += 1
 
-    def _finish_in_place(self, record: _InPlace) -> None:
+    def _finish_in_place(self, record: StepJob) -> None:
         """Wait for ``record``'s step. One that failed on the worker may have stepped
         part of the unit, as a failure inside ``optimizer.step()`` would: its error is
         raised here, once, and the unit is left as the worker left it."""
@@ -946,19 +911,21 @@ class StepAhead:
             rewrite = unit_step.begin_speculation()
         except OutOfTierMemory:
             return False
-        record = _InForward(
+        record = StepJob(
             unit_step,
+            When.IN_FORWARD,
+            Target.SHADOWS,
             self._hyper_now(unit),
-            list(multipliers),
-            unit.grads.state().has_grad,
             rewrite,
+            multipliers=list(multipliers),
+            has_grad=unit.grads.state().has_grad,
         )
         try:
             record.wants_params = _stages_params(unit)
             if record.wants_params and unit.param_stager.spare > self._buffers_to_keep():
                 record.params = unit.param_stager.lend()
             record.read_ahead = self.take_read_ahead(unit)
-            record.future = self._pool().submit(self._run_in_forward, record, slots)
+            record.submitted(self._pool().submit(self._run_in_forward, record, slots))
         except BaseException:
             rewrite.discard()
             self._give_back_borrowed(record)
@@ -968,7 +935,7 @@ class StepAhead:
         self.stats.in_forward += 1
         return True
 
-    def _run_in_forward(self, record: _InForward, slots: list) -> None:
+    def _run_in_forward(self, record: StepJob, slots: list) -> None:
         """The worker: ``record``'s step, leaving the new parameters in the staging buffer
         lent to it, if one was by the time it starts."""
         with self._claims:
@@ -1047,7 +1014,7 @@ class StepAhead:
         # optimizer.step()'s own): a read ahead in use cannot give way to them
         if not self._host.account.would_fit(need + self._slot_bytes() + self._staging_to_come()):
             return False
-        record = _ReadAhead(unit_step, {}, [], _versions(unit))
+        record = ReadAhead(unit_step, {}, [], _versions(unit))
         try:
             for key, array in arrays.items():
                 buffer = self._host.allocate(
@@ -1071,7 +1038,7 @@ class StepAhead:
         self._drop_read_ahead()
         self._stop_worker_if_idle()
 
-    def take_read_ahead(self, unit: Unit) -> _ReadAhead | None:
+    def take_read_ahead(self, unit: Unit) -> ReadAhead | None:
         """What was read ahead for ``unit``, if it is still its master and states (and
         the worker read it without error): its ``arrays`` for the step's
         ``read_ahead=``. Hand it back with :meth:`give_back_read_ahead` once that step
@@ -1097,14 +1064,14 @@ class StepAhead:
                 del self._read_ahead[key]
                 self.give_back_read_ahead(record)
 
-    def give_back_read_ahead(self, record: _ReadAhead) -> None:
+    def give_back_read_ahead(self, record: ReadAhead) -> None:
         if record.future is not None:
             self._wait_worker(record)  # never free a buffer the worker reads into
         for buffer in record.buffers:
             self._host.free(buffer)
         record.buffers.clear()
 
-    def _buffers_to_keep(self, before: _InForward | None = None) -> int:
+    def _buffers_to_keep(self, before: StepJob | None = None) -> int:
         """Free parameter staging buffers not to lend: one while a unit forward uses
         before ``before`` (or any, without it) will read its parameters from disk at its
         fetch (its step has no buffer), so that fetch finds one free (fetches take one
@@ -1170,7 +1137,7 @@ class StepAhead:
                 return True
         return False
 
-    def _give_back_borrowed(self, record: _InForward, committed: bool = False) -> None:
+    def _give_back_borrowed(self, record: StepJob, committed: bool = False) -> None:
         """Give back what ``record`` borrowed, once the worker is done with it: what was
         read ahead for it, and its lent parameter buffer (staged for the unit's fetch
         when ``committed`` and filled, else unused)."""
@@ -1238,6 +1205,7 @@ class StepAhead:
         try:
             if self._wait_worker(record) and record.shadows is not None:
                 unit_step.commit_speculation(record.shadows)
+                record.move(JobState.COMMITTED)
                 record.shadows = None
                 self._give_back_borrowed(record, committed=True)
             else:  # failed on the worker (or here before): again, the ordinary way
@@ -1246,6 +1214,7 @@ class StepAhead:
                     record.shadows.discard()
                     record.shadows = None
                 unit_step.step(record.multipliers, hyper=record.hyper, has_grad=record.has_grad)
+                record.move(JobState.LANDED)  # (stepped here instead: the step is done)
         except BaseException as exc:
             self._arm(unit_step, True)
             exc.add_note(
@@ -1264,6 +1233,7 @@ class StepAhead:
         del self._in_forward[key]  # (after the wait: interrupted, it is still recorded)
         if record.shadows is not None:
             record.shadows.discard()
+            record.cancel()
         self._give_back_borrowed(record)
         self._arm(record.unit_step, False)
 
@@ -1284,9 +1254,10 @@ class StepAhead:
         self._finished(spec)  # (interrupted here, it stays pending: the worker may write)
         del self._pending[key]
         spec.shadows.discard()
+        spec.cancel()
         self.stats.cancelled += 1
 
-    def _finished(self, spec: _Speculation, keep_failed_grads: bool = False) -> bool:
+    def _finished(self, spec: StepJob, keep_failed_grads: bool = False) -> bool:
         """Wait for the worker (once: the outcome is kept in ``spec.ok``) and give back
         the gradient buffer it read; False when the step failed (the ordinary step then
         runs, and raises if the cause persists). ``keep_failed_grads``: a step in
@@ -1295,8 +1266,8 @@ class StepAhead:
         # (an interrupt of this thread while it waits propagates, and the buffer stays
         # lent: the worker may still be reading it)
         _give_back_master(spec)
-        if spec.lent:
-            spec.lent = False
+        if spec.lent_grads:
+            spec.lent_grads = False
             unit = spec.unit_step.unit
             if spec.ok or not keep_failed_grads:
                 unit.grad_stager.give_back(unit)
@@ -1304,21 +1275,23 @@ class StepAhead:
                 unit.grad_stager.flush_lent(unit)
         return spec.ok
 
-    def _wait_worker(self, job: _Speculation | _InForward | _ReadAhead) -> bool:
+    def _wait_worker(self, job: StepJob | StepJob | ReadAhead) -> bool:
         """Wait for the worker's run of ``job`` (once: the outcome is kept in ``job.ok``);
         False when it raised (the caller steps the unit the ordinary way instead)."""
         if job.ok is None:
             with self._hurry():
                 job.ok = _outcome(job.future)
+            if isinstance(job, StepJob):
+                job.finished(job.ok)
         return job.ok
 
-    def _inputs_hold(self, spec: _Speculation) -> bool:
+    def _inputs_hold(self, spec: StepJob) -> bool:
         """The master and states it stepped from, and the group values, are current."""
         return spec.unit_step.unit.state_version == spec.state_version and all(
             _same(self._hyper(group), hyper) for group, hyper in spec.hyper.items()
         )
 
-    def _grads_hold(self, spec: _Speculation, factors: list[float]) -> bool:
+    def _grads_hold(self, spec: StepJob, factors: list[float]) -> bool:
         """No gradient changed since it began, by the counters; gradients on disk carry
         no factor (a clip that bit) but the one it applied itself."""
         on_disk = not isinstance(spec.unit_step.unit.grad, torch.Tensor)
@@ -1327,7 +1300,7 @@ class StepAhead:
             spec.grad_state
         )
 
-    def _grads_equal(self, spec: _Speculation) -> bool:
+    def _grads_equal(self, spec: StepJob) -> bool:
         """A host-memory unit's speculation that only the gradients' version counters
         reject (handed out through p.grad, multiplied by torch's clip): it holds if the
         gradients are still, bit for bit, the ones it stepped with."""
@@ -1443,7 +1416,7 @@ def _mark_thread(box: list) -> None:
     box[0] = threading.get_ident()
 
 
-def _step_in_place(record: _InPlace) -> None:
+def _step_in_place(record: StepJob) -> None:
     """The worker: a host-memory unit's ordinary step, with the group values of the
     ``optimizer.step()`` call that handed it over."""
     record.unit_step.step(record.hyper.__getitem__)
@@ -1469,7 +1442,7 @@ def _lent_label(unit: Unit) -> str:
     return f"lent master {unit.name}"
 
 
-def _give_back_master(spec: _Speculation) -> None:
+def _give_back_master(spec: StepJob) -> None:
     """The worker is done with (or never got) the spec's lent master: its bytes go."""
     if spec.master is not None:
         spec.master = None
