@@ -261,15 +261,7 @@ class StepAhead:
         # backward starts and ends, when a unit is read while its step runs on, and
         # when a unit's states are rewritten outside a step
         self._events = first.unit.events
-        self._subscriptions = [
-            (Event.BACKWARD_STARTED, self.backward_started),
-            (Event.GRADS_GATHERED, self.consume_grads),
-            (Event.GRADS_FINAL, self.grads_final),
-            (Event.BACKWARD_ENDED, self.backward_ended),
-            (Event.UNIT_READ, self.finish_unit_in_forward),
-            (Event.STATE_CHANGE, self._state_change),
-        ]
-        for event, handler in self._subscriptions:
+        for event, handler in self._subscriptions():
             self._events.subscribe(event, handler)
         self._events.reads_grads_when_final(self._reads_grads_when_final)
         if consume:
@@ -330,6 +322,19 @@ class StepAhead:
         return self._pace
 
     # ------------------------------------------------------------------ runtime events
+    def _subscriptions(self) -> list:
+        """What it listens to. Made on each call, not kept: bound methods kept on the
+        object would be a reference cycle, and a released model's step machinery (its
+        unit steps, their buffers) would then wait for the garbage collector."""
+        return [
+            (Event.BACKWARD_STARTED, self.backward_started),
+            (Event.GRADS_GATHERED, self.consume_grads),
+            (Event.GRADS_FINAL, self.grads_final),
+            (Event.BACKWARD_ENDED, self.backward_ended),
+            (Event.UNIT_READ, self.finish_unit_in_forward),
+            (Event.STATE_CHANGE, self._state_change),
+        ]
+
     def backward_started(self) -> None:
         self.finish_in_forward()  # the gradients they read are about to be written
         self.backwards += 1
@@ -679,7 +684,7 @@ class StepAhead:
             self._host.reclaim = None
         for stager in self._param_stagers:
             stager.on_give_back = stager.reclaim_lent = None
-        for event, handler in self._subscriptions:
+        for event, handler in self._subscriptions():
             self._events.unsubscribe(event, handler)
         self._events.forget_reader(self._reads_grads_when_final)
 
