@@ -73,7 +73,7 @@ def test_cuda_parity_with_plain_pytorch(tmp_path, param, optim):
         torch.testing.assert_close(loss.item(), gpu_loss.item(), **TIGHT)
     if optim == "cpu":  # overlap_step='auto': on a GPU the host steps beside backward
         stats = opt.speculation_stats
-        # paced (optim.pace): the first step takes every block ahead, the next at least
+        # paced (optim.policy): the first step takes every block ahead, the next at least
         # the first of each backward; the rest are the ordinary step's
         assert stats["committed"] == stats["started"] >= 4 + 3, stats
         assert stats["started"] + stats["too_late"] == 4 * 4, stats  # 4 blocks, not root

@@ -1,5 +1,5 @@
 """overlap_step='auto' on a GPU steps a host-memory unit during backward only when the
-worker can finish it before optimizer.step() (optim.pace); the rest take the ordinary
+worker can finish it before optimizer.step() (optim.policy); the rest take the ordinary
 step. Exact either way: the reference is the same model without overlap, bit for bit.
 """
 
@@ -12,7 +12,7 @@ import torch
 import hetstore
 from hetstore.config import OffloadConfig
 from hetstore.optim.in_memory import InMemoryUnitStep
-from hetstore.optim.pace import StepPace
+from hetstore.optim.policy import StepPace
 from tests.models.gpt import batches
 from tests.optim.helpers import assert_bitwise, assert_same_optimizer_state, fresh, train
 

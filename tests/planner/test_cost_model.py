@@ -381,7 +381,7 @@ def test_a_measured_copy_rate_prices_the_copy_into_the_shadows():
 
 
 def test_paced_host_steps_take_only_what_the_backward_hides():
-    """'auto' paces (optim.pace): a backward too short for every block's speculation
+    """'auto' paces (optim.policy): a backward too short for every block's speculation
     steps ahead those the worker ends by its end, and the others after it the ordinary
     way, so the overlap never costs on a GPU; unpaced (``overlap_step=True``), the late
     ones delay the step. A long backward takes them all either way."""

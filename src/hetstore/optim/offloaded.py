@@ -110,7 +110,7 @@ class OffloadedOptimizer(Optimizer):
         self._released = False  # hetstore.release(model) freed the units' buffers
         self.step_in_backward = step_in_backward and shards is None
         self._overlap = (overlap_step, overlap_memory_step, step_in_forward)
-        self._pace_memory_steps = pace_memory_steps  # see optim.pace
+        self._pace_memory_steps = pace_memory_steps  # see optim.policy
         self._step_in_forward_memory = step_in_forward_memory
         self._root = root
         self.step_ahead: StepAhead | None = None

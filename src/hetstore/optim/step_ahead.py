@@ -77,7 +77,7 @@ import torch
 from hetstore.errors import OutOfTierMemory
 from hetstore.footprints import LENT_MASTERS, READ_AHEAD_UNITS
 from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
-from hetstore.optim.pace import StepPace
+from hetstore.optim.policy import StepPace, StepPolicy
 from hetstore.optim.step_job import JobState, StepJob, Target, When
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.events import Event
@@ -120,7 +120,7 @@ class SpeculationStats:
     # from disk (a CPU device)
     master_from_memory: int = 0
     # host-memory units not stepped ahead because the worker would not have finished
-    # them before optimizer.step() (overlap_step='auto'; see optim.pace): stepped there
+    # them before optimizer.step() (overlap_step='auto'; see optim.policy): stepped there
     too_late: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -209,9 +209,8 @@ class StepAhead:
         # ordinary step of disk units during the next forward (step_in_forward)
         self.speculate = speculate or consume
         self.in_forward = in_forward
-        # host-memory units are stepped ahead only as many as the worker finishes
-        # before optimizer.step() (overlap_step='auto'); else all of them
-        self._pace = StepPace() if pace else None
+        # when each unit's step runs: micro-batch counting, hold-back, back-off, pacing
+        self.policy = StepPolicy(pace)
         # the worker thread then lasts across steps (see _stop_worker_if_idle)
         self._keep_worker = pace and any(isinstance(s, InMemoryUnitStep) for s in unit_steps)
         self._in_forward: dict[int, StepJob] = {}  # in the order the worker runs them
@@ -238,17 +237,7 @@ class StepAhead:
         # kept free on disk while speculations hold their shadows: one ordinary step's
         self._disk_reserve = max((s.shadow_bytes for s in self._streamed), default=0)
         self.suspended = 0  # depth of hetstore.no_sync
-        self.backwards = 0  # backward passes since the last step
-        self.expected = 1  # backward passes the last step had
         self.stats = SpeculationStats()
-        # the last step scaled the gradients (a clip that bit): a speculation assumes
-        # they are not scaled, so it would roll back; hold back until a step that does not
-        self.hold_back = False
-        # a unit rolled back for another reason (its p.grad handed out, torch's own clip,
-        # a changed lr): it is not stepped ahead for the next 1, 2, 4, ... 64 steps, so a
-        # loop that changes gradients every step does not pay for speculations it never
-        # uses; a commit resets it. unit id -> (steps to wait next time, steps left)
-        self._backoff: dict[int, tuple[int, int]] = {}
         # host memory held only to save time: given back when an allocation needs it
         # (activations restored in backward, a later micro-batch's forward)
         self._reclaiming_allowed = True
@@ -319,7 +308,7 @@ class StepAhead:
     @property
     def pace(self) -> StepPace | None:
         """The pacing of host-memory units stepped ahead (``overlap_step='auto'``), or None."""
-        return self._pace
+        return self.policy.pace
 
     # ------------------------------------------------------------------ runtime events
     def _subscriptions(self) -> list:
@@ -337,10 +326,8 @@ class StepAhead:
 
     def backward_started(self) -> None:
         self.finish_in_forward()  # the gradients they read are about to be written
-        self.backwards += 1
+        self.policy.backward_started()
         self._slots_reclaimed = False
-        if self._pace is not None:
-            self._pace.backward_started()
         if self.consume:
             self._check_fresh_backward()
         self._start_read_ahead()
@@ -372,12 +359,12 @@ class StepAhead:
 
     def grads_final(self, unit: Unit) -> None:
         """Backward produced ``unit``'s last gradient: start its speculative step."""
-        if not self.speculate or self.consume or self.suspended or self.backwards < self.expected:
+        if not self.speculate or self.consume or self.suspended or not self.policy.last_backward:
             return
         self._cancel(id(unit))  # one from an earlier micro-batch: superseded
         if id(unit) not in self._steps:
             return  # not stepped ahead (e.g. gradients in memory of a unit not on disk)
-        if self.hold_back or self._backoff.get(id(unit), (0, 0))[1] > 0:
+        if self.policy.held_back(id(unit)):
             self.stats.held_back += 1
             return
         with self._own_allocations():
@@ -502,7 +489,7 @@ class StepAhead:
         if not self._host.account.would_fit(need + self._staging_to_come()):
             self.stats.not_started += 1
             return None
-        if self._pace is not None and not self._pace.admit():
+        if not self.policy.admit_memory_step():
             self.stats.too_late += 1  # optimizer.step() steps it, sooner than we would
             return None
         try:
@@ -526,8 +513,7 @@ class StepAhead:
     def caller_waits(self) -> None:
         """The caller is about to wait for the steps taken in backward (``optimizer.step()``,
         or a clip or fp16's unscale before it): the pace measures lateness from here."""
-        if self._pace is not None:
-            self._pace.step_called()
+        self.policy.step_called()
 
     def _run_in_memory(self, unit_step: InMemoryUnitStep, shadows, factor, copies) -> None:
         """Worker: a host-memory unit's speculative step, timed for the pace (without
@@ -536,8 +522,7 @@ class StepAhead:
             copies.synchronize()  # on this thread: backward's never waits for them
         start = time.perf_counter()
         unit_step.run_speculation(shadows, factor)
-        if self._pace is not None:
-            self._pace.ran(time.perf_counter() - start)
+        self.policy.ran(time.perf_counter() - start)
 
     # ------------------------------------------------------------------ optimizer events
     def settle(self, disk_grad_factors: list, committed: set[int], clipped: bool = False) -> None:
@@ -545,8 +530,7 @@ class StepAhead:
         of the units committed to ``committed`` as each commits. ``disk_grad_factors``:
         what the ordinary step would multiply gradients on disk by (clipping); a
         speculation took none. ``clipped``: a clip scaled the gradients this step (the
-        next step's speculations are held back, see ``hold_back``)."""
-        self.hold_back = clipped
+        next step's speculations are held back: the policy's hold-back)."""
         # what the ordinary step multiplies gradients on disk by; factors of exactly 1.0
         # (a clip that does not bite) change nothing
         factors = [float(f) for f in disk_grad_factors if float(f) != 1.0]
@@ -584,12 +568,11 @@ class StepAhead:
                         spec.cancel()
                         self.stats.rolled_back += 1
                         outcomes[key] = False
-                if self._pace is not None:
-                    self._pace.settled()  # the worker is done: how late it was
+                self.policy.settled()  # the worker is done: how late it was
         finally:
             self.discard_all()  # after an error: nothing may stay pending
             self.step_ended()
-            self._back_off(outcomes, clipped)
+            self.policy.step_settled(outcomes, clipped)
 
     def _quiesce_device_reads(self) -> None:
         """CUDA: a commit gives the old master back to the host pool, and a fetch of it
@@ -602,24 +585,9 @@ class StepAhead:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
 
-    def _back_off(self, outcomes: dict[int, bool], clipped: bool) -> None:
-        """After a step: units that rolled back (for a reason other than a clip that
-        bit, which ``hold_back`` answers) wait twice as long as last time before they
-        are stepped ahead again; a commit forgets it; the others count a step down."""
-        for key, (wait, left) in list(self._backoff.items()):
-            if key not in outcomes and left > 0:
-                self._backoff[key] = (wait, left - 1)
-        for key, ok in outcomes.items():
-            if ok:
-                self._backoff.pop(key, None)
-            elif not clipped:
-                wait = min(2 * self._backoff.get(key, (0, 0))[0] or 1, 64)
-                self._backoff[key] = (wait, wait)
-
     def step_ended(self) -> None:
         """A step was taken or skipped (fp16 overflow): count micro-batches anew."""
-        self.expected = max(self.backwards, 1)
-        self.backwards = 0
+        self.policy.step_ended()
 
     def unscaling(self, units: list[Unit]):
         """fp16: the optimizer is about to unscale these units' gradients in memory, in
@@ -988,8 +956,8 @@ class StepAhead:
         if (
             self.consume
             or self.suspended
-            or self.backwards < self.expected  # not the last micro-batch's backward
-            or (self.speculate and not self.hold_back)  # steps taken in backward instead
+            or not self.policy.last_backward  # not the last micro-batch's backward
+            or (self.speculate and not self.policy.hold_back)  # steps taken in backward
             or (self.in_forward and self.use_order is None)
         ):
             return

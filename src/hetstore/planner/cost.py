@@ -422,7 +422,7 @@ def _shadow_copy_s(u: UnitTrace, m) -> float:
 def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> tuple[float, set[int]]:
     """Seconds of the steps of units stepped ahead that backward hides (module doc).
     A unit stepped into host shadows costs the worker its copy into them besides the
-    arithmetic it saves; paced ('auto', optim.pace), such a unit is stepped ahead only
+    arithmetic it saves; paced ('auto', optim.policy), such a unit is stepped ahead only
     if the worker ends it by the end of backward (the first always is). May be
     negative: on a CPU device the worker's arithmetic and copies take backward's cores
     and hide nothing. Also returns the indices of the host-memory units it steps in

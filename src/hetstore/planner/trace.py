@@ -168,7 +168,7 @@ class Trace:
     # (``overlap_step``: 'auto' on a GPU, or True)
     step_overlap_memory: bool = False
     # of those, only as many as the worker finishes by the end of backward ('auto':
-    # optim.pace); the rest are stepped after it, the ordinary way
+    # optim.policy); the rest are stepped after it, the ordinary way
     pace_memory_steps: bool = False
     # ``step_in_backward``: those units are stepped inside backward from gradients in
     # memory, which never reach the disk (no gradient bytes there, nor their traffic)

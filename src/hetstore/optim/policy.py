@@ -1,0 +1,174 @@
+"""``StepPolicy``: when each unit's step runs, decided in one place from what it measured.
+
+A unit's step runs ahead, during backward (speculatively, into shadows), or at
+``optimizer.step()``, or during the next forward; :mod:`hetstore.optim.step_ahead`
+runs the jobs, this module decides. Every rule here only picks which of two exact paths
+a unit takes, never what it computes:
+
+- **which backward is the last before a step**: the one whose count since the last step
+  reaches the count the last step had (1 at first), so a plain loop speculates on every
+  backward and one accumulating N micro-batches learns N after its first step
+  (``hetstore.no_sync`` says it at once);
+- **hold-back**: after a step whose clip scaled the gradients, the next step's
+  speculations would most likely roll back: none is started until a step whose clip did
+  not bite;
+- **back-off**: a unit rolled back for another reason (its ``p.grad`` handed out,
+  torch's own clip, a changed lr) is not stepped ahead for the next 1, 2, 4, ... 64
+  steps; a commit resets it;
+- **pacing** (``StepPace``, ``overlap_step='auto'``): host-memory units are stepped
+  ahead only as many as the worker finishes before ``optimizer.step()`` comes.
+
+Pacing, in detail:
+
+A speculative step of a unit in host memory (:mod:`hetstore.optim.in_memory`) first
+copies the live master and states into shadows, so it moves about twice the bytes of
+the ordinary step: on an H100 machine's host, 8-10 ms for a unit the ordinary step
+takes ~3 ms for (docs/BENCHMARKS.md). Finished during backward it costs nothing; still
+running when ``optimizer.step()`` waits for it, it costs more than the ordinary step
+would have. So, with ``overlap_step='auto'``, at most ``limit`` units of a backward are
+stepped ahead (the first whose gradients are final); the rest take the ordinary step,
+exactly as without overlap: pacing never changes a result, only which of two exact
+paths a unit takes.
+
+The limit follows what each step measured, not a model of the machine (on a GPU the
+worker waits for gradients the device produces later than the host's autograd sees
+them, by an amount no model here knows): when the worker finished the last admitted
+unit ``late`` seconds after the caller first waited for it (``optimizer.step()``, or
+before it a hetstore clip or fp16's unscale), the next backward admits
+``round(late / t)`` fewer units, ``t`` being the worker's mean time per unit (late by
+less than half a unit costs less than the unit saves: no change); when it was idle for a
+while before that and the limit had turned units away, as many more as that idle time
+held. No limit until a step was late: every unit is stepped ahead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+__all__ = ["StepPace", "StepPolicy"]
+
+
+class StepPace:
+    """The limit, and what the current backward's speculations measured."""
+
+    def __init__(self, clock=time.perf_counter):
+        self._clock = clock
+        self.limit: int | None = None  # units stepped ahead per backward; None: all
+        self._admitted = 0  # this backward's
+        self._refused = 0
+        self._step_at: float | None = None  # when the caller first waited for the worker
+        self._last_end: float | None = None  # when the worker finished its last one
+        self._worker_seconds = 0.0
+        self._ran = 0
+
+    def backward_started(self) -> None:
+        """A backward (the last micro-batch's counts) starts: count anew."""
+        self._admitted = self._refused = self._ran = 0
+        self._worker_seconds = 0.0
+        self._step_at = self._last_end = None
+
+    def admit(self) -> bool:
+        """Whether the unit whose gradients are now final is stepped ahead."""
+        if self.limit is not None and self._admitted >= self.limit:
+            self._refused += 1
+            return False
+        self._admitted += 1
+        return True
+
+    def ran(self, seconds: float) -> None:
+        """Worker: a speculative step took ``seconds`` of its time and ended now."""
+        self._worker_seconds += seconds
+        self._ran += 1
+        self._last_end = self._clock()
+
+    def step_called(self) -> None:
+        """The caller waits for the worker from now (``optimizer.step()``, or a clip or
+        fp16's unscale before it): the first such moment since backward started counts."""
+        if self._step_at is None:
+            self._step_at = self._clock()
+
+    def settled(self) -> None:
+        """``optimizer.step()`` has waited for every speculation: set the next limit."""
+        if not self._ran or self._step_at is None or self._last_end is None:
+            return
+        per_unit = self._worker_seconds / self._ran
+        if per_unit <= 0:
+            return
+        late = self._last_end - self._step_at
+        fewer = round(late / per_unit)
+        if fewer > 0:
+            self.limit = max(1, self._admitted - fewer)
+        elif late < 0 and self._refused:
+            self.limit = self._admitted + min(self._refused, math.floor(-late / per_unit))
+
+
+class StepPolicy:
+    """The decisions of one optimizer's step machinery (see the module doc)."""
+
+    def __init__(self, pace: bool):
+        # host-memory units are stepped ahead only as many as the worker finishes
+        # before optimizer.step() (overlap_step='auto'); else all of them
+        self.pace = StepPace() if pace else None
+        self.backwards = 0  # backward passes since the last step
+        self.expected = 1  # backward passes the last step had
+        # the last step scaled the gradients (a clip that bit): a speculation assumes
+        # they are not scaled, so it would roll back; hold back until a step that does not
+        self.hold_back = False
+        # unit id -> (steps to wait next time, steps left): the back-off
+        self._backoff: dict[int, tuple[int, int]] = {}
+
+    # ------------------------------------------------------------------ backward
+    def backward_started(self) -> None:
+        self.backwards += 1
+        if self.pace is not None:
+            self.pace.backward_started()
+
+    @property
+    def last_backward(self) -> bool:
+        """Whether the backward running is the last before a step (by the count)."""
+        return self.backwards >= self.expected
+
+    def held_back(self, key: int) -> bool:
+        """Whether unit ``key``'s step waits for ``optimizer.step()`` this time (a clip
+        that bit at the last step, or its back-off)."""
+        return self.hold_back or self._backoff.get(key, (0, 0))[1] > 0
+
+    def admit_memory_step(self) -> bool:
+        """Whether a host-memory unit whose gradients are now final goes ahead (paced)."""
+        return self.pace is None or self.pace.admit()
+
+    # ------------------------------------------------------------------ measurements
+    def step_called(self) -> None:
+        if self.pace is not None:
+            self.pace.step_called()
+
+    def ran(self, seconds: float) -> None:
+        if self.pace is not None:
+            self.pace.ran(seconds)
+
+    def settled(self) -> None:
+        if self.pace is not None:
+            self.pace.settled()
+
+    # ------------------------------------------------------------------ after a step
+    def step_settled(self, outcomes: dict[int, bool], clipped: bool) -> None:
+        """``optimizer.step()`` settled the speculations (``outcomes``: unit id -> it
+        committed): a clip that bit holds the next ones back; units that rolled back
+        for another reason wait twice as long as last time before they go ahead again;
+        a commit forgets it; the others count a step down."""
+        self.hold_back = clipped
+        for key, (wait, left) in list(self._backoff.items()):
+            if key not in outcomes and left > 0:
+                self._backoff[key] = (wait, left - 1)
+        for key, ok in outcomes.items():
+            if ok:
+                self._backoff.pop(key, None)
+            elif not clipped:
+                wait = min(2 * self._backoff.get(key, (0, 0))[0] or 1, 64)
+                self._backoff[key] = (wait, wait)
+
+    def step_ended(self) -> None:
+        """A step was taken or skipped (fp16 overflow): count micro-batches anew."""
+        self.expected = max(self.backwards, 1)
+        self.backwards = 0
