@@ -60,15 +60,15 @@ def scenario_config(name: str, path: str, **kwargs) -> hetstore.OffloadConfig:
 
 
 def stepped_ahead(name: str, path: str, mine, result: dict) -> None:
-    """Host-memory units stepped during backward (``overlap_step=True``), sharded: each
-    rank steps its own shard into shadows. With the clip that bites every step (the
-    rollback path), and with one that never bites against the same without the overlap
-    (the commit path); the test compares bitwise."""
-    for key, clip, overlap in (
-        ("ahead", CLIP, True),
-        ("ahead_unclipped", 1e9, True),
-        ("unclipped", 1e9, False),
-    ):
+    """Units stepped during backward (``overlap_step=True``), sharded: each rank steps
+    its own shard into shadows (host buffers, or disk regions). With the clip that bites
+    every step (the rollback path; on disk, then the steps in the next forward), and with
+    one that never bites (the commit path), each against the same without the overlap;
+    the test compares bitwise."""
+    runs = [("ahead", CLIP, True), ("ahead_unclipped", 1e9, True), ("unclipped", 1e9, False)]
+    if name == "disk":  # (on host memory the default run is the one without overlap)
+        runs.append(("clipped", CLIP, False))
+    for key, clip, overlap in runs:
         model = make_model()
         model, optimizer = hetstore.offload(
             model, adamw(model.parameters()), scenario_config(name, path, overlap_step=overlap)
@@ -141,11 +141,13 @@ def run_scenario(name: str, out: str, path: str) -> None:
     losses, norms = train(model, optimizer, mine, clip=CLIP, world_mean=True)
     result["sharded_seconds"] = time.perf_counter() - start
     result["sharded_losses"], result["sharded_norms"] = losses, norms
+    # (the weights first, as in the one-process run below: reading them lands the steps
+    # still running on into the next forward, and the worker's chunk buffers go)
+    result["sharded_weights"] = weights(model)  # a collective: full weights on every rank
     result["sharded_stats"] = hetstore.memory_stats(model)
     disk = hetstore.state_of(model).tiers.disk_if_created
     result["disk_dir"] = disk.path if disk is not None else ""
-    result["sharded_weights"] = weights(model)  # a collective: full weights on every rank
-    if name == "cpu":
+    if name in ("cpu", "disk"):
         stepped_ahead(name, path, mine, result)
 
     # DDP, the data-parallel reference

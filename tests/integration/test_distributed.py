@@ -103,6 +103,29 @@ def test_two_ranks_step_their_host_shards_during_backward_exactly(results, rank)
     assert got["unclipped_speculation"] is None
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_two_ranks_step_their_disk_shards_ahead_exactly(results, rank):
+    """``overlap_step=True`` with everything on disk, sharded: each rank steps its shard
+    of a unit into disk shadows as soon as the unit's gradients are reduce-scattered
+    (and, after a clip that bit, during the next forward: ``step_in_forward``).
+    Bitwise the run without the overlap, on the commit path (a clip that never bites)
+    and on the rollback path (one that bites every step)."""
+    got = results("disk", rank)
+    assert got["ahead_losses"] == got["clipped_losses"]
+    assert got["ahead_norms"] == got["clipped_norms"]
+    assert_same(got["ahead_weights"], got["clipped_weights"])
+    rolled = got["ahead_speculation"]
+    assert rolled["started"] > 0 and rolled["committed"] == 0, rolled  # the clip bit
+    assert rolled["held_back"] > 0 and rolled["in_forward"] > 0, rolled
+    assert got["ahead_unclipped_losses"] == got["unclipped_losses"]
+    assert_same(got["ahead_unclipped_weights"], got["unclipped_weights"])
+    committed = got["ahead_unclipped_speculation"]
+    assert committed["started"] > 0, committed
+    assert committed["committed"] == committed["started"] - committed["cancelled"], committed
+    assert committed["rolled_back"] == 0, committed
+    assert got["unclipped_speculation"] is None
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_each_rank_holds_about_half_of_the_single_process_states(results, scenario):
     single = results(scenario, 0)["single_stats"]

@@ -33,7 +33,8 @@ every backward and a loop accumulating N micro-batches learns N after its first 
 the last (the DDP/FSDP convention) says it at once.
 
 Eligible units: master and states on disk (the streamed step), parameters homed on disk
-or in the master itself (so every copy is shadowed), not sharded. And, chosen by
+or in the master itself (so every copy is shadowed), sharded too (a rank steps its
+shard). And, chosen by
 ``overlap_step`` (on a GPU by default), units whose master and states are in host memory:
 their shadows are host buffers, filled by a copy and committed by a swap of references
 (:mod:`hetstore.optim.in_memory`); one starts only where the host tier has room for it. With fp16 loss
@@ -144,10 +145,11 @@ class ReadAhead:
 
 def eligible(unit_step, unit: Unit) -> bool:
     """A disk unit the step ahead can step into shadows (memory units:
-    :meth:`InMemoryUnitStep.can_speculate`, chosen by ``overlap_step``)."""
+    :meth:`InMemoryUnitStep.can_speculate`, chosen by ``overlap_step``). Sharded too: a
+    rank steps its own shard, with nothing collective in the step; its fetch lands the
+    step before the all-gather, on every rank in the same order."""
     return (
         isinstance(unit_step, StreamedUnitStep)
-        and unit.shards is None
         and (isinstance(unit.grad, torch.Tensor) or unit.grad_stager is not None)
         and ChunkedRewrite.can_speculate(unit)
     )
@@ -203,7 +205,6 @@ class StepAhead:
         # host-memory units whose ordinary step runs on during the next forward, in
         # place (step_in_forward on a GPU); and those running now
         self._in_place_steps = {id(s.unit): s for s in in_place}
-        self._in_place: dict[int, StepJob] = {}
         first = (list(unit_steps) or list(in_place))[0]  # (the tiers of either)
         # step units during backward (overlap_step, step_in_backward); and finish the
         # ordinary step of disk units during the next forward (step_in_forward)
@@ -213,7 +214,6 @@ class StepAhead:
         self.policy = StepPolicy(pace)
         # the worker thread then lasts across steps (see _stop_worker_if_idle)
         self._keep_worker = pace and any(isinstance(s, InMemoryUnitStep) for s in unit_steps)
-        self._in_forward: dict[int, StepJob] = {}  # in the order the worker runs them
         # the units in the order the next forward uses them (the runtime's), else None
         self.use_order: Callable[[], list[Unit]] | None = None
         # the worker thread's ident, set by the thread itself: a box, not this object,
@@ -222,7 +222,10 @@ class StepAhead:
         self._streamed = [s for s in unit_steps if isinstance(s, StreamedUnitStep)]
         self._hyper = hyper
         self._loss_scaler = loss_scaler  # fp16: gradients are unscaled before the step
-        self._pending: dict[int, StepJob] = {}
+        # every unit's step job, one per unit at a time, in the order they were made
+        # (so the worker's order): steps in backward until settled (and, taken in
+        # backward, until optimizer.step()), steps handed to the next forward until used
+        self._jobs: dict[int, StepJob] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._slots: list[dict[str, torch.Tensor]] | None = None
         # the host needed the worker's buffers back (_reclaim_host): none are made again
@@ -245,7 +248,6 @@ class StepAhead:
         self._host.reclaim = self._reclaim_host
         # step_in_backward: steps taken in backward and committed, until optimizer.step()
         self.consume = consume
-        self._consumed: dict[int, StepJob] = {}
         # the runtime's events (runtime.events): told when gradients are final, when
         # backward starts and ends, when a unit is read while its step runs on, and
         # when a unit's states are rewritten outside a step
@@ -283,17 +285,17 @@ class StepAhead:
     @property
     def speculations(self) -> tuple[StepJob, ...]:
         """The steps started during backward, not yet committed or rolled back."""
-        return tuple(self._pending.values())
+        return tuple(self._pending().values())
 
     @property
     def steps_in_forward(self) -> tuple[StepJob, ...]:
         """The disk units' steps left to the next forward, in the order the worker runs them."""
-        return tuple(self._in_forward.values())
+        return tuple(self._in_forward().values())
 
     @property
     def steps_in_place(self) -> tuple[StepJob, ...]:
         """The host-memory units' steps handed to the worker and not yet waited for."""
-        return tuple(self._in_place.values())
+        return tuple(self._in_place().values())
 
     @property
     def read_ahead(self) -> tuple[ReadAhead, ...]:
@@ -309,6 +311,39 @@ class StepAhead:
     def pace(self) -> StepPace | None:
         """The pacing of host-memory units stepped ahead (``overlap_step='auto'``), or None."""
         return self.policy.pace
+
+    # ------------------------------------------------------------------ the jobs
+    def _pending(self) -> dict[int, StepJob]:
+        """Steps in backward not settled yet (running, done ahead, or failed)."""
+        return {
+            k: j
+            for k, j in self._jobs.items()
+            if j.when is When.IN_BACKWARD and j.state is not JobState.COMMITTED
+        }
+
+    def _consumed(self) -> dict[int, StepJob]:
+        """step_in_backward: steps taken and committed in backward, until optimizer.step()."""
+        return {
+            k: j
+            for k, j in self._jobs.items()
+            if j.when is When.IN_BACKWARD and j.state is JobState.COMMITTED
+        }
+
+    def _in_forward(self) -> dict[int, StepJob]:
+        """Disk units' steps handed to the next forward, into shadows."""
+        return {
+            k: j
+            for k, j in self._jobs.items()
+            if j.when is When.IN_FORWARD and j.target is Target.SHADOWS
+        }
+
+    def _in_place(self) -> dict[int, StepJob]:
+        """Host-memory units' ordinary steps handed to the next forward, in place."""
+        return {
+            k: j
+            for k, j in self._jobs.items()
+            if j.when is When.IN_FORWARD and j.target is Target.IN_PLACE
+        }
 
     # ------------------------------------------------------------------ runtime events
     def _subscriptions(self) -> list:
@@ -354,7 +389,7 @@ class StepAhead:
         spec = self._start(unit)
         if spec is None:
             return False
-        self._pending[id(unit)] = spec
+        self._jobs[id(unit)] = spec
         return True
 
     def grads_final(self, unit: Unit) -> None:
@@ -370,7 +405,7 @@ class StepAhead:
         with self._own_allocations():
             spec = self._start(unit)
         if spec is not None:
-            self._pending[id(unit)] = spec
+            self._jobs[id(unit)] = spec
 
     def _start(self, unit: Unit) -> StepJob | None:
         """A step of ``unit`` into shadows on the worker, or None when there is no room
@@ -381,7 +416,7 @@ class StepAhead:
         if isinstance(unit_step, InMemoryUnitStep):
             return self._start_in_memory(unit, unit_step)
         room = unit_step.shadow_bytes + self._disk_reserve
-        if not self._disk.would_fit(room) and self.consume and self._pending:
+        if not self._disk.would_fit(room) and self.consume and self._pending():
             # in backward: the steps before hold their shadows until committed; their
             # commits free the regions they replace, so wait for them rather than spill
             # this unit's gradients to disk (the planner counts two shadows: this one
@@ -446,7 +481,7 @@ class StepAhead:
         unit = spec.unit_step.unit
         if not unit.lends_device_copy:
             return None
-        if sum(s.master is not None for s in self._pending.values()) >= LENT_MASTERS:
+        if sum(s.master is not None for s in self._pending().values()) >= LENT_MASTERS:
             return None
         nbytes = unit.device_bytes
         if not self._host.account.would_fit(nbytes + self._staging_to_come()):
@@ -458,7 +493,7 @@ class StepAhead:
 
     def _return_masters(self) -> None:
         """Give back the lent masters of the steps the worker has finished."""
-        for spec in self._pending.values():
+        for spec in self._pending().values():
             if spec.master is not None and spec.future is not None and spec.future.done():
                 _give_back_master(spec)
 
@@ -549,8 +584,8 @@ class StepAhead:
                     if isinstance(stager, GradStager):
                         stager.finish()
                 self._quiesce_device_reads()
-                for key, spec in list(self._pending.items()):
-                    del self._pending[key]
+                for key, spec in self._pending().items():
+                    del self._jobs[key]
                     finished = self._finished(spec)  # always: never discard under the worker
                     holds = verified = False
                     if finished and self._inputs_hold(spec):
@@ -580,7 +615,7 @@ class StepAhead:
         asynchronously; the pool must not hand it out before that copy has read it. At
         ``optimizer.step()`` the GPU has usually finished backward already, so waiting
         for it costs little, and only when a host-memory speculation will commit."""
-        if not any(isinstance(s.shadows, MemoryShadows) for s in self._pending.values()):
+        if not any(isinstance(s.shadows, MemoryShadows) for s in self._pending().values()):
             return
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
@@ -594,7 +629,8 @@ class StepAhead:
         place, by the factor every speculation applied itself. Waits for the worker
         (it must not read a buffer being unscaled); returns a callable to run after,
         which lets the speculations hold through that one change."""
-        specs = [self._pending.get(id(u)) for u in units]
+        pending = self._pending()
+        specs = [pending.get(id(u)) for u in units]
         for spec in specs:
             if spec is not None:
                 self._finished(spec)
@@ -613,7 +649,7 @@ class StepAhead:
         """Drop every speculation (``zero_grad()`` without a step, a load, release). The
         worker thread and its buffers go too: they exist only while a speculation does
         (a model dropped between steps leaves no thread behind)."""
-        for key in list(self._pending):
+        for key in self._pending():
             self._cancel(key)
         self._stop_worker_if_idle()
 
@@ -624,7 +660,7 @@ class StepAhead:
         H100's host the ordinary steps right after the worker's ran slowly, cause not
         known; docs/BENCHMARKS.md). It goes with the model (``close``, or garbage
         collection: the thread does not keep this object alive)."""
-        if self._pending or self._in_forward or self._in_place or self._read_ahead:
+        if len(self._consumed()) < len(self._jobs) or self._read_ahead:
             return
         self._free_slots()  # (the disk steps' chunk buffers: nothing reads them now)
         if self._executor is not None and (closing or not self._keep_worker):
@@ -638,9 +674,9 @@ class StepAhead:
         except Exception:  # noqa: BLE001 - the model is being released: nothing reads it
             pass
         finally:
-            for key in list(self._in_forward):
+            for key in self._in_forward():
                 self._forget_in_forward(key)
-            for record in list(self._in_place.values()):
+            for record in self._in_place().values():
                 try:
                     self._finish_in_place(record)
                 except Exception:  # noqa: BLE001 - released: nothing reads it
@@ -676,12 +712,12 @@ class StepAhead:
         if self._read_ahead:  # the disk has the same values
             self._drop_read_ahead()
             return True
-        for spec in self._pending.values():
+        for spec in self._pending().values():
             if spec.master is not None:  # a lent master: the disk has the same values
                 self._wait_worker(spec)
                 _give_back_master(spec)
                 return True
-        for key, spec in self._pending.items():
+        for key, spec in self._pending().items():
             if isinstance(spec.shadows, MemoryShadows):
                 self._cancel(key)
                 return True
@@ -691,7 +727,7 @@ class StepAhead:
             # steps running on them finish (a speculation's result is in its disk
             # shadows, a step in the next forward's is committed at its unit's use, as
             # always); a later one makes them again where there is room
-            for job in [*self._pending.values(), *self._in_forward.values()]:
+            for job in [*self._pending().values(), *self._in_forward().values()]:
                 if job.future is not None:
                     self._wait_worker(job)
             self._free_slots()
@@ -711,10 +747,11 @@ class StepAhead:
     def _check_fresh_backward(self) -> None:
         """A backward is starting: refuse it when it would step units again (or add into
         gradients the last steps consumed) where plain PyTorch would not."""
-        if self._consumed:
+        consumed = self._consumed()
+        if consumed:
             raise RuntimeError(
                 f"step_in_backward=True: a second backward before optimizer.step(), but "
-                f"the last backward already stepped {len(self._consumed)} units (their "
+                f"the last backward already stepped {len(consumed)} units (their "
                 "gradients were consumed inside it). Call optimizer.step() after each "
                 "backward; to accumulate micro-batches, run the backward of every one but "
                 "the last under `with hetstore.no_sync(model):`"
@@ -730,7 +767,7 @@ class StepAhead:
     def _reclaim_oldest(self) -> bool:
         """The gradient stager needs a buffer: wait for the oldest step in backward that
         holds one. False when none does."""
-        for spec in self._pending.values():
+        for spec in self._pending().values():
             if spec.lent_grads:
                 self._finished(spec, keep_failed_grads=True)
                 return True
@@ -740,28 +777,33 @@ class StepAhead:
         """Commit the steps in backward that are done (with ``wait``, after waiting for
         the running ones; all of them with ``block``); one whose unit is still resident
         (frozen weights backward may read) waits for backward's end."""
-        for key, spec in list(self._pending.items()):
+        for key, spec in self._pending().items():
             unit = spec.unit_step.unit
             if not block and (unit.materialized or not (wait or spec.future.done())):
                 continue
             self._finished(spec, keep_failed_grads=True)
-            del self._pending[key]
             if not spec.ok:
+                del self._jobs[key]
                 spec.shadows.discard()
                 spec.cancel()
                 self.stats.rolled_back += 1
                 continue
-            spec.unit_step.commit_speculation(spec.shadows)
-            spec.move(JobState.COMMITTED)
+            try:
+                spec.unit_step.commit_speculation(spec.shadows)
+            except BaseException:
+                del self._jobs[key]  # (as it left the pending steps before the commit)
+                raise
+            spec.move(JobState.COMMITTED)  # kept, taken, until optimizer.step()
             unit.grads.consumed = True
-            self._consumed[key] = spec
             self.stats.committed += 1
 
     def _settle_consumed(self, committed: set[int]) -> None:
         """optimizer.step() after a backward that stepped units: they are done, if the
         param groups are still the values they used."""
         self._collect(block=True)
-        consumed, self._consumed = self._consumed, {}
+        consumed = self._consumed()
+        for key in consumed:
+            del self._jobs[key]
         committed.update(consumed)
         groups = {group for spec in consumed.values() for group in spec.hyper}
         now = {group: self._hyper(group) for group in groups}
@@ -819,7 +861,7 @@ class StepAhead:
     def in_forward_shadow_bytes(self) -> tuple[int, int]:
         """(steps, disk bytes): the steps running on into the next forward that hold
         disk shadows until they commit."""
-        held = [r.shadows.shadow_bytes for r in self._in_forward.values() if r.shadows]
+        held = [r.shadows.shadow_bytes for r in self._in_forward().values() if r.shadows]
         return len(held), sum(held)
 
     def _can_defer(self, unit_step) -> bool:
@@ -849,7 +891,7 @@ class StepAhead:
         record = StepJob(unit_step, When.IN_FORWARD, Target.IN_PLACE, self._hyper_now(unit))
         unit.param_version += 1  # as the ordinary step moves it before stepping
         record.submitted(self._pool().submit(_step_in_place, record))
-        self._in_place[id(unit)] = record
+        self._jobs[id(unit)] = record
         unit.work_pending = True
         self.stats.in_forward += 1
 
@@ -859,7 +901,7 @@ class StepAhead:
         raised here, once, and the unit is left as the worker left it."""
         unit = record.unit_step.unit
         ok = self._wait_worker(record)
-        del self._in_place[id(unit)]
+        del self._jobs[id(unit)]
         unit.work_pending = False
         self._stop_worker_if_idle()
         if not ok:
@@ -903,7 +945,7 @@ class StepAhead:
             rewrite.discard()
             self._give_back_borrowed(record)
             raise
-        self._in_forward[id(unit)] = record
+        self._jobs[id(unit)] = record
         self._arm(unit_step, True)
         self.stats.in_forward += 1
         return True
@@ -1052,7 +1094,7 @@ class StepAhead:
         unit with a disk home that has no step pending."""
         if self._fetches_from_disk:
             return 1
-        for record in self._in_forward.values():
+        for record in self._in_forward().values():
             if record is before:
                 break
             if record.params is None and record.wants_params:
@@ -1082,7 +1124,7 @@ class StepAhead:
         """A parameter staging buffer came free: lend it to the first step in the next
         forward the worker has not started and that has none (the worker runs them in
         the order forward uses the units, so this is the next unit forward needs)."""
-        for record in self._in_forward.values():
+        for record in self._in_forward().values():
             if record.claimed or record.params is not None or not record.wants_params:
                 continue
             stager = record.unit_step.unit.param_stager
@@ -1101,7 +1143,7 @@ class StepAhead:
         holding one (its buffer is then staged, for its fetch, or returned). A step that
         fails here stays pending and raises at its own unit's use (its buffer was
         returned before the retry): not at this fetch of another unit."""
-        for record in self._in_forward.values():
+        for record in self._in_forward().values():
             if record.params is not None:
                 try:
                     self.finish_unit_in_forward(record.unit_step.unit)
@@ -1151,9 +1193,9 @@ class StepAhead:
 
     def finish_in_forward(self) -> None:
         """Commit every step running in the next forward (waiting for the worker)."""
-        for record in list(self._in_forward.values()):
+        for record in self._in_forward().values():
             self.finish_unit_in_forward(record.unit_step.unit)
-        for record in list(self._in_place.values()):
+        for record in self._in_place().values():
             self._finish_in_place(record)
 
     def finish_unit_in_forward(self, unit: Unit) -> None:
@@ -1163,12 +1205,11 @@ class StepAhead:
         of the unit tries it again: nothing sees the unit as stepped until it is)."""
         if self._on_worker_thread():
             return  # the worker's own use of the unit, inside its step
-        in_place = self._in_place.get(id(unit))
-        if in_place is not None:
-            self._finish_in_place(in_place)
+        record = self._jobs.get(id(unit))
+        if record is None or record.when is not When.IN_FORWARD:
             return
-        record = self._in_forward.get(id(unit))
-        if record is None:
+        if record.target is Target.IN_PLACE:
+            self._finish_in_place(record)
             return
         with self._claims:  # a unit is used: forward runs (on CUDA a fetch gives its
             self._forward_running = True  # buffer back only once its upload is done)
@@ -1200,10 +1241,10 @@ class StepAhead:
         self._stop_worker_if_idle()
 
     def _forget_in_forward(self, key: int) -> None:
-        record = self._in_forward[key]
+        record = self._jobs[key]
         if record.shadows is not None or record.params is not None or record.read_ahead:
             self._wait_worker(record)  # never discard (or give back) under the worker
-        del self._in_forward[key]  # (after the wait: interrupted, it is still recorded)
+        del self._jobs[key]  # (after the wait: interrupted, it is still recorded)
         if record.shadows is not None:
             record.shadows.discard()
             record.cancel()
@@ -1221,11 +1262,11 @@ class StepAhead:
         self._drop_read_ahead(unit)
 
     def _cancel(self, key: int) -> None:
-        spec = self._pending.get(key)
+        spec = self._pending().get(key)
         if spec is None:
             return
         self._finished(spec)  # (interrupted here, it stays pending: the worker may write)
-        del self._pending[key]
+        del self._jobs[key]
         spec.shadows.discard()
         spec.cancel()
         self.stats.cancelled += 1
