@@ -8,12 +8,16 @@ gradients and the units' temporaries (a few MiB to tens of MiB each) come from t
 and what they free stays resident in holes between live blocks. Measured on a 277M GPT
 trained from disk under a 256 MiB device and 512 MiB host budget: the process peaked
 328 MiB above its budgets' peaks and its start-up size; with the threshold fixed at
-1 MiB, 107 MiB (and no measurable change in step time).
+1 MiB, 107 MiB (and no measurable change in step time on that disk-bound run).
 
 So :func:`bound_heap_retention` fixes the threshold once per process, on glibc only
 (elsewhere it does nothing): requests of 1 MiB or more are mapped on their own and
-unmapped when freed. It is process-wide, as any allocator setting is; it is applied
-when a model is offloaded onto a CPU device.
+unmapped when freed. It is process-wide, as any allocator setting is. It costs time
+where compute dominates: every large temporary is mapped and faulted in afresh (a 100M
+GPT with its states in host memory: 1.22x plain PyTorch with it, 1.04x without,
+benchmarks/results/train_step_2026-11-27_malloc_epyc.txt). So it is applied when a
+model is offloaded onto a CPU device with a host budget set (``offload_cpu_size``) or
+anything on disk, where the process's memory is what the user bounds.
 """
 
 from __future__ import annotations
