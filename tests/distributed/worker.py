@@ -361,6 +361,51 @@ def run_checkpoint(out: str, path: str) -> None:
     torch.save(result, os.path.join(out, f"checkpoint-rank{rank}.pt"))
 
 
+def run_compact(out: str, path: str) -> None:
+    """Compact optimizer states (bf16, 8-bit) sharded over the ranks, on host memory and
+    on disk, against one process with the same format and the combined batch; and the
+    refusal of a checkpoint of them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = data(world)
+    mine = rank_slice(full, rank)
+    result: dict = {}
+    for fmt in ("bf16", "8bit"):
+        for name in ("cpu", "disk"):
+            model = make_model()
+            model, optimizer = hetstore.offload(
+                model,
+                adamw(model.parameters()),
+                scenario_config(name, path, optimizer_state_format=fmt),
+            )
+            losses, norms = train(model, optimizer, mine, clip=CLIP, world_mean=True)
+            result[f"{fmt}_{name}_losses"], result[f"{fmt}_{name}_norms"] = losses, norms
+            result[f"{fmt}_{name}_weights"] = weights(model)
+            result[f"{fmt}_{name}_state_dtypes"] = sorted(
+                {str(a.dtype) for s in optimizer.unit_steps for a in s.states.values()}
+            )
+            if name == "cpu" and fmt == "8bit":
+                try:
+                    hetstore.save(os.path.join(out, "compact-ckpt"), model, optimizer)
+                    result["save_refusal"] = "no error"
+                except hetstore.ConfigError as exc:
+                    result["save_refusal"] = str(exc)
+            hetstore.release(model)
+        if rank == 0:
+            single = make_model()
+            single, single_opt = hetstore.offload(
+                single,
+                adamw(single.parameters()),
+                scenario_config("cpu", path, optimizer_state_format=fmt),
+                process_group=False,
+            )
+            losses, norms = train(single, single_opt, full, clip=CLIP, world_mean=False)
+            result[f"{fmt}_single_losses"], result[f"{fmt}_single_norms"] = losses, norms
+            result[f"{fmt}_single_weights"] = weights(single)
+            hetstore.release(single)
+    dist.barrier()
+    torch.save(result, os.path.join(out, f"compact-rank{rank}.pt"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -370,6 +415,7 @@ def main() -> None:
     parser.add_argument("--refusals", action="store_true")
     parser.add_argument("--checkpoint", action="store_true")
     parser.add_argument("--unfreeze", action="store_true")
+    parser.add_argument("--compact", action="store_true")
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -382,6 +428,8 @@ def main() -> None:
         run_checkpoint(args.out, args.offload_path)
     if args.unfreeze:
         run_unfreeze(args.out, args.offload_path)
+    if args.compact:
+        run_compact(args.out, args.offload_path)
     for name in args.scenario:
         run_scenario(name, args.out, args.offload_path)
     # the scenarios' models are unreferenced now; collecting them frees their tiers and

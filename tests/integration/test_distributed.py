@@ -34,7 +34,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
     offload_path = tmp_path_factory.mktemp("offload")
     args = ["--out", str(out), "--offload-path", str(offload_path), "--refusals", "--checkpoint"]
-    args += ["--unfreeze"]
+    args += ["--unfreeze", "--compact"]
     for name in SCENARIOS:
         args += ["--scenario", name]
     done = torchrun(2, args, timeout=600)
@@ -124,6 +124,44 @@ def test_two_ranks_step_their_disk_shards_ahead_exactly(results, rank):
     assert committed["committed"] == committed["started"] - committed["cancelled"], committed
     assert committed["rolled_back"] == 0, committed
     assert got["unclipped_speculation"] is None
+
+
+# A compact format rounds each state element: to 2^-8 of its value in bf16, to at most
+# 2^-3 of it in float8 e4m3 (3 mantissa bits). The two-rank and one-process runs differ
+# in the gradients' reduction order (~1e-7 relative), which can move an element across
+# a rounding boundary; that changes that element's Adam update by at most about one
+# rounding step of it (|update| <= ~2 lr early in training), per step. So the weights
+# agree within 2 * STEPS * lr * step (lr 3e-3); measured 1.3e-5 (bf16) and 1.9e-4
+# (8bit) against bounds of 7.0e-5 and 2.3e-3. Host memory and disk agree bitwise.
+COMPACT_STEP = {"bf16": 2.0**-8, "8bit": 2.0**-3}
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+def test_two_ranks_keep_compact_states_like_one_process(results, fmt):
+    """optimizer_state_format bf16 / 8bit sharded over 2 ranks, host memory and disk:
+    the same training as one process with the combined batch (within the rounding the
+    format allows, above), host and disk bitwise equal, both ranks the same weights."""
+    rank0, rank1 = results("compact", 0), results("compact", 1)
+    bound = 2 * STEPS * 3e-3 * COMPACT_STEP[fmt]
+    stored = {"bf16": ["torch.bfloat16"], "8bit": ["torch.float8_e4m3fn"]}[fmt]
+    for where in ("cpu", "disk"):
+        assert rank0[f"{fmt}_{where}_state_dtypes"] == stored  # the shards are compact
+        torch.testing.assert_close(
+            rank0[f"{fmt}_{where}_losses"], rank0[f"{fmt}_single_losses"], **CLOSE
+        )
+        assert_weights_close(
+            rank0[f"{fmt}_{where}_weights"], rank0[f"{fmt}_single_weights"], rtol=0, atol=bound
+        )
+        assert_same(rank1[f"{fmt}_{where}_weights"], rank0[f"{fmt}_{where}_weights"])
+    assert_same(rank0[f"{fmt}_disk_weights"], rank0[f"{fmt}_cpu_weights"])
+    assert rank0[f"{fmt}_disk_losses"] == rank0[f"{fmt}_cpu_losses"]
+
+
+def test_a_checkpoint_of_sharded_compact_states_is_refused_naming_the_way_out(results):
+    refusal = results("compact", 0)["save_refusal"]
+    assert "optimizer_state_format='8bit'" in refusal and "2 ranks" in refusal, refusal
+    assert "export_weights" in refusal and "'fp32'" in refusal, refusal
+    assert not (results("dir", 0) / "compact-ckpt").exists()  # refused before writing
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

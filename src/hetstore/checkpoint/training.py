@@ -110,6 +110,19 @@ def _check_optimizer(optimizer, model: nn.Module) -> None:
             "optimizer: pass the optimizer hetstore.offload() returned for this model, not the "
             f"original {type(optimizer).__name__} (its parameters now live in hetstore's tiers)"
         )
+    if (
+        isinstance(optimizer, OffloadedOptimizer)
+        and optimizer.shards is not None
+        and not optimizer.state_format.exact
+    ):
+        raise ConfigError(
+            f"hetstore.save / hetstore.load of a model sharded over "
+            f"{optimizer.shards.world_size} ranks with optimizer_state_format="
+            f"{optimizer.state_format.name!r} is not supported yet (each rank's file would "
+            "need its shard's states decoded); save the model's weights with "
+            "hetstore.export_weights, or train sharded with optimizer_state_format='fp32' "
+            "to checkpoint the optimizer too"
+        )
 
 
 def _optimizer_class(optimizer: Optimizer) -> type:
