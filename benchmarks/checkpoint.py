@@ -51,7 +51,7 @@ def build(width: int, depth: int, swap: Path):
         enable_pinned_mem=False,
         device="cpu",
     )
-    model, optimizer = hetstore.offload(model, optimizer, config, init_fn=GPT._init_weights)
+    model, optimizer = hetstore.offload(model, optimizer, config, init_fn=GPT.init_weights)
     idx = torch.randint(0, 256, (1, 65), generator=torch.Generator().manual_seed(0))
     model(idx[:, :-1], idx[:, 1:]).backward()
     optimizer.step()

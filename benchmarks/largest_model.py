@@ -149,7 +149,7 @@ def main() -> None:
             model = GPT(
                 vocab=args.vocab, width=args.width, depth=args.depth, heads=args.heads, ctx=args.ctx
             )
-        init_fn = GPT._init_weights
+        init_fn = GPT.init_weights
         described = f"GPT width {args.width}, depth {args.depth}, vocab {args.vocab}"
 
         def loss_of(x, y):

@@ -47,7 +47,7 @@ def main(path: str, placement: str, depth: int, device_budget: int, host_budget:
         model = GPT(vocab=256, width=1024, depth=depth, heads=16, ctx=64)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    model, optimizer = hetstore.offload(model, optimizer, config, init_fn=GPT._init_weights)
+    model, optimizer = hetstore.offload(model, optimizer, config, init_fn=GPT.init_weights)
     losses = []
     for _ in range(3):
         loss = model(x, y)

@@ -71,7 +71,7 @@ def main(path: str, depth: int, steps: int, checkpoint: str | None = None) -> No
         enable_pinned_mem=False,
         device="cpu",
     )
-    model, optimizer = hetstore.offload(model, optimizer, config, init_fn=GPT._init_weights)
+    model, optimizer = hetstore.offload(model, optimizer, config, init_fn=GPT.init_weights)
     idx = torch.randint(0, 256, (1, 65), generator=torch.Generator().manual_seed(0))
     x, y = idx[:, :-1], idx[:, 1:]
     losses = [step(model, optimizer, x, y) for _ in range(steps)]

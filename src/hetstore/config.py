@@ -446,7 +446,7 @@ class OffloadConfig:
             value = getattr(self, f.name)
             if value == f.default:
                 continue
-            if f.name in _SIZE_KEYS and value is not None:
+            if f.name in SIZE_KEYS and value is not None:
                 value = f"{format_size(value)} ({value} bytes)"
             lines.append(f"{f.name} = {value}")
         return "\n".join(lines) or "(all defaults)"
@@ -492,11 +492,11 @@ class OffloadConfig:
         offload_config = dict(offload_config)
         _check_str_keys(offload_config, "offload_config")
         for key in offload_config:
-            if key not in _MINDSPORE_KEYS:
+            if key not in MINDSPORE_KEYS:
                 raise ConfigError(
                     f"offload_config key {short_repr(key)} is not a MindSpore offload key; "
-                    f"allowed: {', '.join(sorted(_MINDSPORE_KEYS))}"
-                    f"{_did_you_mean(key, _MINDSPORE_KEYS)}"
+                    f"allowed: {', '.join(sorted(MINDSPORE_KEYS))}"
+                    f"{_did_you_mean(key, MINDSPORE_KEYS)}"
                 )
         context = dict(context)
         context.pop("mode", None)
@@ -584,7 +584,7 @@ class OffloadConfig:
 
 # --------------------------------------------------------------------------- validation
 
-_SIZE_KEYS = frozenset(
+SIZE_KEYS = frozenset(
     {
         "max_device_memory",
         "offload_cpu_size",
@@ -594,7 +594,7 @@ _SIZE_KEYS = frozenset(
         "optimizer_chunk_size",
     }
 )
-_MINDSPORE_KEYS = frozenset(
+MINDSPORE_KEYS = frozenset(
     {
         "offload_param",
         "auto_offload",
@@ -848,9 +848,9 @@ def config_reference_markdown() -> str:
     ]
     for f in dataclasses.fields(OffloadConfig):
         default = f.default
-        if f.name in _SIZE_KEYS and isinstance(default, int):
+        if f.name in SIZE_KEYS and isinstance(default, int):
             default = f"{default} ({format_size(default)})"
-        ms = _MINDSPORE_NOTE.get(f.name, "same key" if f.name in _MINDSPORE_KEYS else "—")
+        ms = _MINDSPORE_NOTE.get(f.name, "same key" if f.name in MINDSPORE_KEYS else "—")
         doc = f.metadata["doc"].replace("|", "\\|")  # a pipe would end the table cell
         lines.append(f"| `{f.name}` | `{default!r}` | {ms} | {doc} |")
     lines += [

@@ -16,7 +16,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hetstore import ConfigError, OffloadConfig  # noqa: E402
-from hetstore.config import _MINDSPORE_KEYS, _SIZE_KEYS  # noqa: E402
+from hetstore.config import MINDSPORE_KEYS, SIZE_KEYS  # noqa: E402
 
 # HETSTORE_FUZZ_EXAMPLES=5000 fuzzes longer; the default keeps the file at a few seconds
 FUZZ = settings(max_examples=int(os.environ.get("HETSTORE_FUZZ_EXAMPLES", "200")), deadline=None)
@@ -184,7 +184,7 @@ def _paths(root: Path):
 
 def _check_config(config: OffloadConfig) -> None:
     """A configuration that was accepted holds normalized values only."""
-    for key in sorted(_SIZE_KEYS | {"activation_min_bytes"}):
+    for key in sorted(SIZE_KEYS | {"activation_min_bytes"}):
         value = getattr(config, key)
         assert value is None or (type(value) is int and 0 <= value < 2**63), (key, value)
     for key in ("hbm_ratio", "cpu_ratio", "gpu_margin_mem_ratio"):
@@ -227,7 +227,7 @@ def test_many_keys_only_config_error_naming_one(workspace, data, kwargs):
 
 
 mindspore_keys = st.one_of(
-    st.sampled_from(sorted(_MINDSPORE_KEYS)),
+    st.sampled_from(sorted(MINDSPORE_KEYS)),
     st.sampled_from(UNKNOWN_KEYS + ("offload_optimizer", "max_device_memory")),
     st.text(min_size=1, max_size=6),
     st.integers(min_value=-1000, max_value=1000),
@@ -241,7 +241,7 @@ mindspore_keys = st.one_of(
 )
 mindspore_dicts = st.dictionaries(mindspore_keys, values, max_size=6)
 not_dicts = st.one_of(
-    st.lists(st.tuples(st.sampled_from(sorted(_MINDSPORE_KEYS)), values), max_size=3),
+    st.lists(st.tuples(st.sampled_from(sorted(MINDSPORE_KEYS)), values), max_size=3),
     st.text(max_size=8),
     st.binary(max_size=8),
     st.integers(),

@@ -176,7 +176,7 @@ def test_cuda_host_blocks_are_unregistered_before_their_pages_go():
 
     block = MappedBlock(8 * 2**20)
     block.register_cuda()
-    locks, view = block._locks, block.tensor[4096:]
+    locks, view = block.page_locks, block.tensor[4096:]
     del block
     gc.collect()
     assert locks.cuda_registered  # a view still uses the pages

@@ -266,11 +266,11 @@ def test_every_state_survives_two_ranks_to_one_bitwise(results):
     """The 2-rank checkpoint, loaded by one process and saved again: every parameter's
     master and optimizer state (pieces of both ranks joined) equal bitwise."""
     from hetstore.checkpoint.files import CheckpointReader
-    from hetstore.checkpoint.training import _Checkpoint
+    from hetstore.checkpoint.training import LoadedCheckpoint
 
     out = results("dir", 0)
-    two = _Checkpoint(CheckpointReader(out / "ckpt-2ranks"))
-    again = _Checkpoint(CheckpointReader(out / "ckpt-resaved"))
+    two = LoadedCheckpoint(CheckpointReader(out / "ckpt-2ranks"))
+    again = LoadedCheckpoint(CheckpointReader(out / "ckpt-resaved"))
     assert two.reader.meta["world_size"] == 2 and again.reader.meta["world_size"] == 1
     cut = [n for n, pieces in two.pieces.items() if len(pieces) > 1]
     assert cut  # some parameters were cut between the ranks' shards

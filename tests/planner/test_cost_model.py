@@ -306,10 +306,10 @@ def test_host_buffers_and_disk_regions_are_counted_in_whole_pages():
 def test_the_codec_rate_is_measured_for_compact_formats_only():
     """fp32 states have no codec (0: nothing added); the compact ones get a rate (its
     size is a timing, left to the planner benchmark)."""
-    from hetstore.planner.machine import _codec_rate
+    from hetstore.planner.machine import codec_rate
 
-    assert _codec_rate("fp32") == 0.0
-    assert all(0 < _codec_rate(name, 1 << 16) < float("inf") for name in ("bf16", "8bit"))
+    assert codec_rate("fp32") == 0.0
+    assert all(0 < codec_rate(name, 1 << 16) < float("inf") for name in ("bf16", "8bit"))
 
 
 def test_activations_on_host_and_the_disk_staging_peak_at_different_moments():
@@ -363,13 +363,13 @@ def test_a_measured_copy_rate_prices_the_copy_into_the_shadows():
     """``host_copy`` measured: a speculative step's copies take bytes / rate (on an
     H100 machine's host a third of the fused step's rate per byte); a backward too short
     for them hides less of the step, a long one all of it, as before."""
-    from hetstore.planner.cost import _shadow_copy_s
+    from hetstore.planner.cost import shadow_copy_s
 
     n = 4 * MiB
     slow = replace(GPU, host_copy=4e9)
     block = unit("blocks.0", n)
-    assert _shadow_copy_s(block, slow) == pytest.approx(4 * n * 4 / 4e9)  # 4 arrays
-    assert _shadow_copy_s(block, GPU) == pytest.approx(n / GPU.host_step * 8 / 7)
+    assert shadow_copy_s(block, slow) == pytest.approx(4 * n * 4 / 4e9)  # 4 arrays
+    assert shadow_copy_s(block, GPU) == pytest.approx(n / GPU.host_step * 8 / 7)
     for forward_s, shorter in ((0.0025, True), (10.0, False)):
         trace = replace(disk_trace(forward_s), step_overlap_memory=True)
         priced = estimate(replace(trace, machine=slow), [ON_HOST] * 5, 1)
@@ -427,9 +427,9 @@ def test_host_steps_in_the_next_forward_hide_behind_it_on_a_gpu_except_the_roots
 
 
 def test_the_host_copy_rate_is_measured():
-    from hetstore.planner.machine import _host_copy_rate
+    from hetstore.planner.machine import host_copy_rate
 
-    assert 0 < _host_copy_rate(1 << 16) < float("inf")
+    assert 0 < host_copy_rate(1 << 16) < float("inf")
 
 
 def test_steps_left_after_backward_hide_behind_the_next_forward_except_the_roots(

@@ -61,12 +61,12 @@ def test_init_fn_runs_after_reset_parameters_and_tied_weights_stay_tied(tmp_path
     with torch.device("meta"):
         model = GPT(vocab=64, width=32, depth=3)
     model, opt = hetstore.offload(
-        model, adamw(model.parameters()), disk_config(tmp_path), init_fn=GPT._init_weights
+        model, adamw(model.parameters()), disk_config(tmp_path), init_fn=GPT.init_weights
     )
     sd = model.state_dict()
     assert model.head.weight is model.wte.weight
     assert torch.equal(sd["head.weight"], sd["wte.weight"])
-    assert torch.count_nonzero(sd["blocks.0.qkv.bias"]) == 0  # _init_weights zeroed it
+    assert torch.count_nonzero(sd["blocks.0.qkv.bias"]) == 0  # init_weights zeroed it
     assert torch.equal(sd["blocks.1.ln1.weight"], torch.ones(32))  # reset_parameters
     assert 0.015 < float(sd["blocks.2.fc.weight"].std()) < 0.025  # GPT-2's std 0.02
     # it trains like a plain model started from the same weights

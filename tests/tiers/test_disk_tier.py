@@ -17,7 +17,7 @@ import torch
 
 from hetstore.errors import DiskIOError, OutOfTierMemory
 from hetstore.tiers.aio import AsyncIOEngine
-from hetstore.tiers.disk import DiskTier, _proc_start_ticks
+from hetstore.tiers.disk import DiskTier, proc_start_ticks
 from hetstore.tiers.hostmem import aligned_empty
 from tests.disk_helpers import random_bytes, small_tmpfs
 
@@ -247,7 +247,7 @@ def test_leftovers_of_dead_processes_are_reclaimed_and_live_ones_left(tmp_path, 
     dead.wait()
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        ticks = _proc_start_ticks(live.pid)
+        ticks = proc_start_ticks(live.pid)
         dead_dir = _fake_dir(tmp_path, host, dead.pid, {"pid": dead.pid, "hostname": host})
         reused_pid = _fake_dir(  # the pid is alive again but started at another time
             tmp_path,

@@ -151,7 +151,7 @@ def test_a_mapping_is_unlocked_when_its_last_view_dies_not_before():
         block.lock()
     except OSError as exc:  # a memlock limit under the block's size
         pytest.skip(f"cannot mlock here: {exc}")
-    locks, view = block._locks, block.tensor[4096:]
+    locks, view = block.page_locks, block.tensor[4096:]
     view.fill_(7)
     del block
     gc.collect()

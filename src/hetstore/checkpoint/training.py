@@ -529,7 +529,7 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-class _Checkpoint:
+class LoadedCheckpoint:
     """The tensor files of one checkpoint, checked against its index when this is made:
     every tensor file's header parsed (the files stay open), each parameter's pieces
     tiling its elements, its master (floating point, its shape) and each listed state
@@ -732,7 +732,7 @@ class _Checkpoint:
 class _Plan:
     """What the verify phase found, for the apply phase."""
 
-    ckpt: _Checkpoint
+    ckpt: LoadedCheckpoint
     groups_tensors: dict
     header: dict | None
     buffers: dict[str, torch.Tensor]
@@ -805,7 +805,7 @@ def _verify(
         if name not in reader.files:
             raise CheckpointError(f"checkpoint {str(reader.dir)!r} has no file {name!r}")
     reader.verify()
-    ckpt = _Checkpoint(reader)
+    ckpt = LoadedCheckpoint(reader)
     try:
         names = _param_names(model)
         _check_params(model, ckpt, strict)
@@ -862,7 +862,7 @@ def _apply(plan: _Plan, model: nn.Module, optimizer) -> None:
         optimizer.zero_grad()
 
 
-def _check_params(model: nn.Module, ckpt: _Checkpoint, strict: bool) -> None:
+def _check_params(model: nn.Module, ckpt: LoadedCheckpoint, strict: bool) -> None:
     mine = {name: p for name, p in model.named_parameters()}
     missing = [n for n in mine if n not in ckpt.params]
     unexpected = [n for n in ckpt.params if n not in mine]
@@ -1007,7 +1007,7 @@ def _expected_state(optimizer_class: type, hyper: dict, ndim: int) -> dict[str, 
     return kinds
 
 
-def _check_state_keys(ckpt: _Checkpoint, model, optimizer, names, header: dict) -> None:
+def _check_state_keys(ckpt: LoadedCheckpoint, model, optimizer, names, header: dict) -> None:
     """Each stepped parameter's saved states are the ones the optimizer keeps: the same
     keys, per-element ones shaped like the parameter, scalars 0-d; and for states on
     disk, the arrays the optimizer streams (a key it lacks would be dropped, one it has
@@ -1095,7 +1095,7 @@ def _check_buffers(reader: CheckpointReader, model: nn.Module, strict: bool) -> 
     return saved
 
 
-def _load_plain(model: nn.Module, ckpt: _Checkpoint, optimizer, groups_tensors) -> None:
+def _load_plain(model: nn.Module, ckpt: LoadedCheckpoint, optimizer, groups_tensors) -> None:
     for name, param in model.named_parameters():
         if ckpt.has(name):
             param.data.copy_(ckpt.read(name, None).view(param.shape))
@@ -1150,7 +1150,7 @@ def _load_unit(unit: Unit, ckpt, names, optimizer, groups_tensors, buffers: Buff
             optimizer.import_param_state(e.param, ckpt.state(name, groups_tensors))
 
 
-def _load_compact_states(unit: Unit, entries, ckpt: _Checkpoint, streamed) -> None:
+def _load_compact_states(unit: Unit, entries, ckpt: LoadedCheckpoint, streamed) -> None:
     """A unit whose states are compact in memory: each parameter's states from the
     checkpoint (zeros where it has none), encoded into the unit's format."""
     values: dict[str, list] = {}
@@ -1164,7 +1164,7 @@ def _load_compact_states(unit: Unit, entries, ckpt: _Checkpoint, streamed) -> No
     streamed.mark_loaded(_segment_steps(unit, entries, ckpt))
 
 
-def _rewrite_disk_unit(unit: Unit, entries, ckpt: _Checkpoint, streamed, buffers) -> None:
+def _rewrite_disk_unit(unit: Unit, entries, ckpt: LoadedCheckpoint, streamed, buffers) -> None:
     """Rebuild a unit whose master (and states, when ``streamed``) are on disk, chunk by
     chunk into shadow regions; commit them together at the end (all or nothing: the
     pipeline the streamed step uses, :class:`hetstore.runtime.rewrite.ChunkedRewrite`)."""
@@ -1220,7 +1220,7 @@ def _rewrite_disk_unit(unit: Unit, entries, ckpt: _Checkpoint, streamed, buffers
         streamed.mark_loaded(_segment_steps(unit, entries, ckpt))
 
 
-def _load_home_only(unit: Unit, entries, ckpt: _Checkpoint) -> None:
+def _load_home_only(unit: Unit, entries, ckpt: LoadedCheckpoint) -> None:
     """The frozen parameters without a master (``[master_numel, numel)``), cast to the
     compute dtype, straight into ``home``; those the checkpoint lacks keep their values."""
     with unit.edit_home_only() as tail:
@@ -1231,7 +1231,7 @@ def _load_home_only(unit: Unit, entries, ckpt: _Checkpoint) -> None:
 
 
 def _fill(
-    out: torch.Tensor, start: int, entries, ckpt: _Checkpoint, key: str | None, keep=None
+    out: torch.Tensor, start: int, entries, ckpt: LoadedCheckpoint, key: str | None, keep=None
 ) -> None:
     """Elements ``[start, start + out.numel())`` of a unit's flat array from the checkpoint.
     Parameters the checkpoint lacks (``strict=False``) keep their values when ``keep``
@@ -1248,7 +1248,7 @@ def _fill(
             keep.read(out[a - start : b - start], a).wait()
 
 
-def _segment_steps(unit: Unit, entries, ckpt: _Checkpoint) -> list[float] | None:
+def _segment_steps(unit: Unit, entries, ckpt: LoadedCheckpoint) -> list[float] | None:
     """Each optimizer segment's step counter (the largest of the parameters in it, or
     partly in it on a shard); None when the checkpoint has no state for any parameter of
     the unit."""
@@ -1267,7 +1267,7 @@ def _segment_steps(unit: Unit, entries, ckpt: _Checkpoint) -> list[float] | None
     return steps if any_state else None
 
 
-def _load_shard(unit: Unit, entries, ckpt: _Checkpoint, optimizer) -> None:
+def _load_shard(unit: Unit, entries, ckpt: LoadedCheckpoint, optimizer) -> None:
     """A sharded unit: the master through ``edit_master`` (the whole unit, gathered from
     every rank, so parameters the checkpoint lacks keep their values; this rank keeps its
     shard), then this rank's range of each state, read straight from the pieces."""

@@ -41,10 +41,10 @@ class GPT(nn.Module):
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.wte.weight  # tied
         self.checkpointing = checkpointing
-        self.apply(self._init_weights)
+        self.apply(self.init_weights)
 
     @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def init_weights(module: nn.Module) -> None:
         # GPT-2's init: small weights keep the initial logits (and loss) near ln(vocab)
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)

@@ -407,7 +407,7 @@ def _fetched_in_place(c: UnitChoice, m: MachineRates) -> bool:
     return c.param == Tier.HOST and m.device == "cpu"
 
 
-def _shadow_copy_s(u: UnitTrace, m) -> float:
+def shadow_copy_s(u: UnitTrace, m) -> float:
     """Seconds of a memory unit's copy into its shadows: the master, the gradient and
     each state read and written once, at the measured copy rate (``host_copy``); else
     at the rate the fused step moves its arrays (it reads master, gradient and states
@@ -438,7 +438,7 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> tuple[
             arithmetic += _host_step_s(u, m)
         elif _memory_stepped_ahead(trace, u, c):
             saved[k] = _host_step_s(u, m)
-            copy = _shadow_copy_s(u, m)
+            copy = shadow_copy_s(u, m)
             work[k] = saved[k] + copy
             copies += copy
             arithmetic += work[k]

@@ -111,7 +111,7 @@ def _step_rate(device: torch.device, numel: int = 4 << 20) -> float:
     return _median_rate(numel, opt.step, sync=sync, before=_cold_caches(device))
 
 
-def _host_copy_rate(numel: int = 4 << 20) -> float:
+def host_copy_rate(numel: int = 4 << 20) -> float:
     """Bytes per second ``copy_`` writes from one host fp32 buffer into another, on cold
     caches (as a speculative step's copy into its shadows finds them)."""
     source, target = torch.rand(numel), torch.empty(numel)
@@ -120,7 +120,7 @@ def _host_copy_rate(numel: int = 4 << 20) -> float:
     )
 
 
-def _codec_rate(format_name: str, numel: int = 4 << 20) -> float:
+def codec_rate(format_name: str, numel: int = 4 << 20) -> float:
     """State elements per second the compact format ``format_name`` decodes to fp32 and
     encodes back, as a step of its states does around the fused kernel (measured on
     this 2-core CPU: 8-bit 0.38G state elements/s, bf16 2.9G, the fused AdamW step
@@ -174,8 +174,8 @@ def measure_machine(
         flops=_flop_rate(device),
         copies_overlap=device.type == "cuda",
         device=device.type,
-        state_codec=_codec_rate(state_format_name),
-        host_copy=_host_copy_rate(),
+        state_codec=codec_rate(state_format_name),
+        host_copy=host_copy_rate(),
     )
 
 

@@ -147,7 +147,7 @@ def _read_text(path: str) -> str | None:
         return None
 
 
-def _proc_start_ticks(pid: int) -> int | None:
+def proc_start_ticks(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot (tells a reused pid apart)."""
     stat = _read_text(f"/proc/{pid}/stat")
     if stat is None:
@@ -169,7 +169,7 @@ def _identity() -> dict:
         "pid": pid,
         "hostname": socket.gethostname(),
         "start_time": time.time(),
-        "proc_start_ticks": _proc_start_ticks(pid),
+        "proc_start_ticks": proc_start_ticks(pid),
         "boot_id": _read_text("/proc/sys/kernel/random/boot_id"),
         "pidns": pidns,
     }
@@ -197,7 +197,7 @@ def _owner_alive(owner: dict, me: dict) -> bool:
     except PermissionError:
         pass  # exists, belongs to another user
     ticks = owner.get("proc_start_ticks")
-    return ticks is None or _proc_start_ticks(pid) in (None, ticks)  # else: pid reused
+    return ticks is None or proc_start_ticks(pid) in (None, ticks)  # else: pid reused
 
 
 def _du(path: str) -> int:

@@ -130,6 +130,12 @@ class MappedBlock:
         weakref.finalize(array, self._locks.undo).atexit = False
 
     @property
+    def page_locks(self):
+        """The pages' lock and CUDA registration, which outlive the block while a view of
+        its tensor does (undone when the last one goes)."""
+        return self._locks
+
+    @property
     def locked(self) -> bool:
         return self._locks.locked
 
