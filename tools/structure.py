@@ -87,14 +87,20 @@ def private_reaches(path: Path, ours: set[str]) -> list[str]:
             for alias in node.names:
                 if _private(alias.name):
                     found.append(f"{where} import {target}.{alias.name}")
-        elif isinstance(node, ast.Attribute) and _private(node.attr):
-            owner = node.value
-            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
-                continue
-            if node.attr in own or node.attr not in ours:
-                continue
+        elif _reaches(node, own, ours):
             found.append(f"{where} .{node.attr}")
     return found
+
+
+def _reaches(node: ast.AST, own: set[str], ours: set[str]) -> bool:
+    """``obj._attr`` where ``_attr`` is a private name of another hetstore module (not
+    ``self``'s or ``cls``'s, not one the reading module defines itself)."""
+    if not isinstance(node, ast.Attribute) or not _private(node.attr):
+        return False
+    owner = node.value
+    if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+        return False
+    return node.attr not in own and node.attr in ours
 
 
 def _is_module(dotted: str) -> bool:
@@ -114,12 +120,7 @@ def test_private_reads(path: Path, ours: set[str]) -> list[str]:
             for alias in node.names:
                 if _private(alias.name) and not _is_module(f"{node.module}.{alias.name}"):
                     found.append(f"{where} import {node.module}.{alias.name}")
-        elif isinstance(node, ast.Attribute) and _private(node.attr):
-            owner = node.value
-            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
-                continue
-            if node.attr in own or node.attr not in ours:
-                continue
+        elif _reaches(node, own, ours):
             found.append(f"{where} .{node.attr}")
     return sorted(found, key=lambda r: (r.split(":")[0], int(r.split(":")[1].split()[0])))
 
