@@ -160,7 +160,7 @@ def test_two_ranks_keep_compact_states_like_one_process(results, fmt):
 def test_a_checkpoint_of_sharded_compact_states_is_refused_naming_the_way_out(results):
     refusal = results("compact", 0)["save_refusal"]
     assert "optimizer_state_format='8bit'" in refusal and "2 ranks" in refusal, refusal
-    assert "export_weights" in refusal and "'fp32'" in refusal, refusal
+    assert "model.state_dict() on every rank" in refusal and "'fp32'" in refusal, refusal
     assert not (results("dir", 0) / "compact-ckpt").exists()  # refused before writing
 
 

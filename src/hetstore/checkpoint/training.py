@@ -119,9 +119,9 @@ def _check_optimizer(optimizer, model: nn.Module) -> None:
             f"hetstore.save / hetstore.load of a model sharded over "
             f"{optimizer.shards.world_size} ranks with optimizer_state_format="
             f"{optimizer.state_format.name!r} is not supported yet (each rank's file would "
-            "need its shard's states decoded); save the model's weights with "
-            "hetstore.export_weights, or train sharded with optimizer_state_format='fp32' "
-            "to checkpoint the optimizer too"
+            "need its shard's states decoded); take the weights with model.state_dict() "
+            "on every rank (a collective: each rank gets them whole), or train sharded "
+            "with optimizer_state_format='fp32' to checkpoint the optimizer too"
         )
 
 
