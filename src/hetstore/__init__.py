@@ -21,6 +21,7 @@ from hetstore.errors import (
 )
 from hetstore.lifetime import offloaded, release
 from hetstore.model_state import ModelState, state_of
+from hetstore.named_weights import named_weights
 from hetstore.planner import Plan, Trace
 from hetstore.stats import memory_stats, peak_rss
 from hetstore.tier import Tier
@@ -46,6 +47,7 @@ __all__ = [
     "memory_stats",
     "peak_rss",
     "load_weights",
+    "named_weights",
     "save",
     "load",
     "export_weights",

@@ -144,6 +144,8 @@ def run_scenario(name: str, out: str, path: str) -> None:
     # (the weights first, as in the one-process run below: reading them lands the steps
     # still running on into the next forward, and the worker's chunk buffers go)
     result["sharded_weights"] = weights(model)  # a collective: full weights on every rank
+    # (a collective too: every rank iterates, each gets the whole weights)
+    result["named_weights"] = dict(hetstore.named_weights(model, torch.float32))
     result["sharded_stats"] = hetstore.memory_stats(model)
     disk = hetstore.state_of(model).tiers.disk_if_created
     result["disk_dir"] = disk.path if disk is not None else ""

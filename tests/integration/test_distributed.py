@@ -165,6 +165,17 @@ def test_a_checkpoint_of_sharded_compact_states_is_refused_naming_the_way_out(re
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
+def test_named_weights_over_two_ranks_are_the_state_dicts(results, scenario):
+    """hetstore.named_weights on every rank (each unit all-gathered): the whole weights,
+    bitwise model.state_dict()'s, the tied head once (under wte.weight)."""
+    for rank in (0, 1):
+        got = results(scenario, rank)
+        named, state = got["named_weights"], got["sharded_weights"]
+        assert named.keys() == state.keys() - {"head.weight"}
+        assert_same(named, {k: state[k] for k in named})
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_each_rank_holds_about_half_of_the_single_process_states(results, scenario):
     single = results(scenario, 0)["single_stats"]
     print(f"\n{scenario}: single process {_usage(single)}")

@@ -178,7 +178,7 @@ class UnitForms:
         scratch = self.scratch(self.numel, torch.float32, "master scratch")
         try:
             flat = scratch.tensor[: self.numel]
-            self._read_master_into(flat)
+            self.read_master_into(flat)
             yield flat
             self.store_master(flat)
         finally:
@@ -189,7 +189,7 @@ class UnitForms:
         """True when some frozen parameters have no fp32 master (see ``master_numel``)."""
         return self.master_numel < self.numel
 
-    def _read_master_into(self, flat: torch.Tensor) -> None:
+    def read_master_into(self, flat: torch.Tensor) -> None:
         """The whole layout in fp32 into ``flat`` (host): the master, and the frozen
         parameters that live only in ``home``, widened."""
         read_into(self.master, flat[: self.master_numel])  # a never-written one reads zeros
@@ -234,7 +234,7 @@ class UnitForms:
         if not transfers_only(self.master) and not self.has_home_only:
             return self.master
         flat = torch.empty(self.numel, dtype=torch.float32)
-        self._read_master_into(flat)
+        self.read_master_into(flat)
         return flat
 
     def store_master(self, flat: torch.Tensor) -> None:
