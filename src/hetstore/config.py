@@ -236,7 +236,9 @@ class OffloadConfig:
             "(4 bytes per element, bitwise plain PyTorch), 'bf16' (2) or '8bit' (1 + 1/64: "
             "block-wise scaled 8-bit floats, second moments as square roots). The fp32 "
             "master weights are kept in every format; the update is torch's fused step on "
-            "decoded fp32 chunks. Compact formats need Adam, AdamW or SGD, one process."
+            "decoded fp32 chunks. Compact formats need Adam, AdamW or SGD; sharded over "
+            "ranks, each rank keeps its shard's states in the format (a checkpoint of them "
+            "is refused there for now)."
         ),
     )
     overlap_step: bool | str = field(
@@ -251,7 +253,8 @@ class OffloadConfig:
             "beside the GPU's backward; on a CPU device the two would share cores), and of "
             "those only as many as the host finishes before optimizer.step() comes, the "
             "rest stepped there (measured each step). True: both kinds, every unit, on "
-            "any device; False: neither. Not sharded units. A shadow holds "
+            "any device; False: neither. Sharded units too (each rank its shard). A shadow "
+            "holds "
             "one more copy of a unit's master and states (on disk, or in host memory) "
             "until the step, within the tier's room."
         ),

@@ -29,8 +29,10 @@ class StepArrangement:
     def arrange_steps(self) -> None:
         """Which unit steps run ahead of ``step()`` and which record the clip's norms in
         backward, from the unit steps as they are now (at construction, and again when
-        units' states moved before training: :meth:`commit_states_move`). The runtime is told
-        of the new ``step_ahead`` and ``grad_norms`` by its owner (``offload()``)."""
+        units' states moved before training: :meth:`commit_states_move`). The new
+        ``step_ahead`` and ``grad_norms`` subscribe to the runtime's events themselves
+        (the old ones unsubscribe as they close); ``offload()`` tells the step ahead the
+        next forward's order."""
         overlap_step, overlap_memory_step, step_in_forward = self._overlap
         if self.step_ahead is not None:
             self.step_ahead.close()
@@ -40,9 +42,9 @@ class StepArrangement:
             self.grad_norms.close()
         streamed = [s for s in self._unit_steps if isinstance(s, StreamedUnitStep)]
         self.grad_norms = RecordedNorms(streamed) if self.shards is None and streamed else None
-        # units stepped speculatively during backward (optim.step_ahead): disk units,
-        # unsharded; memory units sharded too (a rank steps its own shard, with nothing
-        # collective in it)
+        # units stepped speculatively during backward (optim.step_ahead): disk units and
+        # memory units, sharded too (a rank steps its own shard, with nothing collective
+        # in it)
         ahead = []
         if overlap_step or self.step_in_backward or step_in_forward:
             ahead += [s for s in self._unit_steps if eligible(s, s.unit)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from hetstore.errors import ConfigError
 from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.streamed import StreamedUnitStep, UnitStates
 from hetstore.runtime.unit import ParamEntry, Unit
@@ -210,11 +211,18 @@ class StateIO:
         ``states[key][i - base]`` (a tensor in memory, a ``Store`` on disk) and
         ``step`` the segment's counter (None for SGD). ``create``: per-element keys made
         as zeros where torch has not made them yet (SGD's momentum before its first step).
-        Flat optimizers only (the ones sharding allows)."""
+        Flat optimizers in the fp32 format only (compact states are refused here: each
+        element's value needs decoding)."""
         self.finish_steps_in_forward()
         for unit_step in self._unit_steps:
             if unit_step.unit is not unit:
                 continue
+            if isinstance(unit_step, UnitStates) and not unit_step.format.exact:
+                raise ConfigError(
+                    f"unit {unit.name!r} keeps its optimizer states as "
+                    f"{unit_step.format.name!r}: their per-segment views exist only in fp32 "
+                    "(optimizer_state_format='fp32')"
+                )
             if isinstance(unit_step, StreamedUnitStep):
                 return [
                     {

@@ -313,6 +313,17 @@ class StepAhead:
         return self.policy.pace
 
     # ------------------------------------------------------------------ the jobs
+    def _add_job(self, unit: Unit, job: StepJob) -> None:
+        """One job per unit at a time: a unit's earlier job is settled, landed or
+        cancelled before another is made (one left would be orphaned: its shadows, gates
+        and borrowed buffers never given back)."""
+        if id(unit) in self._jobs:
+            raise RuntimeError(
+                f"hetstore internal error: unit {unit.name!r} already has a step job "
+                f"({self._jobs[id(unit)].state.value})"
+            )
+        self._jobs[id(unit)] = job
+
     def _pending(self) -> dict[int, StepJob]:
         """Steps in backward not settled yet (running, done ahead, or failed)."""
         return {
@@ -389,7 +400,7 @@ class StepAhead:
         spec = self._start(unit)
         if spec is None:
             return False
-        self._jobs[id(unit)] = spec
+        self._add_job(unit, spec)
         return True
 
     def grads_final(self, unit: Unit) -> None:
@@ -405,7 +416,7 @@ class StepAhead:
         with self._own_allocations():
             spec = self._start(unit)
         if spec is not None:
-            self._jobs[id(unit)] = spec
+            self._add_job(unit, spec)
 
     def _start(self, unit: Unit) -> StepJob | None:
         """A step of ``unit`` into shadows on the worker, or None when there is no room
@@ -891,7 +902,7 @@ class StepAhead:
         record = StepJob(unit_step, When.IN_FORWARD, Target.IN_PLACE, self._hyper_now(unit))
         unit.param_version += 1  # as the ordinary step moves it before stepping
         record.submitted(self._pool().submit(_step_in_place, record))
-        self._jobs[id(unit)] = record
+        self._add_job(unit, record)
         unit.work_pending = True
         self.stats.in_forward += 1
 
@@ -945,7 +956,7 @@ class StepAhead:
             rewrite.discard()
             self._give_back_borrowed(record)
             raise
-        self._jobs[id(unit)] = record
+        self._add_job(unit, record)
         self._arm(unit_step, True)
         self.stats.in_forward += 1
         return True
@@ -1230,6 +1241,11 @@ class StepAhead:
                 unit_step.step(record.multipliers, hyper=record.hyper, has_grad=record.has_grad)
                 record.move(JobState.LANDED)  # (stepped here instead: the step is done)
         except BaseException as exc:
+            if record.state in (JobState.COMMITTED, JobState.LANDED):
+                # the step is the unit's already (what failed came after: giving back a
+                # staging buffer): done, never run again
+                self._forget_in_forward(id(unit))
+                raise
             self._arm(unit_step, True)
             exc.add_note(
                 f"hetstore: the optimizer step of unit {unit.name!r}, run on during the next "

@@ -8,21 +8,23 @@ scale's factor, the clip's factors for gradients on disk), where its result goes
 (``When``), and one ``JobState`` for its life:
 
 ```
-                 start()              finished(ok)
-   PENDING ──────────────▶ RUNNING ──────────────▶ DONE_AHEAD ── commit() ──▶ COMMITTED
-      │                       │  ╲                    │   (shadows: a swap; its inputs held)
-      │                       │   ╲ finished(not ok)  │
-      │                       │    ▶ FAILED ──────────┼──▶ (stepped again, or raised at the
-      │                       │                       │     unit's next use)
-      │ cancel()              │ (in place)            │ cancel(): inputs changed, superseded,
-      ▼                       ▼ land()                ▼ zero_grad, a load, release
-   CANCELLED              LANDED                  CANCELLED
+               submitted()          finished(ok)
+   PENDING ──────────────▶ RUNNING ──────────────▶ DONE_AHEAD ── move(COMMITTED) ──▶ COMMITTED
+      │                     │    │                     │   (shadows: a swap; its inputs held)
+      │                     │    │ finished(not ok)    │
+      │                     │    └──────────▶ FAILED ──┼── stepped again: move(LANDED) ──▶ LANDED
+      │ cancel()            │ finished(ok),     │      │
+      │                     │ in place          │      │ cancel(): inputs changed, superseded,
+      ▼                     ▼                   ▼      ▼ rolled back, zero_grad, a load, release
+   CANCELLED             LANDED              CANCELLED
 ```
 
 ``COMMITTED`` and ``LANDED`` are the two ways a step becomes the unit's: a shadowed
 step is committed (its inputs still held), an in-place step has landed once a reader
-waited for it (``Unit.barrier``). Only the caller's thread moves a job between states;
-the worker runs :meth:`StepJob.run` and sets nothing but the future's outcome.
+waited for it (``Unit.barrier``). Only the caller's thread moves a job between states
+(``move``, ``submitted``, ``finished``, ``cancel``); the worker runs the step and,
+for a step in the next forward, marks the staging buffer it took (``claimed``,
+``filled``), under the step ahead's lock.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class Target(Enum):
 
 _MOVES = {
     JobState.PENDING: {JobState.RUNNING, JobState.CANCELLED},
-    JobState.RUNNING: {JobState.DONE_AHEAD, JobState.FAILED, JobState.LANDED},
+    # (cancelled while running: only after the caller waited for the worker)
+    JobState.RUNNING: {JobState.DONE_AHEAD, JobState.FAILED, JobState.LANDED, JobState.CANCELLED},
     JobState.DONE_AHEAD: {JobState.COMMITTED, JobState.CANCELLED},
     JobState.FAILED: {JobState.CANCELLED, JobState.LANDED},  # (landed: stepped again)
     JobState.COMMITTED: set(),
@@ -133,5 +136,6 @@ class StepJob:
             self.move(JobState.DONE_AHEAD)
 
     def cancel(self) -> None:
+        """Dropped (a job already final stays so)."""
         if self.state not in (JobState.COMMITTED, JobState.LANDED, JobState.CANCELLED):
-            self.state = JobState.CANCELLED
+            self.move(JobState.CANCELLED)
