@@ -90,11 +90,14 @@ class OffloadRuntime:
         batch_guard=None,
         copy_stream: torch.cuda.Stream | None = None,
         grad_stream: torch.cuda.Stream | None = None,
-        events: Events | None = None,
+        events: Events,
     ):
         self.model = model
-        # what this runtime tells others (runtime.events): the units publish on it too
-        self.events = events if events is not None else Events()
+        # what this runtime tells others (runtime.events): its units' bus, one per model
+        # (a unit on another would publish where nobody listens)
+        if any(u.events is not events for u in units):
+            raise ValueError("hetstore internal error: a runtime's units publish on its bus")
+        self.events = events
         self.units = units
         self.root = root
         self.block_units = [u for u in units if u is not root]

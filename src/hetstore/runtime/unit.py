@@ -99,11 +99,11 @@ class Unit(UnitForms, DeviceResidency):
         shards: ShardGroup | None = None,
         align: int = ALIGN_ELEMENTS,
         defer_disk_grad: bool = False,
-        events: Events | None = None,
+        events: Events,
     ):
         self.index = index
         # the model's bus (runtime.events): the unit publishes reads and rewrites on it
-        self.events = events if events is not None else Events()
+        self.events = events
         self.shards = shards
         # segment starts (and shard sizes) are multiples of this: 4096 bytes of the
         # narrowest array the unit keeps (BYTE_ALIGN_ELEMENTS with 8-bit states)
