@@ -114,7 +114,7 @@ class _Offloading:
         self.config = config if config is not None else OffloadConfig()
         self.process_group = process_group
         self.events = Events()  # the model's bus: units and runtime publish on it
-        self.units: list[Unit] = []  # built so far, in order (materialize)
+        self.units: list[Unit] = []  # every unit, in order, once materialize built them
 
     # ------------------------------------------------------------------ phases
     def validate(self) -> None:
@@ -177,24 +177,24 @@ class _Offloading:
         if self.plan.source == "manual" and self.shards is None:
             _check_manual_placement(self.trace, self.optimizer, self.config)
 
-    def _bounds_process_memory(self, plan: Plan) -> bool:
-        """Whether the process's resident set is to stay within the budgets (hetstore.
-        _malloc): a host budget was set, or something lives on disk (the process must
-        stay far below the states' size). Not otherwise: it costs step time (a 100M GPT
-        offloaded to host memory took 1.22x plain PyTorch with it, 1.04x without)."""
-        if self.config.offload_cpu_size is not None:
-            return True
-        return any(
+    def _bound_process_memory(self, plan: Plan) -> None:
+        """On a CPU device the device's memory is the process's: keep freed memory from
+        staying resident (hetstore._malloc) where the user bounds the process, with a
+        host budget, or with anything on disk (it must stay far below the states' size).
+        Not otherwise: it costs step time (a 100M GPT offloaded to host memory took
+        1.22x plain PyTorch with it, 1.04x without)."""
+        on_disk = any(
             Tier.DISK in (u.choice.param, u.choice.optimizer, u.choice.activations)
             for u in plan.units
         )
+        if self.device.type == "cpu" and (self.config.offload_cpu_size is not None or on_disk):
+            bound_heap_retention()
 
     def materialize(self, init_fn: Callable[[nn.Module], None] | None) -> None:
         """Make the tiers and every unit's buffers in them (a meta model is initialized
         unit by unit on the way); a failure frees whatever was made."""
         config, shards = self.config, self.shards
-        if self.device.type == "cpu" and self._bounds_process_memory(self.plan):
-            bound_heap_retention()  # (the device's memory is the process's)
+        self._bound_process_memory(self.plan)
         built: list[Unit | None] = [None] * len(self.specs)
         self.built = built
         self.tiers = Tiers(
@@ -353,8 +353,7 @@ class _Offloading:
         """The first batch or a larger one placed activations, and parameters that had
         to leave the device (planner.shapes): put the new plan in effect."""
         unit_list, tiers, runtime = self.units, self.tiers, self.runtime
-        if self.device.type == "cpu" and self._bounds_process_memory(new_plan):
-            bound_heap_retention()  # (something moves to disk now)
+        self._bound_process_memory(new_plan)  # (something may move to disk now)
         by_name = {u.name: u for u in unit_list}
         # states first: a master leaving host memory makes room for a home moved there
         _move_states(

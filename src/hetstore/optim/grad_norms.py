@@ -39,17 +39,12 @@ class RecordedNorms:
         # told by the runtime when a unit's gradients are final; it reads their buffer
         self._events = unit_steps[0].unit.events if unit_steps else None
         if self._events is not None:
-            self._events.subscribe(Event.GRADS_FINAL, self.grads_final)
-            self._events.reads_grads_when_final(self._reads_buffers)
-
-    def _reads_buffers(self) -> bool:
-        return True
+            self._events.subscribe(Event.GRADS_FINAL, self.grads_final, reads_grads=True)
 
     def close(self) -> None:
         """Stop listening (the optimizer arranged its steps anew, or was released)."""
         if self._events is not None:
             self._events.unsubscribe(Event.GRADS_FINAL, self.grads_final)
-            self._events.forget_reader(self._reads_buffers)
             self._events = None
 
     def grads_final(self, unit: Unit) -> None:

@@ -143,6 +143,16 @@ class ReadAhead:
     ok: bool | None = None
 
 
+def _settling(job: StepJob) -> bool:
+    """A step in backward not settled yet (running, done ahead, or failed)."""
+    return job.when is When.IN_BACKWARD and job.state is not JobState.COMMITTED
+
+
+def _taken(job: StepJob) -> bool:
+    """A step taken and committed in backward (step_in_backward), until optimizer.step()."""
+    return job.when is When.IN_BACKWARD and job.state is JobState.COMMITTED
+
+
 def eligible(unit_step, unit: Unit) -> bool:
     """A disk unit the step ahead can step into shadows (memory units:
     :meth:`InMemoryUnitStep.can_speculate`, chosen by ``overlap_step``). Sharded too: a
@@ -252,9 +262,13 @@ class StepAhead:
         # backward starts and ends, when a unit is read while its step runs on, and
         # when a unit's states are rewritten outside a step
         self._events = first.unit.events
+        # (a disk unit's step in backward reads the stager's buffer on this thread, so
+        # it must wait for the gradient copies when the unit's backward is done; a memory
+        # unit's step waits for them on the worker, so backward goes on queueing work)
+        reads_grads = self.speculate and bool(self._streamed)
         for event, handler in self._subscriptions():
-            self._events.subscribe(event, handler)
-        self._events.reads_grads_when_final(self._reads_grads_when_final)
+            on_grads = event in (Event.GRADS_GATHERED, Event.GRADS_FINAL)
+            self._events.subscribe(event, handler, reads_grads=reads_grads and on_grads)
         if consume:
             for stager in self._stagers:
                 if isinstance(stager, GradStager):
@@ -324,37 +338,25 @@ class StepAhead:
             )
         self._jobs[id(unit)] = job
 
+    def _where(self, kind: Callable[[StepJob], bool]) -> dict[int, StepJob]:
+        """The jobs of one kind (unit id -> job), in the order they were made."""
+        return {k: j for k, j in self._jobs.items() if kind(j)}
+
     def _pending(self) -> dict[int, StepJob]:
         """Steps in backward not settled yet (running, done ahead, or failed)."""
-        return {
-            k: j
-            for k, j in self._jobs.items()
-            if j.when is When.IN_BACKWARD and j.state is not JobState.COMMITTED
-        }
+        return self._where(_settling)
 
     def _consumed(self) -> dict[int, StepJob]:
         """step_in_backward: steps taken and committed in backward, until optimizer.step()."""
-        return {
-            k: j
-            for k, j in self._jobs.items()
-            if j.when is When.IN_BACKWARD and j.state is JobState.COMMITTED
-        }
+        return self._where(_taken)
 
     def _in_forward(self) -> dict[int, StepJob]:
         """Disk units' steps handed to the next forward, into shadows."""
-        return {
-            k: j
-            for k, j in self._jobs.items()
-            if j.when is When.IN_FORWARD and j.target is Target.SHADOWS
-        }
+        return self._where(lambda j: j.when is When.IN_FORWARD and j.target is Target.SHADOWS)
 
     def _in_place(self) -> dict[int, StepJob]:
         """Host-memory units' ordinary steps handed to the next forward, in place."""
-        return {
-            k: j
-            for k, j in self._jobs.items()
-            if j.when is When.IN_FORWARD and j.target is Target.IN_PLACE
-        }
+        return self._where(lambda j: j.when is When.IN_FORWARD and j.target is Target.IN_PLACE)
 
     # ------------------------------------------------------------------ runtime events
     def _subscriptions(self) -> list:
@@ -382,12 +384,6 @@ class StepAhead:
         """Every unit is released: finish and commit the steps taken in backward."""
         if self.consume:
             self._collect(block=True)
-
-    def _reads_grads_when_final(self) -> bool:
-        """Whether this thread must wait for a unit's gradient copies when its backward
-        is done: a disk unit's step reads the stager's buffer from here. (A memory unit's
-        step waits for them on the worker, so that backward goes on queueing work.)"""
-        return self.speculate and bool(self._streamed)
 
     def consume_grads(self, unit: Unit) -> bool:
         """step_in_backward: backward produced ``unit``'s last gradient; step it now from
@@ -671,7 +667,7 @@ class StepAhead:
         H100's host the ordinary steps right after the worker's ran slowly, cause not
         known; docs/BENCHMARKS.md). It goes with the model (``close``, or garbage
         collection: the thread does not keep this object alive)."""
-        if len(self._consumed()) < len(self._jobs) or self._read_ahead:
+        if any(not _taken(j) for j in self._jobs.values()) or self._read_ahead:
             return
         self._free_slots()  # (the disk steps' chunk buffers: nothing reads them now)
         if self._executor is not None and (closing or not self._keep_worker):
@@ -701,7 +697,6 @@ class StepAhead:
             stager.on_give_back = stager.reclaim_lent = None
         for event, handler in self._subscriptions():
             self._events.unsubscribe(event, handler)
-        self._events.forget_reader(self._reads_grads_when_final)
 
     @contextlib.contextmanager
     def _own_allocations(self):

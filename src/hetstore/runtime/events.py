@@ -39,18 +39,22 @@ class Events:
 
     def __init__(self):
         self._subscribers: dict[Event, list[Callable]] = {event: [] for event in Event}
-        # subscribers of GRADS_GATHERED / GRADS_FINAL that read the unit's gradient
-        # buffer on the publishing thread: the runtime lets the copies to it land first
-        self._reads_grads: list[Callable[[], bool]] = []
+        # the subscribers that read a unit's gradient buffer on the publishing thread
+        # when its gradients are final: the runtime lets the copies to it land first
+        self._grad_readers: list[Callable] = []
 
-    def subscribe(self, event: Event, handler: Callable) -> None:
+    def subscribe(self, event: Event, handler: Callable, *, reads_grads: bool = False) -> None:
+        """``reads_grads``: ``handler`` reads the unit's gradient buffer when it runs
+        (``GRADS_GATHERED``, ``GRADS_FINAL``)."""
         self._subscribers[event].append(handler)
+        if reads_grads:
+            self._grad_readers.append(handler)
 
     def unsubscribe(self, event: Event, handler: Callable) -> None:
         """Stop ``handler`` (bound methods compare equal); nothing if not subscribed."""
-        handlers = self._subscribers[event]
-        if handler in handlers:
-            handlers.remove(handler)
+        for handlers in (self._subscribers[event], self._grad_readers):
+            if handler in handlers:
+                handlers.remove(handler)
 
     def publish(self, event: Event, *args) -> bool:
         """Run every subscriber of ``event``; True when any returned a true value."""
@@ -59,19 +63,7 @@ class Events:
             taken = bool(handler(*args)) or taken
         return taken
 
-    def subscribed(self, event: Event) -> bool:
-        return bool(self._subscribers[event])
-
-    def reads_grads_when_final(self, probe: Callable[[], bool]) -> None:
-        """Declare (with ``probe``, asked at each backward) that a subscriber reads
-        gradient buffers when a unit's gradients are final; withdraw with
-        :meth:`forget_reader`."""
-        self._reads_grads.append(probe)
-
-    def forget_reader(self, probe: Callable[[], bool]) -> None:
-        if probe in self._reads_grads:
-            self._reads_grads.remove(probe)
-
     @property
     def grads_read_when_final(self) -> bool:
-        return any(probe() for probe in self._reads_grads)
+        """Whether a subscriber reads gradient buffers as soon as they are final."""
+        return bool(self._grad_readers)
