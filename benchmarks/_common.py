@@ -11,11 +11,13 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +98,7 @@ def spread(values: Sequence[float]) -> str:
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A GitHub-markdown table, so output can be pasted into docs/BENCHMARKS.md as is."""
+    """A GitHub-markdown table, so output can be pasted into docs/dev/BENCHMARKS.md as is."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
@@ -223,3 +225,83 @@ def loss_report(
             f"max {kind} difference from {reference} = {diff:.2e}"
         )
     return "\n".join(lines), worst
+
+
+# ------------------------------------------------------------- results for the docs
+RESULTS = REPO / "benchmarks" / "results"
+RESULT_SCHEMA = "hetstore-result/1"  # what tools/perf_page.py reads
+
+
+def git_commit() -> str:
+    """The checkout's short commit, with '+' when tracked files differ from it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
+def bench_command(script: str, argv: Sequence[str]) -> str:
+    """The command line that reproduces a run: ``script`` with ``argv`` less ``--json``."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--json":
+            skip = True
+        elif not arg.startswith("--json="):
+            kept.append(arg)
+    return shlex.join([".venv/bin/python", script, *kept])
+
+
+def record_json(
+    path: str | Path,
+    *,
+    scenario: str,
+    rows: Sequence[dict[str, Any]],
+    command: str,
+    machine: str,
+    commit: str | None = None,
+    date: str | None = None,
+    notes: Iterable[str] = (),
+    source: str | None = None,
+    provenance: str | None = None,
+) -> Path:
+    """Write a result record, the file docs/performance.md is generated from.
+
+    ``rows``: one dict per measured configuration, each with a ``config`` string naming
+    it (a later record with the same scenario and config replaces the row on the page)
+    and the scenario's figures, under the keys ``tools/perf_page.py``'s columns read.
+    ``commit`` defaults to the checkout's (``git_commit``), ``date`` to now in UTC
+    (``YYYY-MM-DDTHH:MM``). Then run ``.venv/bin/python tools/perf_page.py``.
+    """
+    rows = [dict(row) for row in rows]
+    if not rows or any(not row.get("config") for row in rows):
+        raise ValueError("every row needs a 'config' naming the configuration it measured")
+    record = {
+        "schema": RESULT_SCHEMA,
+        "scenario": scenario,
+        "date": date or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M"),
+        "machine": machine,
+        "commit": commit or git_commit(),
+        "command": command,
+        "source": source,
+        "provenance": provenance
+        or "written by the benchmark itself (benchmarks/_common.record_json)",
+        "notes": list(notes),
+        "rows": rows,
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    return path

@@ -75,12 +75,14 @@ import hetstore
 from _common import (
     REPO,
     Worker,
+    bench_command,
     format_table,
     lockstep,
     loss_report,
     machine_line,
     median,
     peak_rss_bytes,
+    record_json,
     reply,
     size,
     spread,
@@ -316,6 +318,51 @@ def summarize(
     return format_table(header, rows), format_table(phase_header, phase_rows)
 
 
+def record_rows(
+    results: dict[str, list[dict[str, float]]],
+    stats: dict[str, dict],
+    args: argparse.Namespace,
+    params: int,
+    engine_bw: dict[str, float],
+) -> list[dict]:
+    """The disk variants' figures, as ``summarize`` computes them, for record_json."""
+    timed = {v: [s for s in r[args.warmup :] if not s.get("after_gap")] for v, r in results.items()}
+    plain = [s["time"] for s in timed["plain"]]
+    ref = [s["loss"] for s in results["plain"]]
+    clip = "no clip"
+    bites = None
+    if args.clip:
+        norms = [s["norm"] for s in results["plain"]]
+        clip = f"clip {args.clip}"
+        bites = f"{sum(n > args.clip for n in norms)} of {len(norms)} steps"
+    rows = []
+    for variant, steps in timed.items():
+        if not on_disk(variant):
+            continue
+        n = len(steps)
+        times = [s["time"] for s in steps]
+        losses = [s["loss"] for s in results[variant]]
+        loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True))
+        rows.append(
+            {
+                "config": f"{params / 1e6:.1f}M GPT, fp32, batch {args.batch}, {clip}: {variant}",
+                "clip_bites": bites,
+                "plain_s": round(median(plain), 3),
+                "hetstore_s": round(median(times), 3),
+                "ratio": round(median([t / p for t, p in zip(times, plain, strict=True)]), 2),
+                **{f"{k}_s": round(median([s[k] for s in steps]), 3) for k in PHASES},
+                "disk_read": size(sum(s["read"] for s in steps) / n),
+                "disk_written": size(sum(s["written"] for s in steps) / n),
+                "plain_rss": size(stats["plain"]["rss"]),
+                "hetstore_rss": size(stats[variant]["rss"]),
+                "engine_read": round(engine_bw["read"] / 1e9, 2),
+                "engine_write": round(engine_bw["write"] / 1e9, 2),
+                "loss_diff": f"{loss_diff:.2e}",
+            }
+        )
+    return rows
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -364,6 +411,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variants",
         default=",".join(VARIANTS),
         help=f"comma-separated subset of: {', '.join(VARIANTS)} (plain is always run)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the disk variants' results as a record for docs/performance.md "
+        "(benchmarks/results/*.json; then run tools/perf_page.py)",
     )
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--offload-path", help=argparse.SUPPRESS)
@@ -500,6 +553,15 @@ def main() -> None:
         sys.exit("non-finite loss")
     if worst > 1e-4:
         sys.exit(f"losses differ from plain by up to {worst:.2e} (relative)")
+    rows = record_rows(results, stats, args, params, engine_bw) if args.json else []
+    if rows:
+        record_json(
+            args.json,
+            scenario="disk_offload",
+            rows=rows,
+            command=bench_command("benchmarks/disk_offload.py", sys.argv[1:]),
+            machine=f"{machine_line()}; {machine_summary(args.dir)}",
+        )
 
 
 if __name__ == "__main__":

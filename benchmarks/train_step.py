@@ -35,12 +35,14 @@ from torch import nn
 
 import hetstore
 from _common import (
+    bench_command,
     format_table,
     lockstep,
     loss_report,
     machine_line,
     median,
     peak_rss_bytes,
+    record_json,
     reply,
     size,
     spread,
@@ -206,6 +208,34 @@ def summarize(results: dict[str, list[dict[str, float]]], stats: dict[str, dict]
     return format_table(header, rows)
 
 
+def record_row(
+    results: dict[str, list[dict[str, float]]], stats: dict[str, dict], warmup: int, args
+) -> dict:
+    """The offloaded variant's figures, as ``summarize`` computes them, for record_json."""
+    timed = {v: r[warmup:] for v, r in results.items()}
+    plain = [s["time"] for s in timed["plain"]]
+    steps = timed["offloaded"]
+    times = [s["time"] for s in steps]
+    cfg = PRESETS[args.size]
+    loss_diff = max(  # over every step, as loss_report
+        abs(a["loss"] - b["loss"])
+        for a, b in zip(results["offloaded"], results["plain"], strict=True)
+    )
+    tiers = stats["offloaded"]["memory_stats"] or {}
+    return {
+        "config": f"{args.size} GPT, batch {cfg.batch}x{cfg.seq}, fp32: offload_param=cpu, "
+        "offload_optimizer=cpu, CPU device",
+        "plain_s": round(median(plain), 3),
+        "hetstore_s": round(median(times), 3),
+        "ratio": round(median([t / p for t, p in zip(times, plain, strict=True)]), 3),
+        **{f"{k}_s": round(median([s[k] for s in steps]), 3) for k in ("fwd", "bwd", "opt")},
+        "plain_rss": size(stats["plain"]["rss"]),
+        "hetstore_rss": size(stats["offloaded"]["rss"]),
+        "host_peak": size(tiers.get("host", {}).get("peak")),
+        "loss_diff": f"{loss_diff:.2e}",
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="100M", choices=sorted(PRESETS))
@@ -218,6 +248,12 @@ def main() -> None:
         help="hetstore's device budget (the 100M model's activations, kept on the device "
         "and counted there since the CPU device counts them, take ~205 MiB at batch 4x128 "
         "beside ~50 MiB of fetched parameters: 256MB no longer holds them)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the result as a record for docs/performance.md "
+        "(benchmarks/results/*.json; then run tools/perf_page.py)",
     )
     parser.add_argument("--worker", choices=("plain", "offloaded"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -247,6 +283,14 @@ def main() -> None:
     print(loss_report(results)[0])
     if not all(math.isfinite(s["loss"]) for r in results.values() for s in r):
         sys.exit("non-finite loss")
+    if args.json:
+        record_json(
+            args.json,
+            scenario="train_step",
+            rows=[record_row(results, stats, args.warmup, args)],
+            command=bench_command("benchmarks/train_step.py", sys.argv[1:]),
+            machine=machine_line(),
+        )
 
 
 if __name__ == "__main__":
