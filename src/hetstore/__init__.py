@@ -19,6 +19,7 @@ from hetstore.errors import (
     OutOfDeviceMemory,
     OutOfTierMemory,
 )
+from hetstore.eviction import EvictionReport, evict, restore
 from hetstore.lifetime import offloaded, release
 from hetstore.model_state import ModelState, state_of
 from hetstore.named_weights import named_weights
@@ -48,6 +49,9 @@ __all__ = [
     "peak_rss",
     "load_weights",
     "named_weights",
+    "evict",
+    "restore",
+    "EvictionReport",
     "save",
     "load",
     "export_weights",

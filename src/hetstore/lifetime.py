@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hetstore.errors import ConfigError
+from hetstore.eviction import forget as forget_eviction
 from hetstore.model_state import is_released, mark_released, state_of
 from hetstore.tiers.hostmem import return_free_heap
 
@@ -49,6 +50,7 @@ def release(model: nn.Module) -> None:
         )
     if torch._C._current_graph_task_id() != -1:
         raise ConfigError("release() called during a backward: call it between steps")
+    forget_eviction(state)  # (an evicted model's copies go; its buffers are freed below)
     runtime = state.runtime
     optimizer = runtime.optimizer() if runtime.optimizer is not None else None
     if optimizer is not None:

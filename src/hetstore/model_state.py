@@ -33,6 +33,8 @@ class ModelState:
     runtime: OffloadRuntime
     tiers: Tiers
     shards: ShardGroup | None  # sharded over ranks (ZeRO-3), else None
+    # what hetstore.evict moved off the device, until hetstore.restore (hetstore.eviction)
+    evicted: object | None = None
 
     @property
     def plan(self) -> Plan:

@@ -50,6 +50,12 @@ def named_weights(
             "named_weights: this model was released by hetstore.release() and its weights "
             "freed; there is nothing to read"
         )
+    state = state_of(model)
+    if state is not None and state.evicted is not None:
+        raise ConfigError(
+            "named_weights: this model is evicted (hetstore.evict); read its weights before "
+            "evicting it, or after hetstore.restore(model)"
+        )
     return _weights(model, dtype)
 
 

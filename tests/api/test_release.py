@@ -5,7 +5,6 @@ threads, and a model released is refused clearly afterwards."""
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 import time
 import weakref
@@ -15,25 +14,11 @@ import torch
 
 import hetstore
 from hetstore.demo.gpt import GPT
+from tests.api.helpers import footprint as _footprint
 
 # ~3.4M parameters: 55 MB of fp32 states per model (master, gradient, two moments), so a
 # cycle that leaked its host states would grow the resident set by that much each time
 SHAPE = dict(vocab=1024, width=256, depth=4, heads=4, ctx=16)
-
-
-def _footprint(offload_dir) -> dict[str, int]:
-    """What a leaked model would leave behind in this process and on disk."""
-    with open("/proc/self/status") as f:
-        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    with open("/proc/self/maps") as f:
-        mappings = sum(1 for _ in f)
-    return {
-        "files": sum(len(files) + len(dirs) for _, dirs, files in os.walk(offload_dir)),
-        "fds": len(os.listdir("/proc/self/fd")),
-        "threads": len(os.listdir("/proc/self/task")),
-        "mappings": mappings,
-        "rss": rss,
-    }
 
 
 def _offload(placement: str, activations: str, offload_dir, seed: int = 0):

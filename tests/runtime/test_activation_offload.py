@@ -126,6 +126,27 @@ def test_activations_are_released_after_backward(tmp_path):
     assert device.current == before
 
 
+@pytest.mark.parametrize("acts", ["none", "cpu"])
+def test_a_forward_dropped_without_its_backward_gives_its_activations_back(tmp_path, acts):
+    """Validation in train mode with autograd on, or an exception between forward and
+    backward: the graph goes when the loss does. (Records that held a node's own saved
+    output made a cycle no collector sees: every such forward leaked its graph.)"""
+    _, mine = pair(GPT)
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), act_config(tmp_path, acts))
+    x, y = batches(1)[0]
+    device = hetstore.state_of(mine).tiers.device_tier.account
+    loss = mine(x, y)
+    loss.backward()
+    del loss
+    after_a_step = dict(device.holders(n=100)).get("activations", 0)
+    for _ in range(3):
+        loss = mine(x, y)
+        del loss
+        assert dict(device.holders(n=100)).get("activations", 0) == after_a_step
+    assert not hetstore.state_of(mine).runtime.graph_alive
+    hetstore.release(mine)
+
+
 def _one_step(model, opt, data):
     losses, _ = run(model, opt, data)
     return losses, hetstore.state_of(model).runtime.activations

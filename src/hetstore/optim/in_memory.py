@@ -75,6 +75,15 @@ class InMemoryUnitStep:
         self._spec = flat_spec(type(optimizer))
         self._placeholders: list[Optimizer] | None = None  # the worker's, per segment
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the inner optimizer's state (the moments, the step counts)."""
+        return [
+            value
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ]
+
     def step(self, hyper: Callable[[int], dict]) -> None:
         """The ordinary step, in place: each inner group takes the values ``hyper`` gives
         for its outer group (the live ones in ``optimizer.step()``; those of that call

@@ -115,7 +115,9 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         self._disk_grad_factors: list = []
         self._clipped = False  # clip_grad_norm_ scaled this step's gradients
         self._resume_at = 0  # index into _unit_steps where an interrupted step goes on
-        self._released = False  # hetstore.release(model) freed the units' buffers
+        # why it cannot be used now (hetstore.release freed the units' buffers; evict
+        # moved those on the device away until restore), None when it can
+        self.refusal: str | None = None
         self.step_in_backward = step_in_backward and shards is None
         self._overlap = (overlap_step, overlap_memory_step, step_in_forward)
         self._pace_memory_steps = pace_memory_steps  # see optim.policy
@@ -147,7 +149,10 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
     def release(self) -> None:
         """The model was released (hetstore.release): drop every reference to the units'
         buffers and refuse to be used from now on."""
-        self._released = True
+        self.refusal = (
+            "its model was released by hetstore.release(), which freed the master weights "
+            "and optimizer states; offload a new model"
+        )
         if self.step_ahead is not None:
             self.step_ahead.close()
             self.step_ahead = None
@@ -160,11 +165,8 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         self.state.clear()
 
     def _check_alive(self, what: str) -> None:
-        if self._released:
-            raise ConfigError(
-                f"optimizer.{what}(): its model was released by hetstore.release(), which "
-                "freed the master weights and optimizer states; offload a new model"
-            )
+        if self.refusal is not None:
+            raise ConfigError(f"optimizer.{what}(): {self.refusal}")
 
     # ------------------------------------------------------------------ construction
     def _hyper(self, group_index: int) -> dict:

@@ -201,6 +201,11 @@ class UnitStates:
         Adam's fresh states are zeros."""
         return not self.stepped and not self.has_step
 
+    def held_tensors(self) -> list:
+        """Every array it keeps (states and scales: tensors, or stores on disk) and the
+        step counts."""
+        return [*self.states.values(), *self.scales.values(), *self.steps]
+
     def _count_step(self) -> None:
         for counter in self.steps:
             counter += 1

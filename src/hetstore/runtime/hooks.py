@@ -123,6 +123,9 @@ class OffloadRuntime:
         # units whose trainable gradients are in but whose frozen weights may still be
         # needed later in this backward (see _release_finished_before)
         self._awaiting_release: list[Unit] = []
+        # the pre-backward hooks of forwards whose backward has not run: a graph alive
+        # (empty once its backward ends or it is dropped; hetstore.evict refuses while not)
+        self._awaiting_backward: weakref.WeakSet = weakref.WeakSet()
         self._any_frozen = False  # (set as each backward starts: see has_untracked_params)
 
         # Every module hook runs eagerly, outside any torch.compile graph: it moves bytes
@@ -288,7 +291,9 @@ class OffloadRuntime:
         if torch.is_grad_enabled():
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(_PreBackwardHook(self._weak, unit.index))
+                    hook = _PreBackwardHook(self._weak, unit.index)
+                    tensor.register_hook(hook)
+                    self._awaiting_backward.add(hook)
         unit.release()
 
     # ------------------------------------------------------------------ backward
@@ -371,9 +376,16 @@ class OffloadRuntime:
         the copies to the host run on until the end of backward."""
         return self.grad_stager is not None or self.events.grads_read_when_final
 
+    @property
+    def graph_alive(self) -> bool:
+        """A forward's graph awaits its backward (its parameters and saved tensors may
+        still be read)."""
+        return len(self._awaiting_backward) > 0
+
     def _end_of_backward(self) -> None:
         self._callback_task = None
         self._awaiting_release = []
+        self._awaiting_backward = weakref.WeakSet()
         for unit in self.units:
             unit.grads.wait_copies()  # gradients still crossing to the host land first
             if unit.grads.has_bucket:  # sharded, some of whose parameters got no gradient
@@ -471,7 +483,7 @@ class _GradReadyHook:
 class _PreBackwardHook:
     """A unit output's gradient hook: fetches the unit before its backward, runtime weak."""
 
-    __slots__ = ("runtime", "unit")
+    __slots__ = ("runtime", "unit", "__weakref__")
 
     def __init__(self, runtime: weakref.ref, unit: int):
         self.runtime, self.unit = runtime, unit

@@ -68,6 +68,11 @@ class UnitForms:
         self._owned.append(owned)
         return owned.data
 
+    def buffers_on(self, tier: Tier) -> list[object]:
+        """The unit's own buffers that ``tier`` made (``hetstore.evict`` moves the
+        device's)."""
+        return [owned.data for owned in self._owned if owned.tier is tier]
+
     def new_buffer(self, tier: Tier, numel: int, dtype: torch.dtype, what: str) -> FlatAllocation:
         """A flat buffer on ``tier`` labelled for this unit but not yet owned by it: the
         caller frees it, or hands it to :meth:`adopt` (a speculative step's shadows)."""

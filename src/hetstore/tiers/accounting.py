@@ -27,6 +27,8 @@ class FlatAllocation:
     # the buffer's accounting label changed (held for another purpose, the bytes kept);
     # None where a tier has no use for it yet
     rename: Callable[[str], None] | None = None
+    # the tier that made it (hetstore.evict moves what the device tier holds)
+    tier: Tier | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,23 @@ class MemoryAccount:
         self._current -= nbytes
         if self.observer is not None:
             self.observer()
+
+    def take_all(self) -> dict[str, int]:
+        """Give back every holder's bytes at once and return who held what: the bytes
+        left this tier together (``hetstore.evict``); :meth:`give_back_all` undoes it."""
+        held, self._holders, self._current = self._holders, {}, 0
+        if self.observer is not None:
+            self.observer()
+        return held
+
+    def give_back_all(self, held: dict[str, int]) -> None:
+        """Reserve again what :meth:`take_all` returned (``hetstore.restore``): all of it,
+        or, past the capacity, none of it and raise."""
+        total = sum(held.values())
+        if not self.would_fit(total):
+            raise self.overflow_error(total, "restored " + ", ".join(held))
+        for label, nbytes in held.items():
+            self.reserve(nbytes, label)
 
     def reset_peak(self) -> None:
         self._peak = self._current

@@ -72,7 +72,7 @@ class DeviceTier:
         since views of it, a unit's parameters, may outlive the owner's bookkeeping)."""
         tensor = self.empty(numel, dtype, label)
         nbytes = numel * dtype.itemsize
-        return FlatAllocation(tensor, lambda: self.release(nbytes, label))
+        return FlatAllocation(tensor, lambda: self.release(nbytes, label), tier=Tier.DEVICE)
 
     def usage(self) -> TierUsage:
         return self.account.usage()

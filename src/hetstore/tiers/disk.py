@@ -467,7 +467,7 @@ class DiskTier:
         from hetstore.tiers.flat import DiskArray  # it builds on this module
 
         array = DiskArray(self, numel, dtype, label)
-        return FlatAllocation(array, array.free)
+        return FlatAllocation(array, array.free, tier=Tier.DISK)
 
     @staticmethod
     def reserved_size(nbytes: int) -> int:

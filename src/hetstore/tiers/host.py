@@ -212,7 +212,10 @@ class HostTier:
         """A flat ``numel``-element tensor owned until the allocation's ``free``."""
         buffer = self.allocate(numel * dtype.itemsize, label, dtype)
         return FlatAllocation(
-            buffer.tensor, lambda: self.free(buffer), lambda new: self._rename(buffer, new)
+            buffer.tensor,
+            lambda: self.free(buffer),
+            lambda new: self._rename(buffer, new),
+            tier=Tier.HOST,
         )
 
     def _rename(self, buffer: HostBuffer, label: str) -> None:

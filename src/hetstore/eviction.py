@@ -1,0 +1,324 @@
+"""``hetstore.evict`` / ``hetstore.restore``: give an offloaded model's device memory back
+between training steps and take it again (colocated RL: the inference engine rolls out
+in between on the same device).
+
+What moves is every byte hetstore holds on the device: the units' buffers the device
+tier made (parameters placed there, fp32 masters, gradients, optimizer states), the
+optimizer's step counts there, the model's buffers, and the fetched copies of
+parameters whose home is elsewhere (those are dropped, not copied: their home holds
+the values). Each distinct storage is copied whole into one host buffer (the host tier's
+pinned blocks; a disk array where the host budget is short), and then its bytes are
+freed with ``UntypedStorage.resize_(0)``, FSDP2's trick: every tensor, view and
+``nn.Parameter`` that shares the storage stays the same object, so the optimizer's
+states, the units' views and the user's references need no rewiring, and ``restore``
+gives the same storages their bytes back and copies the values in. The values are the
+bytes themselves, so training after any number of cycles is bitwise what it is without
+them.
+
+While evicted, a forward of the model and the optimizer's step, zero_grad, clip and
+state dicts refuse with a ConfigError that says to call ``hetstore.restore`` (a
+streaming eval forward is not offered: the inference engine is the one that rolls out).
+``hetstore.named_weights`` refuses too: sync the weights before ``evict``.
+
+Host buffers come from the host tier's pool, whose blocks (pinned and registered once)
+are kept as spares when freed, so a cycle maps no new memory after the first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hetstore.errors import ConfigError
+from hetstore.model_state import ModelState, is_released, state_of
+from hetstore.tier import Tier
+from hetstore.tiers import HostBuffer
+from hetstore.tiers.store import read_into, write_from
+
+__all__ = ["evict", "restore", "is_evicted", "EvictionReport"]
+
+_CHUNK = 64 << 20  # a CUDA storage spilled to disk crosses host memory in pieces this big
+
+
+@dataclass
+class EvictionReport:
+    """What an ``evict`` or a ``restore`` moved: bytes per tier the copies went to (or
+    came from), how many storages, and the seconds it took."""
+
+    bytes: dict[str, int] = field(default_factory=dict)
+    storages: int = 0
+    seconds: float = 0.0
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def __str__(self) -> str:
+        from hetstore._sizes import format_size
+
+        where = ", ".join(f"{format_size(n)} {tier}" for tier, n in self.bytes.items()) or "0 B"
+        rate = self.total / self.seconds / 2**30 if self.seconds > 0 else 0.0
+        return (
+            f"{where} in {self.storages} storages, {self.seconds * 1e3:.1f} ms ({rate:.2f} GiB/s)"
+        )
+
+
+@dataclass(eq=False)
+class _Moved:
+    """One storage evicted: its bytes wait in ``copy`` (a host buffer or a disk array)."""
+
+    storage: torch.UntypedStorage
+    nbytes: int
+    copy: object
+    tier: Tier
+
+
+@dataclass(eq=False)
+class _Eviction:
+    """What ``evict`` took (kept on the model's state until ``restore``)."""
+
+    moved: list[_Moved]
+    held: dict[str, int]  # the device tier's holders, given back at restore
+    refusing: object  # the forward pre-hook's handle
+
+
+def is_evicted(model: nn.Module) -> bool:
+    state = state_of(model)
+    return state is not None and state.evicted is not None
+
+
+def evict(model: nn.Module, optimizer=None) -> EvictionReport:
+    """Move every byte hetstore holds on the device for ``model`` to host memory (or disk
+    where the host budget is short); afterwards its device tier holds zero bytes. Pending
+    step work lands first. Evicting an evicted model does nothing. See the module doc."""
+    state = _checked(model, optimizer, "evict")
+    if state.evicted is not None:
+        return EvictionReport()
+    runtime = state.runtime
+    if torch._C._current_graph_task_id() != -1:
+        raise ConfigError("hetstore.evict() called during a backward: call it between steps")
+    if runtime.graph_alive:
+        raise ConfigError(
+            "hetstore.evict(): a forward's graph awaits its backward (it reads the device "
+            "copies); run the backward, or drop the loss, before evicting"
+        )
+    opt = runtime.optimizer() if runtime.optimizer is not None else None
+    if opt is not None:
+        opt.finish_steps_in_forward()  # (a step still running on from the last step())
+    for unit in runtime.units:
+        unit.barrier()
+    _refuse_transient_holders(state)
+    start = time.perf_counter()
+    for unit in runtime.units:
+        unit.release()  # fetched copies: their home holds the values
+    storages = _device_storages(model, state, opt)
+    moved = _copy_out(state, storages)
+    for m in moved:
+        m.storage.resize_(0)
+    held = state.tiers.device_tier.account.take_all()
+    if state.tiers.device.type == "cuda":
+        torch.cuda.empty_cache()  # the cached blocks those storages left
+    state.evicted = _Eviction(moved, held, model.register_forward_pre_hook(_refuse_evicted))
+    if opt is not None:
+        opt.refusal = "its model is evicted (hetstore.evict): call hetstore.restore(model) first"
+    return _report(moved, start)
+
+
+def restore(model: nn.Module, optimizer=None) -> EvictionReport:
+    """Bring back what ``evict`` moved, the first units' storages first; afterwards the
+    model trains as if it never left. Restoring a model that is not evicted does nothing.
+    Refused before any work if the device budget cannot hold it again."""
+    state = _checked(model, optimizer, "restore")
+    eviction = state.evicted
+    if eviction is None:
+        return EvictionReport()
+    account = state.tiers.device_tier.account
+    account.give_back_all(eviction.held)  # (raises, nothing done, past the budget)
+    start = time.perf_counter()
+    done: list[_Moved] = []
+    try:
+        for m in eviction.moved:
+            m.storage.resize_(m.nbytes)
+            done.append(m)
+            _copy_in(state, m)
+        if state.tiers.device.type == "cuda":
+            torch.cuda.current_stream(state.tiers.device).synchronize()
+    except BaseException:
+        for m in done:  # still evicted, as before the call: the copies hold the values
+            m.storage.resize_(0)
+        account.take_all()
+        raise
+    for m in eviction.moved:
+        _free_copy(state, m)
+    eviction.refusing.remove()
+    state.evicted = None
+    runtime = state.runtime
+    opt = runtime.optimizer() if runtime.optimizer is not None else None
+    if opt is not None:
+        opt.refusal = None
+    return _report(eviction.moved, start)
+
+
+def forget(state: ModelState) -> None:
+    """The model is being released while evicted: free the copies and give the device
+    tier its holders back, so the release frees the units' buffers as it always does."""
+    eviction = state.evicted
+    if eviction is None:
+        return
+    for m in eviction.moved:
+        _free_copy(state, m)
+    state.tiers.device_tier.account.give_back_all(eviction.held)
+    eviction.refusing.remove()
+    state.evicted = None
+
+
+# ---------------------------------------------------------------------- what moves
+def _checked(model: nn.Module, optimizer, what: str) -> ModelState:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hetstore.{what}() takes an nn.Module, got {type(model).__name__}")
+    if is_released(model):
+        raise ConfigError(f"hetstore.{what}(): this model was released by hetstore.release()")
+    state = state_of(model)
+    if state is None:
+        raise ConfigError(
+            f"hetstore.{what}() takes a model returned by hetstore.offload(); this "
+            f"{type(model).__name__} is not offloaded"
+        )
+    runtime = state.runtime
+    mine = runtime.optimizer() if runtime.optimizer is not None else None
+    if optimizer is not None and optimizer is not mine:
+        raise ConfigError(
+            f"hetstore.{what}(model, optimizer): this optimizer is not the one "
+            "hetstore.offload() returned with the model; pass that one, or none"
+        )
+    return state
+
+
+def _refuse_transient_holders(state: ModelState) -> None:
+    """Evict only what lives between steps: the units' own device buffers, their fetched
+    copies and the model's buffers. Anything more on the device belongs to a step under
+    way (a forward's saved tensors, gradients in flight) and would be lost: refused
+    before anything moves."""
+    account = state.tiers.device_tier.account
+    between_steps = dict(account.holders(n=1 << 30)).get("module buffers", 0)
+    for unit in state.runtime.units:
+        between_steps += sum(
+            b.numel() * b.element_size()
+            for b in unit.buffers_on(Tier.DEVICE)
+            if isinstance(b, torch.Tensor)
+        )
+        if unit.has_device_copy:
+            between_steps += unit.device_bytes
+    if account.current != between_steps:
+        units = tuple(" " + u.name for u in state.runtime.units)
+        listed = ", ".join(
+            f"{label!r} ({n} bytes)"
+            for label, n in account.holders(n=8)
+            if label.startswith(("grad in flight", "grad bucket")) or not label.endswith(units)
+        )
+        raise ConfigError(
+            f"hetstore.evict(): the device holds {account.current - between_steps} bytes "
+            f"of a step under way ({listed or 'scratch'}). Evict between steps, after "
+            "optimizer.step() (a forward's saved tensors go with its backward)"
+        )
+
+
+def _device_storages(model: nn.Module, state: ModelState, opt) -> list[torch.UntypedStorage]:
+    """Every distinct storage with bytes on the device that the model's units, its
+    optimizer and its buffers keep, the units' in the runtime's order (so restore brings
+    the first units back first)."""
+    device = state.tiers.device
+    tensors: list[torch.Tensor] = []
+    for unit in state.runtime.units:
+        tensors.extend(b for b in unit.buffers_on(Tier.DEVICE) if isinstance(b, torch.Tensor))
+    if opt is not None:
+        for unit_step in opt.unit_steps:  # (its step counts sit beside its master)
+            if unit_step.unit.placement.optimizer is Tier.DEVICE:
+                tensors.extend(t for t in unit_step.held_tensors() if isinstance(t, torch.Tensor))
+    tensors.extend(model.buffers())
+    seen: set[int] = set()
+    out = []
+    for tensor in tensors:
+        if tensor.device != device:
+            continue
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        out.append(storage)
+    return out
+
+
+# ---------------------------------------------------------------------- the copies
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _copy_out(state: ModelState, storages: list[torch.UntypedStorage]) -> list[_Moved]:
+    """Each storage's bytes into a host buffer, or a disk array where the host budget is
+    short; all or nothing (a failure frees what was made and leaves the device as it
+    was)."""
+    host = state.tiers.host
+    moved: list[_Moved] = []
+    cuda = state.tiers.device.type == "cuda"
+    try:
+        for storage in storages:
+            nbytes = storage.nbytes()
+            flat = _as_bytes(storage)
+            if host.account.would_fit(nbytes):
+                buffer = host.allocate(nbytes, "evicted", torch.uint8)
+                moved.append(_Moved(storage, nbytes, buffer, Tier.HOST))
+                buffer.tensor[:nbytes].copy_(flat, non_blocking=cuda)
+            else:
+                array = state.tiers.disk.allocate_flat(nbytes, torch.uint8, "evicted")
+                moved.append(_Moved(storage, nbytes, array, Tier.DISK))
+                if cuda:
+                    torch.cuda.current_stream(state.tiers.device).synchronize()
+                for at in range(0, nbytes, _CHUNK):
+                    write_from(array.data, flat[at : at + _CHUNK].cpu(), at)
+        if cuda:
+            torch.cuda.current_stream(state.tiers.device).synchronize()
+    except BaseException:
+        for m in moved:
+            _free_copy(state, m)
+        raise
+    return moved
+
+
+def _copy_in(state: ModelState, m: _Moved) -> None:
+    flat = _as_bytes(m.storage)
+    if m.tier is Tier.HOST:
+        flat.copy_(m.copy.tensor[: m.nbytes], non_blocking=flat.device.type == "cuda")
+        return
+    if flat.device.type == "cpu":
+        read_into(m.copy.data, flat)
+        return
+    for at in range(0, m.nbytes, _CHUNK):
+        piece = torch.empty(min(_CHUNK, m.nbytes - at), dtype=torch.uint8)
+        read_into(m.copy.data, piece, at)
+        flat[at : at + piece.numel()].copy_(piece)
+
+
+def _free_copy(state: ModelState, m: _Moved) -> None:
+    if isinstance(m.copy, HostBuffer):
+        state.tiers.host.free(m.copy)
+    else:
+        m.copy.free()
+
+
+def _report(moved: list[_Moved], start: float) -> EvictionReport:
+    report = EvictionReport(storages=len(moved), seconds=time.perf_counter() - start)
+    for m in moved:
+        report.bytes[m.tier.label] = report.bytes.get(m.tier.label, 0) + m.nbytes
+    return report
+
+
+def _refuse_evicted(module: nn.Module, args) -> None:
+    raise ConfigError(
+        f"this {type(module).__name__} is evicted (hetstore.evict): its device memory was "
+        "given back. Call hetstore.restore(model) before the next forward"
+    )
