@@ -20,8 +20,9 @@ state dicts refuse with a ConfigError that says to call ``hetstore.restore`` (a
 streaming eval forward is not offered: the inference engine is the one that rolls out).
 ``hetstore.named_weights`` refuses too: sync the weights before ``evict``.
 
-Host buffers come from the host tier's pool, whose blocks (pinned and registered once)
-are kept as spares when freed, so a cycle maps no new memory after the first.
+The host buffers are kept after ``restore`` for the next ``evict`` (pinned once, no
+allocation per cycle), and stay counted in the host tier as ``'eviction buffers'``;
+``restore(model, keep_buffers=False)`` gives them back (and ``hetstore.release`` does).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from hetstore.tiers.store import read_into, write_from
 
 __all__ = ["evict", "restore", "is_evicted", "EvictionReport"]
 
+_EVICTED = "evicted"  # the host tier's label for the copies while evicted
+_KEPT = "eviction buffers"  # ... and for the buffers kept between cycles
 _CHUNK = 64 << 20  # a CUDA storage spilled to disk crosses host memory in pieces this big
 
 
@@ -77,17 +80,24 @@ class _Moved:
 
 
 @dataclass(eq=False)
-class _Eviction:
-    """What ``evict`` took (kept on the model's state until ``restore``)."""
+class Eviction:
+    """One model's evictions (``ModelState.eviction``): what the current one took, and
+    the host buffers kept between cycles."""
 
-    moved: list[_Moved]
-    held: dict[str, int]  # the device tier's holders, given back at restore
-    refusing: object  # the forward pre-hook's handle
+    moved: list[_Moved] = field(default_factory=list)
+    held: dict[str, int] | None = None  # the device tier's holders while evicted
+    refusing: object = None  # the forward pre-hook's handle while evicted
+    spare: list[HostBuffer] = field(default_factory=list)  # kept for the next evict
+
+    @property
+    def active(self) -> bool:
+        return self.held is not None
 
 
 def is_evicted(model: nn.Module) -> bool:
+    """``model`` is evicted: its device bytes wait in host memory (or on disk)."""
     state = state_of(model)
-    return state is not None and state.evicted is not None
+    return state is not None and state.eviction is not None and state.eviction.active
 
 
 def evict(model: nn.Module, optimizer=None) -> EvictionReport:
@@ -95,7 +105,10 @@ def evict(model: nn.Module, optimizer=None) -> EvictionReport:
     where the host budget is short); afterwards its device tier holds zero bytes. Pending
     step work lands first. Evicting an evicted model does nothing. See the module doc."""
     state = _checked(model, optimizer, "evict")
-    if state.evicted is not None:
+    if state.eviction is None:
+        state.eviction = Eviction()
+    eviction = state.eviction
+    if eviction.active:
         return EvictionReport()
     runtime = state.runtime
     if torch._C._current_graph_task_id() != -1:
@@ -115,25 +128,28 @@ def evict(model: nn.Module, optimizer=None) -> EvictionReport:
     for unit in runtime.units:
         unit.release()  # fetched copies: their home holds the values
     storages = _device_storages(model, state, opt)
-    moved = _copy_out(state, storages)
+    moved = _copy_out(state, storages, eviction)
     for m in moved:
         m.storage.resize_(0)
-    held = state.tiers.device_tier.account.take_all()
+    eviction.moved = moved
+    eviction.held = state.tiers.device_tier.account.take_all()
     if state.tiers.device.type == "cuda":
         torch.cuda.empty_cache()  # the cached blocks those storages left
-    state.evicted = _Eviction(moved, held, model.register_forward_pre_hook(_refuse_evicted))
+    eviction.refusing = model.register_forward_pre_hook(_refuse_evicted)
     if opt is not None:
         opt.refusal = "its model is evicted (hetstore.evict): call hetstore.restore(model) first"
     return _report(moved, start)
 
 
-def restore(model: nn.Module, optimizer=None) -> EvictionReport:
+def restore(model: nn.Module, optimizer=None, *, keep_buffers: bool = True) -> EvictionReport:
     """Bring back what ``evict`` moved, the first units' storages first; afterwards the
     model trains as if it never left. Restoring a model that is not evicted does nothing.
-    Refused before any work if the device budget cannot hold it again."""
+    Refused before any work if the device budget cannot hold it again. ``keep_buffers``:
+    keep the host buffers for the next ``evict`` (counted in the host tier), or give
+    them back."""
     state = _checked(model, optimizer, "restore")
-    eviction = state.evicted
-    if eviction is None:
+    eviction = state.eviction
+    if eviction is None or not eviction.active:
         return EvictionReport()
     account = state.tiers.device_tier.account
     account.give_back_all(eviction.held)  # (raises, nothing done, past the budget)
@@ -152,27 +168,36 @@ def restore(model: nn.Module, optimizer=None) -> EvictionReport:
         account.take_all()
         raise
     for m in eviction.moved:
-        _free_copy(state, m)
+        if keep_buffers and isinstance(m.copy, HostBuffer):
+            state.tiers.host.rename(m.copy, _KEPT)
+            eviction.spare.append(m.copy)
+        else:
+            _free_copy(state, m)
+    report = _report(eviction.moved, start)
     eviction.refusing.remove()
-    state.evicted = None
+    eviction.moved, eviction.held, eviction.refusing = [], None, None
     runtime = state.runtime
     opt = runtime.optimizer() if runtime.optimizer is not None else None
     if opt is not None:
         opt.refusal = None
-    return _report(eviction.moved, start)
+    return report
 
 
 def forget(state: ModelState) -> None:
-    """The model is being released while evicted: free the copies and give the device
-    tier its holders back, so the release frees the units' buffers as it always does."""
-    eviction = state.evicted
+    """The model is being released: free the copies and the kept buffers, and give the
+    device tier its holders back if evicted, so the release frees the units' buffers as
+    it always does."""
+    eviction = state.eviction
     if eviction is None:
         return
     for m in eviction.moved:
         _free_copy(state, m)
-    state.tiers.device_tier.account.give_back_all(eviction.held)
-    eviction.refusing.remove()
-    state.evicted = None
+    for buffer in eviction.spare:
+        state.tiers.host.free(buffer)
+    if eviction.active:
+        state.tiers.device_tier.account.give_back_all(eviction.held)
+        eviction.refusing.remove()
+    state.eviction = None
 
 
 # ---------------------------------------------------------------------- what moves
@@ -258,19 +283,31 @@ def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _copy_out(state: ModelState, storages: list[torch.UntypedStorage]) -> list[_Moved]:
-    """Each storage's bytes into a host buffer, or a disk array where the host budget is
-    short; all or nothing (a failure frees what was made and leaves the device as it
-    was)."""
+def _copy_out(
+    state: ModelState, storages: list[torch.UntypedStorage], eviction: Eviction
+) -> list[_Moved]:
+    """Each storage's bytes into a host buffer (a kept one of its size first), or a disk
+    array where the host budget is short; all or nothing (a failure gives back what was
+    made and leaves the device as it was)."""
     host = state.tiers.host
     moved: list[_Moved] = []
     cuda = state.tiers.device.type == "cuda"
+    spare = {}
+    for buffer in eviction.spare:
+        spare.setdefault(buffer.nbytes, []).append(buffer)
+    eviction.spare = []
     try:
         for storage in storages:
             nbytes = storage.nbytes()
             flat = _as_bytes(storage)
-            if host.account.would_fit(nbytes):
-                buffer = host.allocate(nbytes, "evicted", torch.uint8)
+            kept = spare.get(nbytes)
+            if kept:
+                buffer = kept.pop()
+                host.rename(buffer, _EVICTED)
+                moved.append(_Moved(storage, nbytes, buffer, Tier.HOST))
+                buffer.tensor[:nbytes].copy_(flat, non_blocking=cuda)
+            elif host.account.would_fit(nbytes):
+                buffer = host.allocate(nbytes, _EVICTED, torch.uint8)
                 moved.append(_Moved(storage, nbytes, buffer, Tier.HOST))
                 buffer.tensor[:nbytes].copy_(flat, non_blocking=cuda)
             else:
@@ -285,7 +322,12 @@ def _copy_out(state: ModelState, storages: list[torch.UntypedStorage]) -> list[_
     except BaseException:
         for m in moved:
             _free_copy(state, m)
+        for buffers in spare.values():
+            eviction.spare.extend(buffers)
         raise
+    for buffers in spare.values():  # (the model's storages changed size: not needed)
+        for buffer in buffers:
+            host.free(buffer)
     return moved
 
 

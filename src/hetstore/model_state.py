@@ -33,8 +33,9 @@ class ModelState:
     runtime: OffloadRuntime
     tiers: Tiers
     shards: ShardGroup | None  # sharded over ranks (ZeRO-3), else None
-    # what hetstore.evict moved off the device, until hetstore.restore (hetstore.eviction)
-    evicted: object | None = None
+    # hetstore.evict's record: what it moved off the device until hetstore.restore, and
+    # the host buffers kept between cycles (hetstore.eviction.Eviction)
+    eviction: object | None = None
 
     @property
     def plan(self) -> Plan:

@@ -103,7 +103,7 @@ def test_evict_moves_what_the_device_held_and_restore_brings_it_back(tmp_path):
     taken = hetstore.state_of(model).tiers.host.account.current - host
     assert report.total <= taken < report.total + report.storages * 4096  # (whole pages)
     assert hetstore.evict(model).total == 0  # evicting again does nothing
-    hetstore.restore(model)
+    hetstore.restore(model, keep_buffers=False)
     assert device.account.current == held
     assert hetstore.state_of(model).tiers.host.account.current == host
     for n, p in model.named_parameters():
@@ -112,16 +112,25 @@ def test_evict_moves_what_the_device_held_and_restore_brings_it_back(tmp_path):
     hetstore.release(model)
 
 
-def test_the_host_pool_maps_no_new_memory_after_the_first_cycle(tmp_path):
+def test_the_host_buffers_are_kept_between_cycles(tmp_path):
+    """Pinned once: the second evict copies into the buffers the first one made."""
     model, optimizer = _offloaded("none", tmp_path)
     host = hetstore.state_of(model).tiers.host
+    before = host.account.current
     hetstore.evict(model)
     hetstore.restore(model)
-    mapped = host.reserved
-    for _ in range(5):
+    kept = dict(host.account.holders(n=100))["eviction buffers"]
+    assert host.account.current == before + kept
+    addresses = sorted(b.tensor.data_ptr() for b in hetstore.state_of(model).eviction.spare)
+    for _ in range(3):
         hetstore.evict(model)
+        assert "eviction buffers" not in dict(host.account.holders(n=100))
         hetstore.restore(model)
-        assert host.reserved == mapped
+        spare = hetstore.state_of(model).eviction.spare
+        assert sorted(b.tensor.data_ptr() for b in spare) == addresses
+    hetstore.evict(model)
+    hetstore.restore(model, keep_buffers=False)  # given back
+    assert host.account.current == before
     hetstore.release(model)
 
 

@@ -214,11 +214,11 @@ class HostTier:
         return FlatAllocation(
             buffer.tensor,
             lambda: self.free(buffer),
-            lambda new: self._rename(buffer, new),
+            lambda new: self.rename(buffer, new),
             tier=Tier.HOST,
         )
 
-    def _rename(self, buffer: HostBuffer, label: str) -> None:
+    def rename(self, buffer: HostBuffer, label: str) -> None:
         """Account ``buffer``'s bytes under ``label`` from now on (same bytes: it fits)."""
         self.account.release(buffer._size, buffer.label)
         self.account.reserve(buffer._size, label)
