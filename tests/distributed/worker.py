@@ -94,8 +94,9 @@ def data(world: int):
     return batches(STEPS * ACCUMULATE, batch=PER_RANK_BATCH * world, seed=1)
 
 
-def train(model, optimizer, micro_batches, *, clip, world_mean):
-    """The tests' loop; losses are the combined batch's (mean over ranks when sharded)."""
+def train(model, optimizer, micro_batches, *, clip, world_mean, after_step=None):
+    """The tests' loop; losses are the combined batch's (mean over ranks when sharded).
+    ``after_step``: called after each optimizer step (an evict/restore cycle)."""
     losses, norms = [], []
     for i, (x, y) in enumerate(micro_batches):
         loss = model(x, y) / ACCUMULATE
@@ -113,6 +114,8 @@ def train(model, optimizer, micro_batches, *, clip, world_mean):
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         optimizer.step()
         optimizer.zero_grad()
+        if after_step is not None:
+            after_step()
     return losses, norms
 
 
@@ -124,6 +127,29 @@ def weights(model) -> dict:
 def rank_slice(micro_batches, rank):
     b = PER_RANK_BATCH
     return [(x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]) for x, y in micro_batches]
+
+
+def evicted(name: str, path: str, mine, result: dict) -> None:
+    """The sharded run again with an evict/restore cycle after every step: each rank
+    evicts its own shards (no collective), and restores them before the next forward."""
+    model = make_model()
+    model, optimizer = hetstore.offload(
+        model, adamw(model.parameters()), scenario_config(name, path)
+    )
+    after_evict, moved = [], []
+
+    def cycle() -> None:
+        moved.append(hetstore.evict(model, optimizer).total)
+        after_evict.append(hetstore.memory_stats(model)["device"]["current"])
+        hetstore.restore(model, optimizer)
+
+    result["evicted_losses"], _ = train(
+        model, optimizer, mine, clip=CLIP, world_mean=True, after_step=cycle
+    )
+    result["evicted_weights"] = weights(model)
+    result["evicted_device_after"] = after_evict
+    result["evicted_bytes"] = moved
+    hetstore.release(model)
 
 
 def run_scenario(name: str, out: str, path: str) -> None:
@@ -151,6 +177,8 @@ def run_scenario(name: str, out: str, path: str) -> None:
     result["disk_dir"] = disk.path if disk is not None else ""
     if name in ("cpu", "disk"):
         stepped_ahead(name, path, mine, result)
+    hetstore.release(model)
+    evicted(name, path, mine, result)
 
     # DDP, the data-parallel reference
     ddp_model = make_model()

@@ -176,6 +176,20 @@ def test_named_weights_over_two_ranks_are_the_state_dicts(results, scenario):
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
+def test_evict_restore_cycles_over_two_ranks_train_bitwise_like_none(results, scenario):
+    """hetstore.evict / restore after every step on each rank: the same losses and
+    weights, bitwise, as the sharded run without the cycles; no device byte left."""
+    for rank in (0, 1):
+        got = results(scenario, rank)
+        assert got["evicted_losses"] == got["sharded_losses"]
+        assert_same(got["evicted_weights"], got["sharded_weights"])
+        assert got["evicted_device_after"] and set(got["evicted_device_after"]) == {0}
+        if scenario == "none":  # each rank's shards of every state were on its device
+            half = got["sharded_stats"]["device"]["current"]
+            assert all(n >= half for n in got["evicted_bytes"]), (half, got["evicted_bytes"])
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_each_rank_holds_about_half_of_the_single_process_states(results, scenario):
     single = results(scenario, 0)["single_stats"]
     print(f"\n{scenario}: single process {_usage(single)}")
