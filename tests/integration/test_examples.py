@@ -132,3 +132,14 @@ def test_lightning_gpt_trains_from_disk_exactly_as_plain_lightning():
     # TIGHT as the integration tests (fp32 round-off of the same kernels; measured 0)
     assert float(re.search(r"weight difference from plain PyTorch: (\S+)", text).group(1)) <= 1e-6
     assert _number(re.search(r"disk peak ([\d,]+) bytes", text).group(1)) > 0
+
+
+def test_rl_colocate_evicts_rolls_out_restores_and_trains_like_without():
+    pytest.importorskip("transformers")
+    text = run_example("rl_colocate.py", "--tiny", "--check", "--steps", "3")
+    assert "the same losses, bitwise" in text
+    rows = [line for line in text.splitlines() if re.match(r"\s+\d+ ", line)]
+    assert len(rows) == 3
+    for row in rows:  # sync, evict and restore each moved the parameters' bytes
+        sync, evict, _, restore, _ = row.split("|")[1:]
+        assert "KiB" in sync and "KiB" in evict and "KiB" in restore, row
