@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
+    parser.add_argument("--dir", default=None, help="offload_path (a spill to disk goes here)")
     parser.add_argument("--out", help="write the table and its provenance to this file")
     parser.add_argument("--json", help="write a result record (docs/performance.md) here")
     args = parser.parse_args()
@@ -70,6 +71,7 @@ def main() -> None:
         offload_optimizer="none",
         device=str(device),
         enable_pinned_mem=cuda,
+        **({"offload_path": args.dir} if args.dir else {}),
     )
     model, optimizer = hetstore.offload(model, optimizer, config)
     idx = torch.randint(0, 8192, (2, 65), device=device)

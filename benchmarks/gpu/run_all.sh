@@ -9,13 +9,14 @@
 #   bash benchmarks/gpu/fetch_wheels.sh      # here, once: torchao's wheel into .wheels/
 #   GIT_COMMIT=<sha> bash benchmarks/gpu/run_all.sh   # there, with .wheels carried
 #   SMOKE=1 bash benchmarks/gpu/run_all.sh   # anywhere: every row, tiny, on the CPU
-#   PYTHON=.venv/bin/python PART_ARGS="--cpu --tiny" RESULTS_DIR=/tmp OUT=/tmp/rehearsal \
+#   PYTHON=.venv/bin/python PART_ARGS="--cpu --tiny" EVICT_ARGS="--device cpu --tiny" \
+#       RESULTS_DIR=/tmp OUT=/tmp/rehearsal \
 #       bash benchmarks/gpu/run_all.sh       # a rehearsal of this script without a GPU
 #
 # Logs go to $OUT (or ./gpu-logs); the table is also written to
 # benchmarks/results/gpu_step_engine_<date>_<device>.txt and copied to $OUT. Each part has
 # its own time limit so that one hang cannot eat the rest: wheels 30 s, CUDA tests 90 s,
-# the GPT 100 s, the Llama what is left of TOTAL_S=465 s (at least 120 s), the table 20 s.
+# evict/restore 40 s, the GPT 100 s, the Llama what is left of TOTAL_S=465 s (at least 120 s), the table 20 s.
 # The step parts also stop themselves in time (--budget-s: fewer timed steps, never fewer
 # than one per batch shape) and write their rows after each batch shape, so a part killed
 # by its limit keeps what it finished and the table says which rows are missing.
@@ -66,6 +67,13 @@ if ls .wheels/*.whl >/dev/null 2>&1; then
 else
     echo "no .wheels/ here (bash benchmarks/gpu/fetch_wheels.sh, then carry .wheels): the torchao row will say so"
 fi
+
+# hetstore.evict / restore against a pinned copy_ of the same bytes (the colocated-RL
+# cycle): ~1.7 GB of states on the GPU, seconds
+timeout "${EVICT_S:-40}" "$PYTHON" benchmarks/evict_restore.py --device cuda --width 1024 \
+    --depth 8 --repeats 5 \
+    --out "${RESULTS_DIR:-benchmarks/results}/evict_restore_$(date +%F)_cuda.txt" \
+    ${EVICT_ARGS:-} 2>&1 | tee "$OUT/evict_restore.log" | grep -v Warning
 
 # One process per model; every runner of it in that process. expandable segments: six
 # runners' different allocation patterns in one process without fragmentation.

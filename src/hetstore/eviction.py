@@ -155,12 +155,16 @@ def restore(model: nn.Module, optimizer=None, *, keep_buffers: bool = True) -> E
     account.give_back_all(eviction.held)  # (raises, nothing done, past the budget)
     start = time.perf_counter()
     done: list[_Moved] = []
+    cuda = state.tiers.device.type == "cuda"
     try:
         for m in eviction.moved:
             m.storage.resize_(m.nbytes)
             done.append(m)
             _copy_in(state, m)
-        if state.tiers.device.type == "cuda":
+        # On CUDA the copies are queued on the compute stream in the units' order and
+        # the host does not wait: the next forward is launched while they run, and its
+        # kernels follow them in stream order. Only buffers given back wait for them.
+        if cuda and not keep_buffers:
             torch.cuda.current_stream(state.tiers.device).synchronize()
     except BaseException:
         for m in done:  # still evicted, as before the call: the copies hold the values
@@ -292,6 +296,8 @@ def _copy_out(
     host = state.tiers.host
     moved: list[_Moved] = []
     cuda = state.tiers.device.type == "cuda"
+    if cuda:  # (the last restore's copies may still read the kept buffers)
+        torch.cuda.current_stream(state.tiers.device).synchronize()
     spare = {}
     for buffer in eviction.spare:
         spare.setdefault(buffer.nbytes, []).append(buffer)

@@ -37,6 +37,13 @@ def test_planner_benchmark_prints_predictions_and_measurements(tmp_path):
             assert f"| {model} | {budget} | " in done.stdout.split("| model | budget |")[0]
 
 
+def test_evict_restore_benchmark_prints_its_table(tmp_path):
+    out = run_tiny("evict_restore.py", tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for row in ("| evict | copy out |", "| restore | copy in |", "| restore | alloc + copy in |"):
+        assert row in out.stdout, out.stdout
+
+
 def test_checkpoint_benchmark_prints_its_table(tmp_path):
     out = run_tiny("checkpoint.py", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
