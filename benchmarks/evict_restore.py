@@ -32,7 +32,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
-
 import hetstore  # noqa: E402
 from hetstore.demo.gpt import GPT  # noqa: E402
 
@@ -64,7 +63,9 @@ def main() -> None:
     cuda = device.type == "cuda"
 
     torch.manual_seed(0)
-    model = GPT(vocab=8192, width=args.width, depth=args.depth, heads=max(1, args.width // 64), ctx=64)
+    model = GPT(
+        vocab=8192, width=args.width, depth=args.depth, heads=max(1, args.width // 64), ctx=64
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     config = hetstore.OffloadConfig(
         offload_param="none",
@@ -168,8 +169,12 @@ def main() -> None:
             args.json,
             scenario="evict_restore",
             rows=[
-                {"config": f"{mine} vs {ref}", "gib_s": round(a, 2), "reference_gib_s": round(b, 2),
-                 "ratio": round(a / b, 2)}
+                {
+                    "config": f"{mine} vs {ref}",
+                    "gib_s": round(a, 2),
+                    "reference_gib_s": round(b, 2),
+                    "ratio": round(a / b, 2),
+                }
                 for mine, ref, a, b in rows
             ],
             command=command.strip(),
