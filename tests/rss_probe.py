@@ -56,6 +56,28 @@ def checkpoint_round_trip(model, optimizer, x, y, directory: str) -> dict:
     return out
 
 
+def current_rss() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def named_weights_growth(model) -> dict:
+    """The resident set ``hetstore.named_weights`` adds while a consumer takes every
+    weight and drops it (an engine's load_weights copies each tensor in): its peak over
+    what was resident before it started."""
+    reset_peak_rss()
+    before = current_rss()
+    numel = 0
+    for _, tensor in hetstore.named_weights(model, torch.float32):
+        numel += tensor.numel()
+    units = hetstore.state_of(model).runtime.units
+    return {
+        "named_weights_growth": hetstore.peak_rss() - before,
+        "named_weights_numel": numel,
+        "largest_unit_bytes": max(u.master_numel * 4 for u in units),
+    }
+
+
 def main(path: str, depth: int, steps: int, checkpoint: str | None = None) -> None:
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -80,7 +102,9 @@ def main(path: str, depth: int, steps: int, checkpoint: str | None = None) -> No
     # room (Unit.lend_device_copy): at most LENT_MASTERS blocks' at once
     units = hetstore.state_of(model).runtime.units
     lent_bound = LENT_MASTERS * max(u.master_numel * 4 for u in units)
-    figures = checkpoint_round_trip(model, optimizer, x, y, checkpoint) if checkpoint else {}
+    figures = named_weights_growth(model)
+    if checkpoint:
+        figures.update(checkpoint_round_trip(model, optimizer, x, y, checkpoint))
     print(
         json.dumps(
             {

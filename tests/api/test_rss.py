@@ -66,3 +66,17 @@ def test_saving_and_resuming_3gib_of_states_from_disk_in_a_small_rss(result):
     # the reloaded state repeats the two steps taken after the save, bit for bit
     assert result["resumed_loss"] == result["next_loss"]
     assert result["resumed_after_loss"] == result["after_next_loss"]
+
+
+def test_named_weights_streams_the_weights_in_about_two_units_of_rss(result):
+    """hetstore.named_weights over 1.1 GiB of fp32 weights on disk: the resident set it
+    adds is one unit's master read into a host buffer, plus the tensor the consumer
+    holds (at most one unit's), plus 32 MiB for the allocator's and the pool's pages."""
+    growth, unit = result["named_weights_growth"], result["largest_unit_bytes"]
+    weights = result["named_weights_numel"] * 4
+    print(
+        f"\nnamed_weights over {weights / GiB:.2f} GiB: the resident set grew "
+        f"{growth / 2**20:.0f} MiB at its peak (one unit: {unit / 2**20:.0f} MiB)"
+    )
+    assert result["named_weights_numel"] == result["params"]
+    assert growth <= 2 * unit + 32 * 2**20, (growth, unit)
