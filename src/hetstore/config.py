@@ -159,12 +159,13 @@ class OffloadConfig:
             "offload_cpu_size and sub-allocated into page-aligned slices. MindSpore key."
         ),
     )
-    enable_pinned_mem: bool = field(
-        default=True,
+    enable_pinned_mem: bool | str = field(
+        default="auto",
         metadata=_doc(
-            "Page-lock host blocks (cudaHostRegister) for fast async copies; falls back to "
-            "pageable memory with one warning when pinning fails or there is no accelerator. "
-            "MindSpore key."
+            "Page-lock host blocks (cudaHostRegister) for fast async copies. 'auto': on a "
+            "CUDA device, and silently not on a CPU one (nothing to speed up there). True: "
+            "also warns when the device is not CUDA. Falls back to pageable memory with one "
+            "warning when pinning fails (memlock limit). MindSpore key."
         ),
     )
     # --- disk IO ---
@@ -300,12 +301,11 @@ class OffloadConfig:
             _set(self, "offload_grad", _tier("offload_grad", self.offload_grad))
         for key in (
             "auto_offload",
-            "enable_pinned_mem",
             "enable_aio",
             "step_in_backward",
         ):
             _check_bool(key, getattr(self, key))
-        for key in ("overlap_step", "step_in_forward"):
+        for key in ("overlap_step", "step_in_forward", "enable_pinned_mem"):
             value = getattr(self, key)
             if not (isinstance(value, bool) or value == "auto"):
                 raise ConfigError(f"{key}={short_repr(value)}: must be 'auto', True or False")

@@ -19,23 +19,25 @@ ones that the next step's equal-sized sets no longer fitted in (measured: an all
 GPT under a 512 MiB budget, 47.75 MiB free in pieces, failed its first step asking for
 32 MiB).
 
-Pinning: with ``enable_pinned_mem`` and a CUDA device, each block is registered with
-``cudaHostRegister`` as a whole, so reserved == what the user asked for (PyTorch's
-pinned caching allocator rounds to powers of two: 20 GiB asked can pin 32 GiB). Without
-an accelerator, or when registration fails (memlock limit), blocks stay pageable and one
-warning says so.
+Pinning: with a CUDA device and ``enable_pinned_mem`` ``'auto'`` (the default) or True,
+each block is registered with ``cudaHostRegister`` as a whole, so reserved == what the
+user asked for (PyTorch's pinned caching allocator rounds to powers of two: 20 GiB asked
+can pin 32 GiB). Without an accelerator blocks stay pageable: silently under ``'auto'``
+(pinning only speeds up copies to an accelerator), with one warning when True was asked
+for. When registration fails (memlock limit) they stay pageable with one warning. Both
+warnings point at the user's line (hetstore._warn).
 """
 
 from __future__ import annotations
 
 import bisect
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from hetstore._sizes import format_size
+from hetstore._warn import warn_at_caller
 from hetstore.errors import OutOfTierMemory
 from hetstore.tier import Tier
 from hetstore.tiers.accounting import FlatAllocation, MemoryAccount, TierUsage
@@ -142,7 +144,7 @@ class HostTier:
         *,
         capacity: int | None,
         block_size: int,
-        pin: bool,
+        pin: bool | str,
         device: torch.device,
         context: Callable[[str, int], list[str]] | None = None,
     ):
@@ -150,14 +152,13 @@ class HostTier:
         self.account = MemoryAccount(Tier.HOST, capacity, context=context)
         self._blocks: list[_Block] = []
         self._reserved = 0
-        self._pin = pin and device.type == "cuda"
-        if pin and device.type != "cuda":
-            warnings.warn(
+        self._pin = pin in (True, "auto") and device.type == "cuda"
+        if pin is True and device.type != "cuda":
+            warn_at_caller(
                 "enable_pinned_mem=True but the compute device is "
                 f"{device.type!r}: host blocks stay pageable (pinning only speeds up "
-                "host<->accelerator copies)",
+                "host<->accelerator copies; the default 'auto' pins on CUDA only)",
                 PinnedMemoryWarning,
-                stacklevel=3,
             )
         self.pinned = self._pin
         # set by the optimizer's step ahead: gives back host memory held only to save
@@ -276,12 +277,11 @@ class HostTier:
             try:
                 mapping.register_cuda()
             except RuntimeError as exc:
-                warnings.warn(
+                warn_at_caller(
                     f"could not pin a {format_size(want)} host block ({exc}); continuing with "
                     "pageable memory. Raise the memlock limit (ulimit -l) or set "
                     "enable_pinned_mem=False to silence this.",
                     PinnedMemoryWarning,
-                    stacklevel=4,
                 )
                 self._pin = False
                 self.pinned = False
