@@ -20,8 +20,10 @@ the descriptors are only a second line of defence.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+from collections.abc import Iterator
 
 from hetstore.errors import ConfigError
 
@@ -31,6 +33,7 @@ __all__ = [
     "create_private_file",
     "read_small_file",
     "check_private_file",
+    "removing_created_dirs",
 ]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -54,6 +57,29 @@ def open_root(path: str, key: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+@contextlib.contextmanager
+def removing_created_dirs(path: str) -> Iterator[None]:
+    """Within the block, ``path`` may be created (``open_root``); at its end ``path`` and
+    the parents of it that did not exist before are removed again, deepest first, where
+    they are empty. Something else written there in the meantime stays, and so do they:
+    ``rmdir`` removes nothing but an empty directory, so nobody's files are lost."""
+    missing = []
+    here = os.path.abspath(path)
+    while not os.path.lexists(here) and os.path.dirname(here) != here:
+        missing.append(here)
+        here = os.path.dirname(here)
+    try:
+        yield
+    finally:
+        for directory in missing:
+            try:
+                os.rmdir(directory)
+            except FileNotFoundError:  # never made (a failed makedirs stops part way)
+                continue
+            except OSError:  # not empty: something else uses it, and its parents
+                break
 
 
 def check_shared_root(st: os.stat_result, path: str, key: str) -> None:

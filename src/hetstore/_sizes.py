@@ -1,4 +1,5 @@
-"""Byte sizes: parse the config's ``"512GB"``/``"1.5GiB"``/int forms, print them back.
+"""Byte sizes: parse the config's ``"512GB"``/``"1.5GiB"``/int forms, print them back;
+and durations printed in a unit a person reads at a glance (:func:`format_duration`).
 
 "GB" means GiB (2**30 bytes), as in MindSpore, whose ``max_device_memory='30GB'``
 and out-of-memory report ("Device HBM memory size: 32768M" for 32GB) are binary.
@@ -12,7 +13,14 @@ import decimal
 import math
 import re
 
-__all__ = ["parse_size", "format_size", "short_repr", "SIZE_UNITS", "MAX_SIZE"]
+__all__ = [
+    "parse_size",
+    "format_size",
+    "format_duration",
+    "short_repr",
+    "SIZE_UNITS",
+    "MAX_SIZE",
+]
 
 #: The largest size accepted: what fits an int64 (torch and the OS count bytes in one).
 MAX_SIZE = 2**63 - 1
@@ -117,3 +125,20 @@ def format_size(nbytes: int | float | None) -> str:
             return f"{sign}{int(n)} B" if unit == "B" else f"{sign}{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_duration(seconds: float | None) -> str:
+    """A duration in the unit that reads best: milliseconds under 10 s (a step of a small
+    model, compared to the millisecond), then seconds, minutes and hours:
+    ``format_duration(0.1372) == '137.2 ms'``, ``format_duration(465.78) == '7.8 min'``."""
+    if seconds is None:
+        return "unknown"
+    sign = "-" if seconds < 0 else ""
+    s = abs(float(seconds))
+    if s < 10:
+        return f"{sign}{s * 1e3:.1f} ms"
+    if s < 120:
+        return f"{sign}{s:.1f} s"
+    if s < 2 * 3600:
+        return f"{sign}{s / 60:.1f} min"
+    return f"{sign}{s / 3600:.1f} h"

@@ -8,7 +8,7 @@ import torch
 
 import hetstore
 from hetstore import ConfigError, OffloadConfig
-from hetstore._sizes import format_size, parse_size, short_repr
+from hetstore._sizes import format_duration, format_size, parse_size, short_repr
 from tests.api.helpers import SEED_AUTO, SEED_MANUAL
 
 
@@ -42,6 +42,18 @@ def test_format_size_is_binary():
     assert format_size(3 * 2**29) == "1.50 GiB"
     assert format_size(512) == "512 B"
     assert format_size(None) == "unlimited"
+
+
+def test_format_duration_reads_at_a_glance():
+    """Milliseconds under 10 s, then s, min, h: a plan's '465782.8 ms' reads '7.8 min'."""
+    assert format_duration(0.1372) == "137.2 ms"
+    assert format_duration(9.9) == "9900.0 ms"
+    assert format_duration(12.34) == "12.3 s"
+    assert format_duration(465.7828) == "7.8 min"
+    assert format_duration(6044.0) == "100.7 min"
+    assert format_duration(3 * 3600) == "3.0 h"
+    assert format_duration(-0.5) == "-500.0 ms"
+    assert format_duration(None) == "unknown"
 
 
 @pytest.mark.parametrize("seed", [SEED_MANUAL, SEED_AUTO], ids=["manual", "auto"])

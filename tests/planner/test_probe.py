@@ -122,3 +122,69 @@ def test_a_call_the_probe_cannot_reproduce_falls_back_to_flops(tmp_path):
     trace = trace_model(model, (x,), auto_config(tmp_path), CPU, probe=Probe(CPU_DEVICE))
     assert trace.compute_basis == "flops"
     assert all(u.forward_s == pytest.approx(u.flops / 3 / CPU.flops) for u in trace.units)
+
+
+class _Clock:
+    """A perf_counter that moves only when a probed run says how long it took."""
+
+    def __init__(self, durations):
+        self.now, self.durations = 0.0, list(durations)
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def run(self) -> None:
+        self.now += self.durations.pop(0)
+
+
+@pytest.mark.parametrize(
+    "durations, spread",
+    [
+        ([9.0, 1.0, 4.0, 1.0, 2.0, 1.0], 0.0),  # one slow run: the median is the fastest
+        ([9.0, 2.0, 1.0, 3.0, 3.0, 3.0], 2.0),  # a busy machine: the median run took 3x
+    ],
+)
+def test_a_machine_probe_counts_its_fastest_run_and_keeps_the_spread(
+    monkeypatch, durations, spread
+):
+    """Issue 49: probes timed as the median of a few runs moved a plan's step 13x between
+    identical runs on a busy machine. Other load only adds time, so the fastest run (after
+    an untimed warm-up: the 9 s here) gives the rate; the median run's excess is kept."""
+    from hetstore.planner import machine
+
+    clock = _Clock(durations)
+    monkeypatch.setattr(machine, "time", clock)
+    rate, measured_spread = machine.fastest_rate(100.0, clock.run)
+    assert rate == pytest.approx(100.0)  # the fastest run took 1 s
+    assert measured_spread == pytest.approx(spread)
+
+
+def test_the_measured_machine_reports_each_probes_spread_and_leaves_no_directory(tmp_path):
+    from hetstore.planner.machine import measure_machine
+
+    rates = measure_machine("cpu", str(tmp_path / "made" / "offload"))
+    names = dict(rates.spread)
+    assert {"copy to device", "disk read", "disk write", "matmul", "host optimizer"} <= set(names)
+    assert all(value >= 0 for value in names.values())
+    assert list(tmp_path.iterdir()) == []  # the probe's directories went with it
+
+
+def test_the_compute_probe_keeps_its_spread_and_the_plan_prints_it(tmp_path):
+    from dataclasses import replace
+
+    from hetstore.planner.probe import timed_runs
+
+    assert [timed_runs(s) for s in (0.1, 1.0, 3.0)] == [3, 2, 1]
+    model = gpt()
+    x = batches(1, batch=4)[0][0]
+    machine = replace(CPU, spread=(("matmul", 0.4),))
+    plan = hetstore.plan(model, x, auto_config(tmp_path), machine=machine, probe=True)
+    spread = dict(plan.estimate.probe_spread)
+    assert spread["matmul"] == 0.4 and spread["block forward+backward"] >= 0
+    text = str(plan)
+    assert (
+        "probes: the fastest run of each counts; the median run took longer by matmul +40%" in text
+    )
+    assert "the machine was busy while probing (matmul)" in text
+    plan.save(tmp_path / "plan.json")  # (JSON has no tuples: read back equal)
+    assert hetstore.Plan.load(tmp_path / "plan.json") == plan

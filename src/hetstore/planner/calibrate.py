@@ -13,7 +13,6 @@ measured step still tests the model of what offloading costs.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import replace
 
 from hetstore.planner.trace import StepProfile, Trace
@@ -22,18 +21,17 @@ __all__ = ["calibrated_trace", "steady_profile"]
 
 
 def steady_profile(profiles: list[StepProfile]) -> StepProfile:
-    """The median of each label over the profiled steps, leaving out the first (a
-    warm-up: the allocator, page faults, lazy initialization) when there are more."""
+    """The fastest time of each label over the profiled steps, leaving out the first (a
+    warm-up: the allocator, page faults, lazy initialization) when there are more; the
+    total is their sum. The fastest, as the machine probes take it (planner.machine
+    ``fastest_rate``): other load on a shared machine only adds time to a step, and with two
+    steady steps a median is their mean, half of a disturbed step's delay."""
     steady = profiles[1:] if len(profiles) > 1 else profiles
     if not steady:
         raise ValueError("no profiled step")
     labels = {label for p in steady for label in p.seconds}
-    return StepProfile(
-        seconds={
-            label: statistics.median(p.seconds.get(label, 0.0) for p in steady) for label in labels
-        },
-        total_s=statistics.median(p.total_s for p in steady),
-    )
+    seconds = {label: min(p.seconds.get(label, 0.0) for p in steady) for label in labels}
+    return StepProfile(seconds=seconds, total_s=sum(seconds.values()))
 
 
 def calibrated_trace(trace: Trace, profile: StepProfile) -> Trace:

@@ -124,6 +124,10 @@ class Estimate:
     # taken in backward (a clip that bites), at most; not in ``host``: only where the
     # host has room, and given back first when it has none
     host_read_ahead: int = 0
+    # per probe the prediction rests on, how much longer its median timed run took
+    # than the fastest, which it counts (MachineRates.spread, and the compute probe's
+    # "block forward+backward" where compute was probed); empty when not measured here
+    probe_spread: tuple[tuple[str, float], ...] = ()
 
     @property
     def step_s(self) -> float:
@@ -694,6 +698,9 @@ def estimate(
             if _memory_stepped_ahead(trace, u, c)
         )
     clip_bites = None if overlap is False else _when_a_clip_bites(trace, choices, depth)
+    spread = trace.machine.spread if trace.machine is not None else ()
+    if not trace.measured and trace.compute_spread is not None:
+        spread = (*spread, ("block forward+backward", round(trace.compute_spread, 4)))
     return Estimate(
         device,
         host,
@@ -710,6 +717,7 @@ def estimate(
         disk_shadows=0 if overlap is False else _more_disk_shadows(trace, choices),
         clip_bites_s=clip_bites,
         host_read_ahead=0 if clip_bites is None else read_ahead_bytes(trace, choices),
+        probe_spread=spread,
     )
 
 

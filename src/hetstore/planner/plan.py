@@ -8,12 +8,12 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from hetstore._sizes import format_size
+from hetstore._sizes import format_duration, format_size
 from hetstore.planner.cost import Estimate, UnitChoice, consumed, estimate, optimizer_bytes
 from hetstore.planner.trace import Trace
 from hetstore.tier import TIER_LABELS, Tier
 
-__all__ = ["Capacities", "Plan", "UnitPlan", "confidence"]
+__all__ = ["Capacities", "Plan", "UnitPlan", "confidence", "spread_line"]
 
 
 # how far to trust a prediction, by where its compute time came from (Estimate.basis);
@@ -24,6 +24,28 @@ _STEP_CONFIDENCE = {
     "partly probed": "within about 30%: some blocks ran for real, the others from FLOPs",
     "flops": "to about 40%, usually short: compute from counted FLOPs at a matmul's rate",
 }
+
+
+# a probe whose median run took this much longer than its fastest was disturbed
+_BUSY = 0.25
+
+
+def spread_line(e: Estimate) -> str:
+    """One line on how steady the probes behind ``e`` were (empty when none was run
+    here): each probe's rate is its fastest run's, and a wide spread says the machine was
+    busy while probing, so steps now will likely take longer than predicted."""
+    if not e.probe_spread:
+        return ""
+    worst_name, worst = max(e.probe_spread, key=lambda p: p[1])
+    line = "probes: the fastest run of each counts; the median run took longer by " + ", ".join(
+        f"{name} +{value:.0%}" for name, value in e.probe_spread
+    )
+    if worst > _BUSY:
+        line += (
+            f" -- the machine was busy while probing ({worst_name}): steps will likely "
+            "take longer than predicted while it stays as busy"
+        )
+    return line
 
 
 def confidence(e: Estimate) -> str:
@@ -168,13 +190,15 @@ class Plan:
             lines.append(f"{tier:<7} {format_size(e.peak(tier)):>15} {limit:>12}")
         lines.append("")
         lines.append(
-            f"predicted step {e.step_s * 1e3:.1f} ms = compute {e.compute_s * 1e3:.1f}"
-            f" + stalled copies {e.stall_s * 1e3:.1f} + unhidden transfers "
-            f"{e.exposed_s * 1e3:.1f} + optimizer {e.optimizer_s * 1e3:.1f}"
-            f" + overhead {e.overhead_s * 1e3:.1f}  (prefetch_depth={self.prefetch_depth},"
-            f" {self.source} plan)"
+            f"predicted step {format_duration(e.step_s)} = compute "
+            f"{format_duration(e.compute_s)} + stalled copies {format_duration(e.stall_s)}"
+            f" + unhidden transfers {format_duration(e.exposed_s)} + optimizer "
+            f"{format_duration(e.optimizer_s)} + overhead {format_duration(e.overhead_s)}"
+            f"  (prefetch_depth={self.prefetch_depth}, {self.source} plan)"
         )
         lines.append(confidence(e))
+        if spread_line(e):
+            lines.append(spread_line(e))
         if self.activation_min_bytes is not None:
             lines.append(
                 f"tensors saved for backward of at least "
@@ -185,29 +209,29 @@ class Plan:
             lines.append(
                 f"stepping units beside backward (overlap_step) or the next forward "
                 f"(step_in_forward) hides "
-                f"{e.optimizer_hidden_s * 1e3:.1f} ms of the optimizer step; without it the "
-                f"step would take {e.step_without_overlap_s * 1e3:.1f} ms"
+                f"{format_duration(e.optimizer_hidden_s)} of the optimizer step; without it the "
+                f"step would take {format_duration(e.step_without_overlap_s)}"
             )
         elif e.optimizer_hidden_s < 0:
             lines.append(
                 f"stepping host-memory units during backward (overlap_step) costs "
-                f"{-e.optimizer_hidden_s * 1e3:.1f} ms here: their copies into the shadows "
+                f"{format_duration(-e.optimizer_hidden_s)} here: their copies into the shadows "
                 "take more than backward hides (on a CPU device they share its cores); "
-                f"without it the step would take {e.step_without_overlap_s * 1e3:.1f} ms"
+                f"without it the step would take {format_duration(e.step_without_overlap_s)}"
             )
         if e.clip_bites_s is not None:
             after, in_forward = e.clip_bites_s
             if in_forward >= after * 0.99:  # step_in_forward is on, or would not pay
                 lines.append(
                     "a gradient clip that bites (often every step early in training) rolls "
-                    f"back the steps taken in backward: predicted step {after * 1e3:.1f} ms"
+                    f"back the steps taken in backward: predicted step {format_duration(after)}"
                 )
             else:
                 lines.append(
                     "a gradient clip that bites (often every step early in training) rolls "
                     "back the steps taken in backward and leaves them after it: predicted "
-                    f"step {after * 1e3:.1f} ms; with step_in_forward=True they finish "
-                    f"during the next forward: {in_forward * 1e3:.1f} ms"
+                    f"step {format_duration(after)}; with step_in_forward=True they finish "
+                    f"during the next forward: {format_duration(in_forward)}"
                 )
         if e.host_read_ahead:
             lines.append(
@@ -248,6 +272,8 @@ class Plan:
         predicted = data["estimate"]
         if predicted and predicted.get("clip_bites_s") is not None:  # (JSON has no tuples)
             predicted["clip_bites_s"] = tuple(predicted["clip_bites_s"])
+        if predicted:
+            predicted["probe_spread"] = tuple(tuple(p) for p in predicted.get("probe_spread", ()))
         return cls(
             units,
             data["prefetch_depth"],

@@ -411,6 +411,15 @@ def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) 
         if cap is not None and need > cap:
             short.append(tier)
             ratio, key = tier.share_key, tier.capacity_key
+            if tier is Tier.DISK and getattr(config, key, None) is None:
+                # the machine's free space, not a key to raise (see floor.check_manual_floor)
+                lines.append(
+                    f"  disk: needs at least {format_size(need)}, only {format_size(cap)} is "
+                    f"free at offload_path {config.offload_path!r} ({key} is not set); free "
+                    f"space there, or point offload_path at a disk with at least "
+                    f"{format_size(need)} free"
+                )
+                continue
             share = f" x {ratio} {getattr(config, ratio)}" if ratio else ""
             lines.append(
                 f"  {tier.label}: needs at least {format_size(need)}, may use {format_size(cap)} "

@@ -7,7 +7,9 @@ while the tracer runs the batch on fake or meta tensors, each unit's call is rec
 (its arguments' shapes, dtypes and whether they require grad); then one unit of each
 kind (same module type, same parameter shapes, same call) runs its forward and backward
 for real on the compute device, on random tensors of those shapes, in the compute
-dtype: a warm-up, then the median of a few timed runs. Units of the same kind take that
+dtype: a warm-up, then the fastest of a few timed runs (other load on a shared machine
+only ever adds time to a run: see ``planner.machine.fastest_rate``), and how much longer the
+median run took is kept as the trace's ``compute_spread``. Units of the same kind take that
 time; the root unit (embeddings, head, loss: not a module of its own) takes its FLOPs
 at the rate the probed units achieved.
 
@@ -32,9 +34,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from hetstore.errors import OutOfTierMemory
 from hetstore.planner.trace import Trace
 
-__all__ = ["Probe", "TensorSpec", "UnitCall", "describe_call", "probe_compute"]
+__all__ = ["Probe", "TensorSpec", "UnitCall", "describe_call", "probe_compute", "timed_runs"]
 
-# timed runs after the warm-up; fewer when one run is long (see _repeats)
+# timed runs after the warm-up; fewer when one run is long (see timed_runs). Each run's
+# saved tensors are held until the backwards (see _time_unit): more runs, more memory
 _REPEATS = 3
 _PRIMITIVES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -127,8 +130,10 @@ def _module_tensors(module, device, dtype) -> tuple[dict, list[torch.Tensor]]:
     return named, leaves
 
 
-def _time_unit(module, call: UnitCall, device, dtype, most: int = _REPEATS) -> tuple[float, float]:
-    """Median forward and backward seconds of ``module`` on ``call``'s shapes.
+def _time_unit(module, call: UnitCall, device, dtype, most: int = _REPEATS):
+    """``(forward_s, backward_s, spread)`` of ``module`` on ``call``'s shapes: the fastest
+    forward and backward of the timed runs, and how much longer the median run's forward
+    and backward took than the fastest's (None with one timed run).
 
     After a warm-up, the timed forwards run one after another with every graph kept,
     then the backwards in reverse, as a model's blocks do: each forward's saved tensors
@@ -165,11 +170,13 @@ def _time_unit(module, call: UnitCall, device, dtype, most: int = _REPEATS) -> t
         first, outs = forward()  # warm-up: the allocator, lazy initialization
         first += backward(outs)
         del outs
-        forwards = [forward() for _ in range(min(most, _repeats(first)))]
+        forwards = [forward() for _ in range(min(most, timed_runs(first)))]
         backwards = [backward(outs) for _, outs in reversed(forwards)]
     for param in params:
         param.grad = None
-    return statistics.median(f for f, _ in forwards), statistics.median(backwards)
+    totals = [f + b for (f, _), b in zip(forwards, reversed(backwards), strict=True)]
+    spread = statistics.median(totals) / max(min(totals), 1e-9) - 1 if len(totals) > 1 else None
+    return min(f for f, _ in forwards), min(backwards), spread
 
 
 def _counted_in(accounts: tuple, unit) -> tuple[int, tuple | None]:
@@ -190,9 +197,12 @@ def _counted_in(accounts: tuple, unit) -> tuple[int, tuple | None]:
     return 0, None
 
 
-def _repeats(one_run_s: float) -> int:
-    """Fewer timed runs when one is long: the probe stays a fraction of one step."""
-    return _REPEATS if one_run_s < 0.5 else 1
+def timed_runs(one_run_s: float) -> int:
+    """Fewer timed runs when one is long: the probe stays a fraction of one step; two
+    up to 2 s a run, so that a busy second is not all the probe saw."""
+    if one_run_s < 0.5:
+        return _REPEATS
+    return 2 if one_run_s < 2 else 1
 
 
 def probe_compute(
@@ -211,7 +221,7 @@ def probe_compute(
     machine = trace.machine
     if machine is None or not calls:
         return trace
-    timed: dict[str, tuple[float, float] | None] = {}
+    timed: dict[str, tuple[float, float, float | None] | None] = {}
     kinds: dict[int, str] = {}
     for index, call in calls.items():
         unit, module = trace.units[index], specs[index].module
@@ -238,9 +248,10 @@ def probe_compute(
             if counted is not None:
                 account, need = counted
                 account.release(need, "compute probe")
-    measured = {i: timed[k] for i, k in kinds.items() if timed.get(k) is not None}
+    measured = {i: timed[k][:2] for i, k in kinds.items() if timed.get(k) is not None}
     if not measured:
         return trace
+    spreads = [t[2] for t in timed.values() if t is not None and t[2] is not None]
     # what has no probe (the root: embeddings, head, loss) runs at the rate the probed
     # units achieved: its FLOP-based times, made at the machine's matmul rate, rescaled
     flops = sum(trace.units[i].flops for i in measured)
@@ -254,4 +265,9 @@ def probe_compute(
         units.append(replace(unit, forward_s=forward_s, backward_s=backward_s))
     blocks = sum(1 for u in trace.units if not u.is_root)
     basis = "probed" if len(measured) == blocks else "partly probed"
-    return replace(trace, units=tuple(units), compute_basis=basis)
+    return replace(
+        trace,
+        units=tuple(units),
+        compute_basis=basis,
+        compute_spread=max(spreads) if spreads else None,
+    )

@@ -30,6 +30,8 @@ class MachineRates:
     writes (each also read), on cold caches: what a speculative step's copy into its
     shadows moves at (measured on an H100 machine's host at about a third of the fused
     step's rate per byte); 0 when not measured, and the copy is priced at the step's.
+    ``spread``: per probe, how much longer its median timed run took than the fastest
+    (which gave the rate): ``(("matmul", 0.12), ...)``; empty when not measured here.
     """
 
     to_device: float
@@ -43,6 +45,7 @@ class MachineRates:
     device: str = "cpu"
     state_codec: float = 0.0
     host_copy: float = 0.0
+    spread: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,9 @@ class Trace:
     # matmul rate), "probed" / "partly probed" (planner.probe timed one unit of each
     # kind, or some kinds, for real); ``measured`` (the profiled steps) overrides it
     compute_basis: str = "flops"
+    # how much longer the compute probe's median timed run took than its fastest (the
+    # largest over the kinds probed); None: no kind was timed more than once
+    compute_spread: float | None = None
     # the activation_min_bytes the units' activation figures are split at
     activation_min_bytes: int = 0
 
@@ -233,7 +239,11 @@ class Trace:
             )
             for u in data["units"]
         )
-        machine = MachineRates(**data["machine"]) if data.get("machine") else None
+        machine = None
+        if data.get("machine"):  # (JSON has no tuples)
+            rates = data["machine"]
+            spread = tuple(tuple(p) for p in rates.get("spread", ()))
+            machine = MachineRates(**{**rates, "spread": spread})
         shapes = tuple(tuple(s) for s in data.get("batch_shapes", ()))
         keys = (
             "buffer_bytes",
@@ -246,6 +256,7 @@ class Trace:
             "step_in_forward",
             "step_in_forward_memory",
             "compute_basis",
+            "compute_spread",
             "activation_min_bytes",
         )
         rest = {k: data[k] for k in keys if k in data}
