@@ -90,6 +90,7 @@ def _report_parser(sub) -> None:
 
 def run_bench(args) -> int:
     import hetstore
+    from hetstore._cli import BENCH_FLAGS, in_flags, progress
     from hetstore.errors import ConfigError
     from hetstore.planner.machine import measure_machine
 
@@ -97,9 +98,20 @@ def run_bench(args) -> int:
         device = hetstore.OffloadConfig(
             device=args.device, offload_path=args.path
         ).resolved_device()
+        progress(
+            "bench", f"probing the machine (memory copy, disk, optimizer step, matmul on {device})"
+        )
         rates = measure_machine(device, args.path)
-    except (ConfigError, OSError) as exc:
-        print(f"hetstore bench: {exc}; pass --path DIR on a writable local disk", file=sys.stderr)
+    except ConfigError as exc:
+        print(f"hetstore bench: {in_flags(str(exc), BENCH_FLAGS)}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        reason = in_flags(exc.strerror or str(exc), BENCH_FLAGS)
+        print(
+            f"hetstore bench: cannot probe the disk under --path {args.path!r}: {reason}; "
+            "pass --path DIR on a writable local disk",
+            file=sys.stderr,
+        )
         return 2
     link = "pinned host <-> CUDA" if device.type == "cuda" else "memcpy (CPU device)"
     rows = [
@@ -111,11 +123,25 @@ def run_bench(args) -> int:
         ("device optimizer", f"{rates.device_step / 1e9:.2f} G elem/s", f"fused AdamW on {device}"),
         ("device FLOP rate", f"{rates.flops / 1e12:.3f} TFLOP/s", "one matmul"),
     ]
-    print(f"hetstore bench: {device}\n")
+    spread = dict(rates.spread)
+    print(
+        f"hetstore bench: {device}  (each rate the fastest of a few runs; +N%: how much "
+        "longer the median run took)\n"
+    )
     width = max(len(r[0]) for r in rows)
     for name, value, how in rows:
-        print(f"  {name:<{width}}  {value:>16}   {how}")
+        probe = _BENCH_PROBES.get(name, name)
+        extra = f"  +{spread[probe]:.0%}" if probe in spread else ""
+        print(f"  {name:<{width}}  {value:>16}{extra:>7}   {how}")
     return 0
+
+
+# rows of `hetstore bench` -> their probe in MachineRates.spread
+_BENCH_PROBES = {
+    "host -> device copy": "copy to device",
+    "device -> host copy": "copy from device",
+    "device FLOP rate": "matmul",
+}
 
 
 def run_report(args) -> int:

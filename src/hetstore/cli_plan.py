@@ -2,7 +2,9 @@
 
 The model is built on the meta device and traced on meta tensors: nothing is allocated,
 so a 70B model plans as quickly as a small one. ``--max-model`` walks a ladder of GPT
-shapes and reports the largest the capacities can hold.
+shapes and reports the largest the capacities can hold. ``--measure N`` then trains the
+planned GPT for real for N steps on random tokens and prints the measured step time
+beside the predicted one.
 """
 
 from __future__ import annotations
@@ -61,6 +63,14 @@ def add_plan_parser(sub) -> None:
         "their gradients never go to disk (4 bytes per parameter less there)",
     )
     p.add_argument("--json", metavar="FILE", help="also save the plan as JSON")
+    p.add_argument(
+        "--measure",
+        type=int,
+        metavar="STEPS",
+        help="then build the GPT for real (hetstore.offload with these capacities) and "
+        "train STEPS steps on random tokens after the profiled ones: the measured step "
+        "time beside the predicted one (only for a model this machine can train)",
+    )
     p.add_argument(
         "--max-model", action="store_true", help="find the largest GPT of the ladder that fits"
     )
@@ -214,14 +224,36 @@ def accelerate_side_by_side(model, plan) -> str:
     return "\n".join(lines)
 
 
+def _refused(exc, args) -> str:
+    """The planner's refusal in the CLI's terms: flags for keys, and for a disk short
+    of free space the flag that plans for another disk."""
+    from hetstore._cli import PLAN_FLAGS, in_flags
+
+    text = in_flags(str(exc), PLAN_FLAGS)
+    if "  disk: needs at least" in text and args.disk is None:
+        text += (
+            "\n  planning writes nothing to disk: to plan for the disk you will train on, "
+            "pass --disk SIZE (e.g. --disk 2TB)"
+        )
+    return text
+
+
 def run_plan(args) -> int:
     import torch
 
     import hetstore
-    from hetstore._sizes import format_size
+    from hetstore._cli import PLAN_FLAGS, in_flags, progress
+    from hetstore._sizes import format_duration, format_size
     from hetstore.errors import ConfigError, OutOfTierMemory
     from hetstore.planner.machine import measure_machine
 
+    if args.measure is not None and (args.measure < 1 or args.max_model or args.hf_config):
+        print(
+            "hetstore plan: --measure takes a number of steps (at least 1) and plans the "
+            "GPT of --width/--depth: not with --max-model or --hf-config",
+            file=sys.stderr,
+        )
+        return 2
     try:
         config = hetstore.OffloadConfig(
             auto_offload=True,
@@ -234,13 +266,18 @@ def run_plan(args) -> int:
             optimizer_state_format=args.state_format,
             step_in_backward=args.step_in_backward,
         )
-        machine = measure_machine(
-            config.resolved_device(), config.offload_path, config.optimizer_state_format
+        device = config.resolved_device()
+        progress(
+            "plan", f"probing the machine (memory copy, disk, optimizer step, matmul on {device})"
         )
+        machine = measure_machine(device, config.offload_path, config.optimizer_state_format)
     except (ConfigError, OSError) as exc:
-        print(f"hetstore plan: {exc}", file=sys.stderr)
+        print(f"hetstore plan: {in_flags(str(exc), PLAN_FLAGS)}", file=sys.stderr)
         return 2
     tokens = torch.empty(args.batch, args.ctx, dtype=torch.long, device="meta")
+    searching = "tracing the model" + (
+        "" if args.no_probe else " (one block timed for real where that takes under 2 s)"
+    )
     if args.hf_config:
         try:
             model = _hf_model(args.hf_config)
@@ -248,12 +285,14 @@ def run_plan(args) -> int:
             print(f"hetstore plan: {exc}", file=sys.stderr)
             return 2
         if args.max_model:
+            progress("plan", "searching the deepest model that fits")
             return _hf_max_model(args, tokens, config, machine)
         numel = sum(p.numel() for p in model.parameters())
+        progress("plan", f"{searching} and searching placements")
         try:
             plan = hetstore.plan(model, (tokens,), config, machine=machine, probe=not args.no_probe)
         except OutOfTierMemory as exc:
-            print(f"hetstore plan: {exc}", file=sys.stderr)
+            print(f"hetstore plan: {_refused(exc, args)}", file=sys.stderr)
             return 1
         name = type(model).__name__
         print(
@@ -274,6 +313,7 @@ def run_plan(args) -> int:
         return numel, hetstore.plan(model, (tokens, tokens), config, machine=machine, probe=probe)
 
     if args.max_model:
+        progress("plan", "searching the largest GPT that fits")
         print(f"{'width':>6} {'depth':>5} {'params':>9}  result")
         largest = None
         for width, depth in LADDER:
@@ -285,7 +325,7 @@ def run_plan(args) -> int:
             largest = (width, depth, numel, plan)
             print(
                 f"{width:>6} {depth:>5} {numel / 1e9:>8.2f}B  fits, predicted step "
-                f"{plan.estimate.step_s:.2f} s"
+                f"{format_duration(plan.estimate.step_s)}"
             )
         if largest is None:
             print("not even the smallest GPT of the ladder fits these capacities")
@@ -307,10 +347,11 @@ def run_plan(args) -> int:
         print(f"\nlargest: width {width}, depth {depth}, {numel / 1e9:.2f}B parameters\n")
         print(plan)
     else:
+        progress("plan", f"{searching} and searching placements")
         try:
             numel, plan = plan_for(args.width, args.depth, probe=not args.no_probe)
         except OutOfTierMemory as exc:
-            print(f"hetstore plan: {exc}", file=sys.stderr)
+            print(f"hetstore plan: {_refused(exc, args)}", file=sys.stderr)
             return 1
         print(
             f"GPT width {args.width}, depth {args.depth}: {numel / 1e9:.2f}B parameters, "
@@ -321,4 +362,80 @@ def run_plan(args) -> int:
     if args.json:
         plan.save(args.json)
         print(f"\nplan saved to {args.json}")
+    if args.measure is not None:
+        return _measure(args, config, plan)
+    return 0
+
+
+def _measure(args, config, plan) -> int:
+    """``--measure``: train the planned GPT for real, built on the meta device and
+    materialized by ``offload()`` into its tiers, on random tokens: the profiled steps,
+    then ``args.measure`` steps timed; prints their median beside the predictions."""
+    import statistics
+    import time
+
+    import torch
+
+    import hetstore
+    from hetstore._cli import PLAN_FLAGS, in_flags, progress
+    from hetstore._sizes import format_duration
+    from hetstore.api import PROFILED_STEPS
+    from hetstore.errors import ConfigError, OutOfTierMemory
+
+    device = config.resolved_device()
+    g = torch.Generator().manual_seed(0)
+    steps = PROFILED_STEPS + args.measure
+    data = [
+        torch.randint(0, args.vocab, (args.batch, args.ctx + 1), generator=g) for _ in range(steps)
+    ]
+    batches = [(d[:, :-1].to(device), d[:, 1:].to(device)) for d in data]
+    model = _gpt(args.width, args.depth, args.vocab, args.ctx)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    progress(
+        "plan",
+        f"--measure: building the model in its tiers and training {PROFILED_STEPS} profiled "
+        f"+ {args.measure} timed steps",
+    )
+    times = []
+    try:
+        with hetstore.offloaded(
+            model, optimizer, config, example_inputs=batches[0], init_fn=type(model).init_weights
+        ) as (model, optimizer):
+            runtime = hetstore.state_of(model).runtime
+            own = runtime.plan
+            for step, (x, y) in enumerate(batches):
+                start = time.perf_counter()
+                model(x, y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if step >= PROFILED_STEPS:
+                    times.append(time.perf_counter() - start)
+            calibrated = runtime.calibrated_plan
+    except (OutOfTierMemory, ConfigError, OSError) as exc:
+        print(f"hetstore plan: --measure: {in_flags(str(exc), PLAN_FLAGS)}", file=sys.stderr)
+        return 1 if isinstance(exc, OutOfTierMemory) else 2
+    measured = statistics.median(times)
+    predicted = plan.estimate.step_s
+    same = [u.choice for u in own.units] == [u.choice for u in plan.units]
+    lines = [
+        "",
+        f"measured over {len(times)} steps after {PROFILED_STEPS} profiled ones: median "
+        f"{format_duration(measured)} (fastest {format_duration(min(times))}, slowest "
+        f"{format_duration(max(times))})",
+        f"predicted {format_duration(predicted)} (the plan above); measured / predicted "
+        f"{measured / predicted:.2f}",
+    ]
+    if not same:
+        lines.append(
+            f"offload() planned again on this machine and chose another placement: "
+            f"predicted {format_duration(own.estimate.step_s)} for it (measured / predicted "
+            f"{measured / own.estimate.step_s:.2f})"
+        )
+    if calibrated is not None and calibrated.estimate is not None:
+        after = calibrated.estimate.step_s
+        lines.append(
+            f"after the profiled steps (each unit's compute measured): predicted "
+            f"{format_duration(after)}; measured / predicted {measured / after:.2f}"
+        )
+    print("\n".join(lines))
     return 0

@@ -58,6 +58,11 @@ def test_demo_trains_within_a_budget_the_states_exceed(demo_run):
     assert "predicted step" in text
     diff = float(re.search(r"max \|loss difference\| over 8 steps: (\S+)", text).group(1))
     assert diff <= 1e-5
+    # predicted against measured, in units read at a glance, with the probes' spread
+    assert re.search(r"step time\s+predicted [\d.]+ (ms|s|min) before training", text), text
+    assert re.search(r"measured / predicted: \d+\.\d\d before training", text), text
+    assert "probes: the fastest run of each counts" in text
+    assert "PinnedMemoryWarning" not in done.stderr  # enable_pinned_mem 'auto' on a CPU
 
 
 def test_demo_writes_the_memory_timeline_and_loss_pictures(demo_run):
@@ -70,6 +75,63 @@ def test_demo_writes_the_memory_timeline_and_loss_pictures(demo_run):
     timeline = json.loads((out / "timeline.json").read_text())
     assert [p[1] for p in timeline["phases"]] == ["forward", "backward", "step"]
     assert max(s[1] for s in timeline["samples"]) <= timeline["capacities"]["device"]
+
+
+def _drawn(monkeypatch) -> list:
+    """The figures the report functions save, kept open to be read."""
+    from matplotlib.figure import Figure
+
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    return figures
+
+
+def test_the_timeline_names_its_step_and_draws_every_budget(demo_run, tmp_path, monkeypatch):
+    """Issue 49: the picture showed a recorded step far longer than the median beside
+    it without saying so, and only the device budget."""
+    from hetstore.report import plot_timeline
+    from hetstore.timeline import MemoryTimeline
+
+    _, out = demo_run
+    timeline = MemoryTimeline.load(out / "timeline.json")
+    assert "during step 4, the first after the profiled ones" in timeline.title
+    assert re.search(
+        r"this step took \S+ \S+ while recorded, [\d.]+x the median step", timeline.title
+    )
+    figures = _drawn(monkeypatch)
+    plot_timeline(timeline, tmp_path / "t.png")
+    (ax,) = figures[0].axes
+    labels = ax.get_legend_handles_labels()[1]
+    for tier in ("device", "host", "disk"):
+        assert any(label.startswith(f"{tier} budget ") for label in labels), labels
+    assert ax.get_title() == timeline.title
+
+
+def test_the_loss_plot_shows_the_difference_from_plain_pytorch(tmp_path, monkeypatch):
+    from hetstore.report import plot_losses
+
+    figures = _drawn(monkeypatch)
+    curves = {"hetstore": [3.0, 2.5, 2.0], "plain PyTorch": [3.0, 2.5 + 2e-7, 2.0]}
+    plot_losses(curves, tmp_path / "l.png")
+    top, diff = figures[0].axes
+    assert "plain PyTorch (max |Δ| from hetstore: 2.0e-07)" in top.get_legend_handles_labels()[1]
+    (line,) = diff.get_lines()
+    assert list(line.get_ydata()) == pytest.approx([0.0, 2e-7, 0.0], abs=1e-12)
+    figures.clear()
+    plot_losses({"hetstore": [3.0, 2.0]}, tmp_path / "one.png")  # one run: one panel
+    assert len(figures[0].axes) == 1
+
+
+def test_the_demo_leaves_only_its_pictures_in_the_working_directory(tmp_path):
+    """Run as `make demo` runs it, with the default ./offload: the disk tier's directory
+    goes when the demo is done."""
+    done = hetstore("demo", *SMALL, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "loss.png",
+        "memory_timeline.png",
+        "timeline.json",
+    ]
 
 
 def test_report_redraws_a_saved_timeline(demo_run, tmp_path):
@@ -97,7 +159,7 @@ def test_no_offload_stops_with_the_statistics(tmp_path):
         (["--steps", "0"], "--steps must be at least 1"),
         (["--budget-fraction", "-1"], "--budget-fraction must be in"),
         (["--device", "tpu"], "device"),
-        (["--offload-path", "/proc/hetstore"], "offload_path: cannot use '/proc/hetstore'"),
+        (["--offload-path", "/proc/hetstore"], "--offload-path: cannot use '/proc/hetstore'"),
         (["--config", "missing.yaml"], "cannot read config file"),
         (["--steps", "many"], "invalid int value"),
     ],

@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 
 import hetstore
-from hetstore._sizes import format_size
+from hetstore._cli import in_flags
+from hetstore._safefs import removing_created_dirs
+from hetstore._sizes import format_duration, format_size
 from hetstore.demo.gpt import GPT
 from hetstore.errors import ConfigError, OutOfTierMemory
 from hetstore.model_state import state_of
@@ -136,8 +138,7 @@ def _config(settings: DemoSettings, budget: int, states: int) -> hetstore.Offloa
     else:
         # the demo's activations are small: let the planner move them
         config = hetstore.OffloadConfig(activation_min_bytes="64KB", **demo_keys)
-    # pinning only speeds up copies to an accelerator
-    return config.replace(enable_pinned_mem=config.resolved_device().type == "cuda")
+    return config  # (enable_pinned_mem 'auto': pinned on CUDA only, and no warning on a CPU)
 
 
 def run_demo(settings: DemoSettings = DemoSettings(), out=sys.stdout, err=sys.stderr) -> int:
@@ -161,13 +162,14 @@ def run_demo(settings: DemoSettings = DemoSettings(), out=sys.stdout, err=sys.st
             file=err,
         )
         return 2
+    flags = _flags(settings)
     data = load_corpus()
     try:
         settings = settings.sized_for(
             hetstore.OffloadConfig(device=settings.device).resolved_device()
         )
     except ConfigError as exc:
-        print(f"hetstore demo: {exc}", file=err)
+        print(f"hetstore demo: {in_flags(str(exc), flags)}", file=err)
         return 2
     model = _model(settings)
     n_params = sum(p.numel() for p in model.parameters())
@@ -176,8 +178,25 @@ def run_demo(settings: DemoSettings = DemoSettings(), out=sys.stdout, err=sys.st
     try:
         config = _config(settings, budget, states)
     except ConfigError as exc:
-        print(f"hetstore demo: {exc}", file=err)
+        print(f"hetstore demo: {in_flags(str(exc), flags)}", file=err)
         return 2
+    # the disk tier's directory goes when the demo is done, with the parents it made
+    # (the default ./offload was left behind in the directory the demo ran from)
+    with removing_created_dirs(config.offload_path):
+        return _run(settings, config, model, n_params, states, budget, data, out_dir, out, err)
+
+
+def _flags(settings: DemoSettings) -> dict[str, str]:
+    """The config keys of ``hetstore demo``'s errors named by its flags: offload_path
+    unless it came from the --config file."""
+    flags = {"device": "--device"}
+    if settings.offload_path is not None or settings.config_file is None:
+        flags["offload_path"] = "--offload-path"
+    return flags
+
+
+def _run(settings, config, model, n_params, states, budget, data, out_dir, out, err) -> int:
+    flags = _flags(settings)
     device = config.resolved_device()
     batches = _batches(data, settings)
     curves = {}
@@ -197,40 +216,59 @@ def run_demo(settings: DemoSettings = DemoSettings(), out=sys.stdout, err=sys.st
         f"{n_params / 1e6:.2f}M parameters, on {device}\n"
         f"  training states (fp32 weights + grads + Adam moments): {format_size(states)}\n"
         f"  device budget (max_device_memory):                     {format_size(budget)}"
-        f"  ({settings.budget_fraction:.0%} of the states)\n"
+        f"  ({settings.budget_fraction:.0%} of the states, --budget-fraction)\n"
         f"  placement: {'everything on the device (--no-offload)' if settings.no_offload else 'auto_offload (the planner decides)'}",
         file=out,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+    if settings.progress and not settings.no_offload:
+        print(
+            "hetstore demo: planning the placement (probing the machine, timing one block)...",
+            file=err,
+            flush=True,
+        )
     try:
-        model, optimizer = hetstore.offload(model, optimizer, config, example_inputs=batches[0])
-        if not settings.no_offload:
-            print(f"\nthe plan:\n{state_of(model).plan}\n", file=out)
-        losses, timeline, step_times = _train(model, optimizer, batches, settings, device, err)
-    except OutOfTierMemory as exc:
-        print(f"\nhetstore demo: {exc}", file=err)
-        if settings.no_offload:
+        try:
+            model, optimizer = hetstore.offload(model, optimizer, config, example_inputs=batches[0])
+            if not settings.no_offload:
+                print(f"\nthe plan:\n{state_of(model).plan}\n", file=out)
+            losses, timeline, step_times = _train(model, optimizer, batches, settings, device, err)
+        except OutOfTierMemory as exc:
+            print(f"\nhetstore demo: {exc}", file=err)
+            if exc.tier == "device":
+                print(
+                    "  (hetstore demo sets max_device_memory to --budget-fraction times the "
+                    "training states: raise --budget-fraction)",
+                    file=err,
+                )
+            if settings.no_offload:
+                print(
+                    "\nThis is what --no-offload shows: the training states do not fit the "
+                    "device budget. Run without --no-offload to train anyway.",
+                    file=err,
+                )
+            return 1
+        except ConfigError as exc:
+            print(f"hetstore demo: {in_flags(str(exc), flags)}", file=err)
+            return 2
+        except OSError as exc:
+            where = flags.get("offload_path", "offload_path")
             print(
-                "\nThis is what --no-offload shows: the training states do not fit the "
-                "device budget. Run without --no-offload to train anyway.",
+                f"hetstore demo: cannot use {where} {config.offload_path!r}: "
+                f"{exc.strerror or exc}; pass --offload-path DIR on a writable local disk",
                 file=err,
             )
-        return 1
-    except ConfigError as exc:
-        print(f"hetstore demo: {exc}", file=err)
-        return 2
-    except OSError as exc:
-        print(
-            f"hetstore demo: cannot use offload_path {config.offload_path!r}: "
-            f"{exc.strerror or exc}; pass --offload-path DIR on a writable local disk",
-            file=err,
-        )
-        return 2
-    stats = hetstore.memory_stats(model)
-    curves = {"hetstore": losses, **curves}
-    _summary(model, n_params, states, budget, stats, losses, step_times, curves, out)
-    _pictures(timeline, curves, settings, out_dir, out)
-    return 0 if stats["device"]["peak"] <= budget else 1
+            return 2
+        stats = hetstore.memory_stats(model)
+        curves = {"hetstore": losses, **curves}
+        _summary(model, n_params, states, budget, stats, losses, step_times, curves, out)
+        if timeline is not None:
+            timeline.title = _timeline_title(settings, timeline, step_times)
+        _pictures(timeline, curves, settings, out_dir, out)
+        return 0 if stats["device"]["peak"] <= budget else 1
+    finally:
+        if state_of(model) is not None:
+            hetstore.release(model)  # its files and directory under offload_path go now
 
 
 def _train(model, optimizer, batches, settings, device, err, label="hetstore"):
@@ -259,7 +297,7 @@ def _train(model, optimizer, batches, settings, device, err, label="hetstore"):
         step_start = time.perf_counter()
         recorder = None
         if managed and step == recorded:
-            recorder = TimelineRecorder(model, title=_timeline_title(settings, step + 1))
+            recorder = TimelineRecorder(model, title=f"step {step + 1}")
             timeline = recorder.timeline
         mark = recorder.phase if recorder is not None else (lambda name: None)
         with recorder or contextlib.nullcontext():
@@ -287,11 +325,22 @@ def _train(model, optimizer, batches, settings, device, err, label="hetstore"):
     return losses, timeline, step_times
 
 
-def _timeline_title(settings: DemoSettings, step: int) -> str:
-    return (
-        f"hetstore demo: memory per tier during step {step} "
-        f"(GPT {settings.depth} x {settings.width}, auto_offload)"
+def _timeline_title(settings: DemoSettings, timeline, step_times: list[float]) -> str:
+    """The picture's title: which step it shows, and how long that step took beside the
+    median of the steps timed (the recorded one is not among them)."""
+    recorded = timeline.samples[-1][0] if timeline.samples else 0.0
+    title = (
+        f"hetstore demo: memory per tier during {timeline.title}, the first after the "
+        f"profiled ones (GPT {settings.depth} x {settings.width}, auto_offload)"
     )
+    if step_times:
+        median = statistics.median(step_times)
+        title += (
+            f"\nthis step took {format_duration(recorded)} while recorded, "
+            f"{recorded / median:.2f}x the median step ({format_duration(median)} over "
+            f"{len(step_times)} steps)"
+        )
+    return title
 
 
 def _summary(model, n_params, states, budget, stats, losses, step_times, curves, out) -> None:
@@ -315,17 +364,7 @@ def _summary(model, n_params, states, budget, stats, losses, step_times, curves,
             counts[tier] = counts.get(tier, 0) + 1
         text = ", ".join(f"{n} unit{'s' if n > 1 else ''} on {t}" for t, n in counts.items())
         lines.append(f"  {label:<20} {text}")
-    calibrated = runtime.calibrated_plan
-    if calibrated is not None and calibrated.estimate is not None:
-        measured = (
-            f", measured {statistics.median(step_times) * 1e3:.0f} ms (median)"
-            if step_times
-            else ""
-        )
-        lines.append(
-            f"  step time            predicted {plan.estimate.step_s * 1e3:.0f} ms before "
-            f"training, {calibrated.estimate.step_s * 1e3:.0f} ms after profiling{measured}"
-        )
+    lines += _step_times(plan, runtime.calibrated_plan, step_times)
     within = stats["device"]["peak"] <= budget
     lines.append(f"  device peak within budget: {'yes' if within else 'NO'}")
     lines.append(f"  loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}")
@@ -337,6 +376,36 @@ def _summary(model, n_params, states, budget, stats, losses, step_times, curves,
             f"max |loss difference| over {len(losses)} steps: {diff:.2e}"
         )
     print("\n".join(lines), file=out)
+
+
+def _step_times(plan, calibrated, step_times: list[float]) -> list[str]:
+    """The summary's lines on step time: predicted before training and after the
+    profiled steps, against the median of the steps measured."""
+    from hetstore.planner.plan import spread_line
+
+    if plan.estimate is None:
+        return []
+    before = plan.estimate.step_s
+    after = calibrated.estimate.step_s if calibrated and calibrated.estimate else None
+    text = f"predicted {format_duration(before)} before training"
+    if after is not None:
+        text += f", {format_duration(after)} after profiling"
+    lines = [f"  {'step time':<20} {text}"]
+    if step_times:
+        median = statistics.median(step_times)
+        lines.append(
+            f"  {'':<20} measured {format_duration(median)} (median of {len(step_times)} "
+            f"steps; fastest {format_duration(min(step_times))}, slowest "
+            f"{format_duration(max(step_times))})"
+        )
+        ratios = f"{median / before:.2f} before training"
+        if after:
+            ratios += f", {median / after:.2f} after profiling"
+        lines.append(f"  {'':<20} measured / predicted: {ratios}")
+    spread = spread_line(plan.estimate)
+    if spread:
+        lines.append(f"  {'':<20} {spread}")
+    return lines
 
 
 def _pictures(timeline, curves, settings, out_dir: Path, out) -> None:
