@@ -196,6 +196,17 @@ def test_readme_stays_short():
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES})"
 
 
+def test_readme_lists_the_whole_public_api():
+    import hetstore
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Public API") :]
+    section = section[: section.index("\n## ", 1)]
+    named = set(re.findall(r"\w+", " ".join(re.findall(r"`([^`]*)`", section))))
+    missing = [name for name in hetstore.__all__ if name not in named]
+    assert not missing, f"README.md's Public API does not name {missing}"
+
+
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 # pages linked before they exist, each written by the work that its link describes; a
 # link to one is reported as a skip until the page lands, then checked like any other
