@@ -6,7 +6,9 @@ host memory and restored ``--repeats`` times. Each round also times the referenc
 buffers of the same sizes, interleaved in a random order:
 
 - **copy out**: ``host.copy_(device)`` into preallocated host buffers, one per storage
-  (what evict does at best: its host buffers come from the host tier's pool);
+  (what evict does at best: its host buffers are kept from the last cycle);
+- **copy out + free**: the same, then each device storage's bytes freed, as evict must
+  (on a CPU device the memory goes back to the system: ``munmap``, not free of cost);
 - **copy in**: ``device.copy_(host)`` into preallocated device buffers (restore at
   best);
 - **alloc + copy in**: a fresh device buffer per storage, then the copy (what restore
@@ -111,6 +113,13 @@ def main() -> None:
         for h, d in zip(host_refs, device_refs, strict=True):
             h.copy_(d, non_blocking=cuda)
 
+    def copy_out_free() -> float:
+        seconds = timed(lambda: (copy_out(), [d.untyped_storage().resize_(0) for d in device_refs]))
+        for d, n in zip(device_refs, sizes, strict=True):  # (untimed: back for the others)
+            d.untyped_storage().resize_(n)
+            d.fill_(1)
+        return seconds
+
     def copy_in() -> None:
         for h, d in zip(host_refs, device_refs, strict=True):
             d.copy_(h, non_blocking=cuda)
@@ -127,6 +136,7 @@ def main() -> None:
         {
             "evict": evict,
             "copy out": lambda: timed(copy_out),
+            "copy out + free": copy_out_free,
             "copy in": lambda: timed(copy_in),
             "alloc + copy in": lambda: timed(alloc_copy_in),
         },
@@ -140,6 +150,7 @@ def main() -> None:
 
     rows = [
         ("evict", "copy out", rate("evict"), rate("copy out")),
+        ("evict", "copy out + free", rate("evict"), rate("copy out + free")),
         ("restore", "copy in", rate("restore"), rate("copy in")),
         ("restore", "alloc + copy in", rate("restore"), rate("alloc + copy in")),
     ]
@@ -170,7 +181,8 @@ def main() -> None:
             scenario="evict_restore",
             rows=[
                 {
-                    "config": f"{mine} vs {ref}",
+                    "config": f"{device.type}: {mine} vs {ref}",
+                    "bytes": _common.size(total),
                     "gib_s": round(a, 2),
                     "reference_gib_s": round(b, 2),
                     "ratio": round(a / b, 2),

@@ -246,6 +246,22 @@ SCENARIOS: tuple[Scenario, ...] = (
             col("max loss difference from plain", "loss_diff"),
         ),
     ),
+    Scenario(
+        "evict_restore",
+        "Evict and restore (RL colocation)",
+        "`hetstore.evict` and `hetstore.restore` of a GPT whose states all live on the "
+        "device, against a plain copy of the same bytes in the same run, interleaved "
+        "(`benchmarks/evict_restore.py`): *copy out* and *copy in* into preallocated "
+        "buffers (pinned `copy_` on CUDA); *alloc + copy in* also allocates the device "
+        "bytes, as restore must (they were given back). On a CPU device that allocation "
+        "page-faults fresh memory, which bounds restore there.",
+        (
+            col("hetstore GiB/s", "gib_s", ".2f"),
+            col("reference GiB/s", "reference_gib_s", ".2f"),
+            col("hetstore / reference", "ratio", ".2f", strong=True),
+            col("bytes moved", "bytes"),
+        ),
+    ),
 )
 BY_KEY = {s.key: s for s in SCENARIOS}
 RUN_COLUMNS = ("machine", "commit", "date", "command")
