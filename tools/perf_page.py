@@ -253,8 +253,9 @@ SCENARIOS: tuple[Scenario, ...] = (
         "device, against a plain copy of the same bytes in the same run, interleaved "
         "(`benchmarks/evict_restore.py`): *copy out* and *copy in* into preallocated "
         "buffers (pinned `copy_` on CUDA); *alloc + copy in* also allocates the device "
-        "bytes, as restore must (they were given back). On a CPU device that allocation "
-        "page-faults fresh memory, which bounds restore there.",
+        "bytes, as restore must (they were given back): `torch.empty` page-faults fresh "
+        "memory there, where restore's `resize_` of the storages evict freed gets "
+        "recycled pages back.",
         (
             col("hetstore GiB/s", "gib_s", ".2f"),
             col("reference GiB/s", "reference_gib_s", ".2f"),
