@@ -41,7 +41,7 @@ same directory as the offload path:
 * with hetstore's own ``AsyncIOEngine`` at its defaults on a huge-page mmap buffer, as the
   disk tier runs it ("(engine)", the ``disk_io.py`` pass). On a virtio disk fio, whose
   buffers are 4 KiB pages, reads well below what the disk delivers to huge-page buffers
-  (see docs/BENCHMARKS.md), so both are shown.
+  (see docs/dev/BENCHMARKS.md), so both are shown.
 
 For a disk variant, the bytes it read and wrote per step
 (``hetstore.state_of(model).tiers.disk.stats()``, summed over the timed steps / their number) give

@@ -7,7 +7,7 @@ worker thread, alone and beside each other.
 
 Each row is the best of 5 runs. On the H100 machine's 16-core host (2026-11-26) the
 ordinary step of a 12.6M-element unit took 1.3 ms and the speculative one 6.4-6.9 ms:
-the copies, not the arithmetic, are the speculation's price (docs/BENCHMARKS.md).
+the copies, not the arithmetic, are the speculation's price (docs/dev/BENCHMARKS.md).
 """
 
 from __future__ import annotations

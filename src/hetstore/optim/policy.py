@@ -23,7 +23,7 @@ Pacing, in detail:
 A speculative step of a unit in host memory (:mod:`hetstore.optim.in_memory`) first
 copies the live master and states into shadows, so it moves about twice the bytes of
 the ordinary step: on an H100 machine's host, 8-10 ms for a unit the ordinary step
-takes ~3 ms for (docs/BENCHMARKS.md). Finished during backward it costs nothing; still
+takes ~3 ms for (docs/dev/BENCHMARKS.md). Finished during backward it costs nothing; still
 running when ``optimizer.step()`` waits for it, it costs more than the ordinary step
 would have. So, with ``overlap_step='auto'``, at most ``limit`` units of a backward are
 stepped ahead (the first whose gradients are final); the rest take the ordinary step,

@@ -665,7 +665,7 @@ class StepAhead:
         buffers go. Except the thread itself where host-memory units are paced (a GPU):
         every backward uses it again, and a new thread starts a new OpenMP team (on an
         H100's host the ordinary steps right after the worker's ran slowly, cause not
-        known; docs/BENCHMARKS.md). It goes with the model (``close``, or garbage
+        known; docs/dev/BENCHMARKS.md). It goes with the model (``close``, or garbage
         collection: the thread does not keep this object alive)."""
         if any(not _taken(j) for j in self._jobs.values()) or self._read_ahead:
             return

@@ -128,6 +128,9 @@ class Estimate:
     # than the fastest, which it counts (MachineRates.spread, and the compute probe's
     # "block forward+backward" where compute was probed); empty when not measured here
     probe_spread: tuple[tuple[str, float], ...] = ()
+    # the share of the CPU other processes took while the machine was probed
+    # (MachineRates.others_busy); None when not measured here
+    others_busy: float | None = None
 
     @property
     def step_s(self) -> float:
@@ -416,7 +419,7 @@ def shadow_copy_s(u: UnitTrace, m) -> float:
     each state read and written once, at the measured copy rate (``host_copy``); else
     at the rate the fused step moves its arrays (it reads master, gradient and states
     and writes master and states: 3 + 2 x states), which on an H100 machine's host was
-    3x too fast (docs/BENCHMARKS.md)."""
+    3x too fast (docs/dev/BENCHMARKS.md)."""
     arrays = 2 + u.state_count  # master, gradient (read ahead into its own), states
     if m.host_copy:
         return arrays * u.trainable_numel * 4 / m.host_copy
@@ -718,6 +721,7 @@ def estimate(
         clip_bites_s=clip_bites,
         host_read_ahead=0 if clip_bites is None else read_ahead_bytes(trace, choices),
         probe_spread=spread,
+        others_busy=trace.machine.others_busy if trace.machine is not None else None,
     )
 
 

@@ -6,8 +6,10 @@ Short probes (about a second in all), each the fastest of a few runs after a war
 ``offload_path``, a fused AdamW step over 4M fp32 elements on host (and on the device), a
 compact state format's decode and encode of Adam's two states over as many, and a matmul
 for the FLOP rate. How much slower each probe's median run was than its fastest is kept
-(``MachineRates.spread``) and printed with a plan (``Estimate.probe_spread``): a wide
-spread says the machine was busy while it was measured.
+(``MachineRates.spread``), and the share of the CPU other processes took meanwhile
+(``others_busy``); a plan prints both: either high says the machine was busy while it
+was measured, and a step then may take many times the prediction (the fastest run of a
+probe that was slowed all along is slow too).
 """
 
 from __future__ import annotations
@@ -192,6 +194,7 @@ def measure_machine(
     """Measure this machine's rates for ``device``, with disk probes under
     ``offload_path``, for optimizer states stored in ``state_format_name``."""
     device = torch.device(device)
+    before, started = _busy_ticks(), time.monotonic()
     to_device, from_device = _copy_rates(device)
     disk_read, disk_write = _disk_rates(offload_path)
     host_step = _step_rate(torch.device("cpu"))
@@ -199,6 +202,7 @@ def measure_machine(
     flops = _flop_rate(device)
     codec = _codec(state_format_name)
     host_copy = _host_copy()
+    others = _others_share(before, started)
     probes = {
         "copy to device": to_device,
         "copy from device": from_device,
@@ -227,7 +231,35 @@ def measure_machine(
         state_codec=codec[0],
         host_copy=host_copy[0],
         spread=tuple((name, round(spread, 4)) for name, (_, spread) in probes.items()),
+        others_busy=others,
     )
+
+
+def _busy_ticks() -> tuple[int, int] | None:
+    """``(ticks all CPUs were busy, ticks this process ran)`` since boot, from /proc;
+    None without it (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            cpu = [int(v) for v in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rpartition(")")[2].split()
+        # user nice system idle iowait irq softirq steal (guest time is within user);
+        # utime and stime are the 14th and 15th fields, counted from the pid
+        return cpu[0] + cpu[1] + cpu[2] + sum(cpu[5:8]), int(own[11]) + int(own[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _others_share(before: tuple[int, int] | None, started: float) -> float | None:
+    """The share of the machine's CPU time other processes took since ``before`` (see
+    ``MachineRates.others_busy``); None where it cannot be read."""
+    after = _busy_ticks()
+    seconds = time.monotonic() - started
+    cpus = os.cpu_count() or 1
+    if before is None or after is None or seconds <= 0:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return round(min(max(others / os.sysconf("SC_CLK_TCK") / seconds / cpus, 0.0), 1.0), 3)
 
 
 def machine_capacities(config, device: torch.device | str) -> Capacities:

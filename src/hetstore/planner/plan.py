@@ -17,7 +17,7 @@ __all__ = ["Capacities", "Plan", "UnitPlan", "confidence", "spread_line"]
 
 
 # how far to trust a prediction, by where its compute time came from (Estimate.basis);
-# the bounds are what benchmarks/planner.py measured (docs/BENCHMARKS.md)
+# the bounds are what benchmarks/planner.py measured (docs/dev/BENCHMARKS.md)
 _STEP_CONFIDENCE = {
     "measured": "within about 5%: compute measured in the profiled steps",
     "probed": "within about 20%: one block of each kind ran for real at the batch's shapes",
@@ -26,24 +26,32 @@ _STEP_CONFIDENCE = {
 }
 
 
-# a probe whose median run took this much longer than its fastest was disturbed
+# a probe whose median run took this much longer than its fastest was disturbed, and
+# other processes taking this share of the CPU while probing slow what was probed
 _BUSY = 0.25
 
 
 def spread_line(e: Estimate) -> str:
     """One line on how steady the probes behind ``e`` were (empty when none was run
-    here): each probe's rate is its fastest run's, and a wide spread says the machine was
-    busy while probing, so steps now will likely take longer than predicted."""
+    here): each probe's rate is its fastest run's; a wide spread, or other processes
+    busy on the CPU while probing, says the machine was busy, so steps now will likely
+    take longer than predicted (many times longer on a small machine: the fastest run of
+    a probe slowed all along is slow too, and so is the prediction made from it)."""
     if not e.probe_spread:
         return ""
     worst_name, worst = max(e.probe_spread, key=lambda p: p[1])
     line = "probes: the fastest run of each counts; the median run took longer by " + ", ".join(
         f"{name} +{value:.0%}" for name, value in e.probe_spread
     )
-    if worst > _BUSY:
+    others = e.others_busy
+    if others is not None:
+        line += f"; other processes used {others:.0%} of the CPU meanwhile"
+    if worst > _BUSY or (others or 0) > _BUSY:
+        why = f"other processes on {others:.0%} of the CPU" if (others or 0) > _BUSY else worst_name
         line += (
-            f" -- the machine was busy while probing ({worst_name}): steps will likely "
-            "take longer than predicted while it stays as busy"
+            f" -- the machine was busy while probing ({why}): the prediction may be off "
+            "by several times, either way, until it is as busy while training as it was "
+            "while probing"
         )
     return line
 

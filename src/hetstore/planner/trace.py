@@ -46,6 +46,9 @@ class MachineRates:
     state_codec: float = 0.0
     host_copy: float = 0.0
     spread: tuple[tuple[str, float], ...] = ()
+    # the share of this machine's CPU time (all cores) other processes used while the
+    # probes ran, 0 to 1 (Linux: /proc/stat); None when not measured here
+    others_busy: float | None = None
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ ALIGNMENT = 4096  # O_DIRECT alignment of address, offset and length (logical bl
 MiB = 2**20
 
 # Measured with benchmarks/disk_io.py on the 2-vCPU virtio/ext4 project machine (see
-# docs/BENCHMARKS.md): throughput reaches the disk's ceiling once about 16 MiB are in
+# docs/dev/BENCHMARKS.md): throughput reaches the disk's ceiling once about 16 MiB are in
 # flight (threads x block_size) and stays flat up to 16 threads; 1 MiB x 2 threads lost
 # ~40%. 8 threads x 8 MiB keeps the ceiling for transfers of a few blocks and for many
 # small transfers at once, at no measurable cost (the threads sleep in preadv/pwritev).
