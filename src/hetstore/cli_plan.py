@@ -423,7 +423,7 @@ def _measure(args, config, plan) -> int:
         f"{format_duration(measured)} (fastest {format_duration(min(times))}, slowest "
         f"{format_duration(max(times))})",
         f"predicted {format_duration(predicted)} (the plan above); measured / predicted "
-        f"{measured / predicted:.2f}",
+        f"{measured / predicted:.2f} (the fastest step: {min(times) / predicted:.2f})",
     ]
     if not same:
         lines.append(

@@ -160,13 +160,26 @@ def test_a_machine_probe_counts_its_fastest_run_and_keeps_the_spread(
 
 
 def test_the_measured_machine_reports_each_probes_spread_and_leaves_no_directory(tmp_path):
+    """And the share of the CPU other processes took meanwhile: here a busy loop in
+    another process, one core's worth at least half the time."""
+    import os
+    import subprocess
+    import sys
+
     from hetstore.planner.machine import measure_machine
 
-    rates = measure_machine("cpu", str(tmp_path / "made" / "offload"))
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        rates = measure_machine("cpu", str(tmp_path / "made" / "offload"))
+    finally:
+        spinner.kill()
+        spinner.wait()
     names = dict(rates.spread)
     assert {"copy to device", "disk read", "disk write", "matmul", "host optimizer"} <= set(names)
     assert all(value >= 0 for value in names.values())
     assert list(tmp_path.iterdir()) == []  # the probe's directories went with it
+    if os.path.exists("/proc/stat"):
+        assert 0.5 / os.cpu_count() <= rates.others_busy <= 1.0, rates.others_busy
 
 
 def test_the_compute_probe_keeps_its_spread_and_the_plan_prints_it(tmp_path):
@@ -186,5 +199,11 @@ def test_the_compute_probe_keeps_its_spread_and_the_plan_prints_it(tmp_path):
         "probes: the fastest run of each counts; the median run took longer by matmul +40%" in text
     )
     assert "the machine was busy while probing (matmul)" in text
+    busy = replace(plan.estimate, probe_spread=(("matmul", 0.01),), others_busy=0.6)
+    assert "other processes used 60% of the CPU meanwhile -- the machine was busy while " in (
+        hetstore.planner.plan.spread_line(busy)
+    )
+    quiet = replace(busy, others_busy=0.02)
+    assert "busy" not in hetstore.planner.plan.spread_line(quiet)
     plan.save(tmp_path / "plan.json")  # (JSON has no tuples: read back equal)
     assert hetstore.Plan.load(tmp_path / "plan.json") == plan

@@ -401,6 +401,7 @@ def _step_times(plan, calibrated, step_times: list[float]) -> list[str]:
         ratios = f"{median / before:.2f} before training"
         if after:
             ratios += f", {median / after:.2f} after profiling"
+        ratios += f" (the fastest step: {min(step_times) / before:.2f} before training)"
         lines.append(f"  {'':<20} measured / predicted: {ratios}")
     spread = spread_line(plan.estimate)
     if spread:
