@@ -190,13 +190,13 @@ def test_the_compute_probe_keeps_its_spread_and_the_plan_prints_it(tmp_path):
     assert [timed_runs(s) for s in (0.1, 1.0, 3.0)] == [3, 2, 1]
     model = gpt()
     x = batches(1, batch=4)[0][0]
-    machine = replace(CPU, spread=(("matmul", 0.4),))
+    machine = replace(CPU, spread=(("matmul", 0.6),))
     plan = hetstore.plan(model, x, auto_config(tmp_path), machine=machine, probe=True)
     spread = dict(plan.estimate.probe_spread)
-    assert spread["matmul"] == 0.4 and spread["block forward+backward"] >= 0
+    assert spread["matmul"] == 0.6 and spread["block forward+backward"] >= 0
     text = str(plan)
     assert (
-        "probes: the fastest run of each counts; the median run took longer by matmul +40%" in text
+        "probes: the fastest run of each counts; the median run took longer by matmul +60%" in text
     )
     assert "the machine was busy while probing (matmul)" in text
     busy = replace(plan.estimate, probe_spread=(("matmul", 0.01),), others_busy=0.6)
