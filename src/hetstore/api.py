@@ -257,7 +257,7 @@ class _Offloading:
         )
         self.runtime = runtime
         _refuse_untrained_grads(model, unit_list, self.optimizer, runtime)
-        runtime.adopt(install_state_dict_hooks(model, unit_list))
+        runtime.adopt(install_state_dict_hooks(model, unit_list, lambda: runtime.refusal))
         self.grad_contract = GradContract(unit_list)  # p.grad reads hetstore's buffers
         runtime.adopt([self.grad_contract])
         runtime.adopt([PlainCopies(model, unit_list, runtime)])  # copy.deepcopy: plain

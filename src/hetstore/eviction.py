@@ -39,7 +39,7 @@ from hetstore.tier import Tier
 from hetstore.tiers import HostBuffer
 from hetstore.tiers.store import read_into, write_from
 
-__all__ = ["evict", "restore", "is_evicted", "EvictionReport"]
+__all__ = ["evict", "restore", "is_evicted", "refuse_if_evicted", "EvictionReport"]
 
 _EVICTED = "evicted"  # the host tier's label for the copies while evicted
 _KEPT = "eviction buffers"  # ... and for the buffers kept between cycles
@@ -86,7 +86,7 @@ class Eviction:
 
     moved: list[_Moved] = field(default_factory=list)
     held: dict[str, int] | None = None  # the device tier's holders while evicted
-    refusing: object = None  # the forward pre-hook's handle while evicted
+    refusing: list = field(default_factory=list)  # the model's refusing hooks while evicted
     spare: list[HostBuffer] = field(default_factory=list)  # kept for the next evict
 
     @property
@@ -135,7 +135,11 @@ def evict(model: nn.Module, optimizer=None) -> EvictionReport:
     eviction.held = state.tiers.device_tier.account.take_all()
     if state.tiers.device.type == "cuda":
         torch.cuda.empty_cache()  # the cached blocks those storages left
-    eviction.refusing = model.register_forward_pre_hook(_refuse_evicted)
+    eviction.refusing = [model.register_forward_pre_hook(_refuse_evicted)]
+    runtime.refusal = (
+        f"this {type(model).__name__} is evicted (hetstore.evict), its device memory given "
+        "back; call hetstore.restore(model) before reading or loading its state dict"
+    )
     if opt is not None:
         opt.refusal = "its model is evicted (hetstore.evict): call hetstore.restore(model) first"
     return _report(moved, start)
@@ -178,9 +182,11 @@ def restore(model: nn.Module, optimizer=None, *, keep_buffers: bool = True) -> E
         else:
             _free_copy(state, m)
     report = _report(eviction.moved, start)
-    eviction.refusing.remove()
-    eviction.moved, eviction.held, eviction.refusing = [], None, None
+    for hook in eviction.refusing:
+        hook.remove()
+    eviction.moved, eviction.held, eviction.refusing = [], None, []
     runtime = state.runtime
+    runtime.refusal = None
     opt = runtime.optimizer() if runtime.optimizer is not None else None
     if opt is not None:
         opt.refusal = None
@@ -200,7 +206,9 @@ def forget(state: ModelState) -> None:
         state.tiers.host.free(buffer)
     if eviction.active:
         state.tiers.device_tier.account.give_back_all(eviction.held)
-        eviction.refusing.remove()
+        for hook in eviction.refusing:
+            hook.remove()
+        state.runtime.refusal = None
     state.eviction = None
 
 
@@ -363,6 +371,17 @@ def _report(moved: list[_Moved], start: float) -> EvictionReport:
     for m in moved:
         report.bytes[m.tier.label] = report.bytes.get(m.tier.label, 0) + m.nbytes
     return report
+
+
+def refuse_if_evicted(model: nn.Module, what: str) -> None:
+    """Raise a ConfigError naming ``what`` (a call that reads the model's weights or
+    states) when ``model`` is evicted."""
+    if is_evicted(model):
+        raise ConfigError(
+            f"{what}: this {type(model).__name__} is evicted (hetstore.evict), its device "
+            "memory given back; call hetstore.restore(model) first (or read the weights "
+            "before evicting)"
+        )
 
 
 def _refuse_evicted(module: nn.Module, args) -> None:

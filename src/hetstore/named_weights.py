@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from hetstore.errors import ConfigError
-from hetstore.eviction import is_evicted
+from hetstore.eviction import refuse_if_evicted
 from hetstore.model_state import is_released, state_of
 from hetstore.runtime.unit import Unit
 from hetstore.tiers.store import addressable
@@ -51,11 +51,7 @@ def named_weights(
             "named_weights: this model was released by hetstore.release() and its weights "
             "freed; there is nothing to read"
         )
-    if is_evicted(model):
-        raise ConfigError(
-            "named_weights: this model is evicted (hetstore.evict); read its weights before "
-            "evicting it, or after hetstore.restore(model)"
-        )
+    refuse_if_evicted(model, "named_weights")
     return _weights(model, dtype)
 
 

@@ -194,6 +194,17 @@ def test_an_evicted_model_and_its_optimizer_refuse_until_restored(tmp_path):
             call()
     with pytest.raises(hetstore.ConfigError, match="before evicting"):
         hetstore.named_weights(model)
+    for read in (model.state_dict, lambda: model.load_state_dict({})):
+        with pytest.raises(hetstore.ConfigError, match="evicted"):
+            read()
+    for call in (
+        lambda: hetstore.save(tmp_path / "ckpt", model, optimizer),
+        lambda: hetstore.load(tmp_path / "ckpt", model, optimizer),
+        lambda: hetstore.export_weights(tmp_path / "export", model),
+    ):
+        with pytest.raises(hetstore.ConfigError, match=r"evicted .*hetstore.restore\(model\)"):
+            call()
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "export").exists()
     hetstore.restore(model, optimizer)
     model(x, y).backward()  # and now it runs
     optimizer.step()

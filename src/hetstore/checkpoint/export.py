@@ -38,6 +38,7 @@ from hetstore.checkpoint.training import (
     stream,
 )
 from hetstore.errors import ConfigError
+from hetstore.eviction import refuse_if_evicted
 from hetstore.model_state import state_of
 from hetstore.tiers.flat import DiskSlice
 from hetstore.weights import targets_of
@@ -66,6 +67,7 @@ def export_weights(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"export_weights() takes an nn.Module, got {type(model).__name__}")
+    refuse_if_evicted(model, "export_weights")
     ranks = state.shards if (state := state_of(model)) is not None else None
     if ranks is not None:
         raise ConfigError(

@@ -63,6 +63,7 @@ from hetstore.checkpoint.files import CheckpointError, CheckpointReader, Checkpo
 from hetstore.checkpoint.safetensors_stream import SafetensorsFile, TensorSpec
 from hetstore.config import STATE_FORMATS
 from hetstore.errors import ConfigError, DiskIOError
+from hetstore.eviction import refuse_if_evicted
 from hetstore.model_state import state_of
 from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.offloaded import OffloadedOptimizer
@@ -204,6 +205,7 @@ def save(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"save() takes an nn.Module, got {type(model).__name__}")
+    refuse_if_evicted(model, "hetstore.save")
     _check_optimizer(optimizer, model)
     if isinstance(optimizer, OffloadedOptimizer):
         optimizer.check_between_steps()
@@ -766,6 +768,7 @@ def load(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load() takes an nn.Module, got {type(model).__name__}")
+    refuse_if_evicted(model, "hetstore.load")
     _check_optimizer(optimizer, model)
     shards = state.shards if (state := state_of(model)) is not None else None
     plan, failure = None, None

@@ -105,6 +105,9 @@ class OffloadRuntime:
         assert all(u.index == i for i, u in enumerate(units))
         self.optimizer: weakref.ref | None = None  # the OffloadedOptimizer, set by offload()
         self.released = False  # set by hetstore.release: a graph still alive must not run
+        # why the weights cannot be read now (hetstore.evict gave the device's away), for
+        # model.state_dict() / load_state_dict(); None when they can
+        self.refusal: str | None = None
         self.prefetch_depth = prefetch_depth
         self.grad_stager = grad_stager
         self.profiler = profiler

@@ -19,15 +19,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hetstore.errors import OffloadedParameterError
+from hetstore.errors import ConfigError, OffloadedParameterError
 from hetstore.runtime.unit import Unit
 
 __all__ = ["install_state_dict_hooks"]
 
 
 class _MasterViews:
-    def __init__(self, units: list[Unit]):
+    def __init__(self, units: list[Unit], refusal):
         self.units = units
+        self.refusal = refusal  # () -> why the weights cannot be read now, or None
         self.depth = 0
         self.masters: list[torch.Tensor] | None = None
 
@@ -37,6 +38,9 @@ class _MasterViews:
         no two state-dict entries share a storage unless the model ties them (tools that
         take shared storage for tied weights -- accelerate's and safetensors' savers --
         would otherwise drop or refuse entries)."""
+        why = self.refusal()
+        if why is not None:
+            raise ConfigError(why)
         self.depth += 1
         if self.depth > 1:
             return
@@ -62,8 +66,10 @@ class _MasterViews:
                 unit.store_full_master(master)
 
 
-def install_state_dict_hooks(model: nn.Module, units: list[Unit]) -> list:
-    views = _MasterViews(units)
+def install_state_dict_hooks(model: nn.Module, units: list[Unit], refusal) -> list:
+    """The hooks (their handles) that serve both calls; ``refusal() -> str | None``
+    says why the weights cannot be read now (an evicted model), refused before any."""
+    views = _MasterViews(units, refusal)
 
     def before_save(module, prefix, keep_vars):
         views.enter(for_load=False)
