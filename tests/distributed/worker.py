@@ -436,6 +436,54 @@ def run_compact(out: str, path: str) -> None:
     torch.save(result, os.path.join(out, f"compact-rank{rank}.pt"))
 
 
+def lora_shaped(model: GPT, base_dtype: torch.dtype = torch.bfloat16) -> tuple[GPT, list]:
+    """Two linears of each block (fc, proj) as a frozen base outside the optimizer (as
+    PEFT leaves a LoRA base), its values rounded to bf16 and kept in ``base_dtype``; the
+    rest trained in fp32. Returns the model and its trained parameters."""
+    for block in model.blocks:
+        for linear in (block.fc, block.proj):
+            linear.to(torch.bfloat16).to(base_dtype).requires_grad_(False)
+    return model, [p for p in model.parameters() if p.requires_grad]
+
+
+def run_frozen_base(out: str, path: str) -> None:
+    """A frozen bf16 base sharded over the ranks has no fp32 master: each rank keeps its
+    shard of it in bf16 only (as one process does). Trained with bf16 compute on host
+    memory and on disk, against the same base kept in fp32 (whose master each rank
+    holds, with the same values), then checkpointed and loaded back sharded."""
+    rank = dist.get_rank()
+    mine = rank_slice(data(dist.get_world_size()), rank)
+    result: dict = {}
+    for placement in ("cpu", "disk"):
+        config = scenario_config(placement, path, compute_dtype="bf16")
+        for kind, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            model, trained = lora_shaped(make_model(), dtype)
+            if kind == "bf16":
+                result[f"{placement}_base"] = {
+                    k: v.clone() for k, v in model.state_dict().items() if v.dtype == dtype
+                }
+            model, optimizer = hetstore.offload(model, adamw(trained), config)
+            units = hetstore.state_of(model).runtime.units
+            key = f"{placement}_{kind}"
+            result[f"{key}_master_numel"] = [u.master_numel for u in units]
+            result[f"{key}_numel"] = [u.numel for u in units]
+            result[f"{key}_losses"], _ = train(model, optimizer, mine, clip=CLIP, world_mean=True)
+            result[f"{key}_weights"] = weights(model)
+            if kind == "bf16":
+                ckpt = os.path.join(out, f"frozen-{placement}-ckpt")
+                hetstore.save(ckpt, model, optimizer)
+                hetstore.release(model)
+                again, trained = lora_shaped(make_model(), dtype)
+                again, again_opt = hetstore.offload(again, adamw(trained), config)
+                hetstore.load(ckpt, again, again_opt)
+                result[f"{placement}_loaded"] = weights(again)
+                hetstore.release(again)
+            else:
+                hetstore.release(model)
+    dist.barrier()
+    torch.save(result, os.path.join(out, f"frozen-rank{rank}.pt"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -446,6 +494,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", action="store_true")
     parser.add_argument("--unfreeze", action="store_true")
     parser.add_argument("--compact", action="store_true")
+    parser.add_argument("--frozen-base", action="store_true")
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -460,6 +509,8 @@ def main() -> None:
         run_unfreeze(args.out, args.offload_path)
     if args.compact:
         run_compact(args.out, args.offload_path)
+    if args.frozen_base:
+        run_frozen_base(args.out, args.offload_path)
     for name in args.scenario:
         run_scenario(name, args.out, args.offload_path)
     # the scenarios' models are unreferenced now; collecting them frees their tiers and

@@ -34,7 +34,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
     offload_path = tmp_path_factory.mktemp("offload")
     args = ["--out", str(out), "--offload-path", str(offload_path), "--refusals", "--checkpoint"]
-    args += ["--unfreeze", "--compact"]
+    args += ["--unfreeze", "--compact", "--frozen-base"]
     for name in SCENARIOS:
         args += ["--scenario", name]
     done = torchrun(2, args, timeout=600)
@@ -327,3 +327,35 @@ def test_two_ranks_honour_unfreezing_and_refreezing(results, where):
     assert_weights_close(rank1[f"{where}_weights"], rank0[f"{where}_weights"], rtol=0, atol=0)
     initial, plain = rank0["initial_weights"], rank0["plain_weights"]
     assert (plain["blocks.0.fc.weight"] - initial["blocks.0.fc.weight"]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("placement", ["cpu", "disk"])
+def test_a_frozen_bf16_base_sharded_over_two_ranks_has_no_fp32_master(results, placement):
+    """A LoRA-shaped model (fc and proj of each block a frozen bf16 base outside the
+    optimizer), bf16 compute, sharded over two ranks: each rank's master stops where its
+    share of the base begins, and training is bitwise that of the same base kept in fp32
+    with the same values (which gives every rank an fp32 master of it); the base never
+    changes, the ranks agree, a sharded checkpoint loads back bitwise."""
+    rank0, rank1 = results("frozen", 0), results("frozen", 1)
+    for got in (rank0, rank1):
+        bf16, fp32 = got[f"{placement}_bf16_weights"], got[f"{placement}_fp32_weights"]
+        assert got[f"{placement}_bf16_losses"] == got[f"{placement}_fp32_losses"]
+        assert bf16.keys() == fp32.keys()
+        for name, value in bf16.items():
+            assert torch.equal(value, fp32[name].to(value.dtype)), name
+        for name, value in got[f"{placement}_base"].items():
+            assert torch.equal(bf16[name], value), name  # (frozen: never changed)
+        assert_same(got[f"{placement}_loaded"], bf16)
+        # the fp32 base keeps a master of every element; the bf16 one, of none of its own
+        assert got[f"{placement}_fp32_master_numel"] == got[f"{placement}_fp32_numel"]
+    assert_same(rank1[f"{placement}_bf16_weights"], rank0[f"{placement}_bf16_weights"])
+    # each block's base is its layout's tail, in rank 1's shard here: 2048 of its 16384
+    # elements keep a master (rank 0's shards hold no base: all of theirs do)
+    assert rank0[f"{placement}_bf16_master_numel"] == rank0[f"{placement}_bf16_numel"]
+    short = [
+        m < n
+        for m, n in zip(
+            rank1[f"{placement}_bf16_master_numel"], rank1[f"{placement}_bf16_numel"], strict=True
+        )
+    ]
+    assert sum(short) == 3, short  # every block; the root has no base

@@ -372,7 +372,6 @@ def _shard_file(unit: Unit, index: int, optimizer, names, rank: int) -> tuple:
     """This rank's file of ``unit``: the piece of each parameter inside its shard (shaped
     like the parameter when whole, flat when cut) and the same range of its states."""
     start = unit.shard_start
-    on_disk = transfers_only(unit.master)
     segments = []
     if isinstance(optimizer, OffloadedOptimizer) and unit.trainable_numel:
         segments = [s for s in optimizer.segment_states(unit) if s["stepped"]]
@@ -385,10 +384,13 @@ def _shard_file(unit: Unit, index: int, optimizer, names, rank: int) -> tuple:
         shape = entry.shape if whole else torch.Size([b - a])
         pieces[name] = {"start": a - entry.offset, "numel": b - a, "shape": list(entry.shape)}
         local = a - start
-        if on_disk:
-            items.append(Item(name, DiskSlice(unit.master, local, b - a, shape)))
+        # a parameter outside the optimizer in the compute dtype has no master: its
+        # compute-dtype home is saved (a load casts), as in one process (master_of)
+        source = unit.master if local < unit.master_numel else unit.home
+        if transfers_only(source):
+            items.append(Item(name, DiskSlice(source, local, b - a, shape)))
         else:
-            items.append(Item(name, unit.master[local : local + b - a].view(shape)))
+            items.append(Item(name, source[local : local + b - a].view(shape)))
         if entry.group is None:
             continue
         segment = next(

@@ -122,9 +122,12 @@ class UnitLayout:
             full_numel = -(-offset // quantum) * quantum
             shard_start, numel = shards.shard_range(full_numel)
             segments = _shard_segments(full_segments, shard_start, numel)
-        # not when the master is the home (nothing is stored twice then) nor sharded (a
-        # shard may cut across the border)
-        split = compute_only_start is not None and shards is None and not master_is_home
+        # not when the master is the home (nothing is stored twice then)
+        master_numel = numel
+        if compute_only_start is not None and not master_is_home:
+            # the compute-only parameters are the layout's tail, so a shard's part of them
+            # is its own tail
+            master_numel = max(0, min(numel, compute_only_start - shard_start))
         return cls(
             entries=entries,
             trainable_entries=trainable,
@@ -135,7 +138,7 @@ class UnitLayout:
             numel=numel,
             segments=segments,
             trainable_numel=segments[-1].end if segments else 0,
-            master_numel=compute_only_start if split else numel,
+            master_numel=master_numel,
         )
 
 

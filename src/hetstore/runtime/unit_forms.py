@@ -138,6 +138,9 @@ class UnitForms:
 
     def _store_shard(self, shard: torch.Tensor) -> None:
         """Make ``shard`` (this rank's elements, anywhere) the master; refresh the copies."""
+        if self.has_home_only:  # (its compute-only tail goes to the home alone)
+            self.store_master(shard.to("cpu", copy=shard.device.type == "cpu").contiguous())
+            return
         self.before_state_change()
         if transfers_only(self.master):
             local = shard.to("cpu", copy=shard.device.type == "cpu").contiguous()

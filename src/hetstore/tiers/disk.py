@@ -379,9 +379,13 @@ class DiskTier:
             self._finalizer = weakref.finalize(
                 self, _TierFiles.cleanup, self._files, self.engine if self._owns_engine else None
             )
-            fd = create_private_file(dir_fd, _OWNER, os.O_WRONLY)
+            # written whole under another name, then renamed: another process sweeping
+            # the same root (a sibling rank starting now) sees no owner file (judged by
+            # the directory's name) or a whole one, never an empty one it cannot judge
+            fd = create_private_file(dir_fd, _OWNER + ".new", os.O_WRONLY)
             with os.fdopen(fd, "w") as f:
                 json.dump({**me, "rank": rank}, f)
+            os.rename(_OWNER + ".new", _OWNER, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
             if self._files is None:
                 os.close(root_fd)
