@@ -238,8 +238,8 @@ class OffloadConfig:
             "block-wise scaled 8-bit floats, second moments as square roots). The fp32 "
             "master weights are kept in every format; the update is torch's fused step on "
             "decoded fp32 chunks. Compact formats need Adam, AdamW or SGD; sharded over "
-            "ranks, each rank keeps its shard's states in the format (a checkpoint of them "
-            "is refused there for now)."
+            "ranks, each rank keeps its shard's states in the format (its checkpoint file "
+            "holds them decoded to fp32, as one process saves them)."
         ),
     )
     overlap_step: bool | str = field(

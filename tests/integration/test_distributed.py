@@ -157,11 +157,19 @@ def test_two_ranks_keep_compact_states_like_one_process(results, fmt):
     assert rank0[f"{fmt}_disk_losses"] == rank0[f"{fmt}_cpu_losses"]
 
 
-def test_a_checkpoint_of_sharded_compact_states_is_refused_naming_the_way_out(results):
-    refusal = results("compact", 0)["save_refusal"]
-    assert "optimizer_state_format='8bit'" in refusal and "2 ranks" in refusal, refusal
-    assert "model.state_dict() on every rank" in refusal and "'fp32'" in refusal, refusal
-    assert not (results("dir", 0) / "compact-ckpt").exists()  # refused before writing
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+@pytest.mark.parametrize("where", ["cpu", "disk"])
+def test_a_sharded_checkpoint_of_compact_states_resumes_bitwise(results, fmt, where):
+    """hetstore.save of compact states sharded over two ranks (each rank's shard decoded
+    to fp32 in its file, as one process saves them), loaded into a new sharded model in
+    the same format: the next step's losses and weights are bitwise those of the run
+    that went on without stopping."""
+    key = f"{fmt}_{where}"
+    for rank in (0, 1):
+        got = results("compact", rank)
+        assert got[f"{key}_resumed_losses"] == got[f"{key}_continued_losses"]
+        assert_same(got[f"{key}_resumed"], got[f"{key}_continued"])
+        assert_same(got[f"{key}_continued"], results("compact", 0)[f"{key}_continued"])
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

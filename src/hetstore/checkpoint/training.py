@@ -111,19 +111,6 @@ def _check_optimizer(optimizer, model: nn.Module) -> None:
             "optimizer: pass the optimizer hetstore.offload() returned for this model, not the "
             f"original {type(optimizer).__name__} (its parameters now live in hetstore's tiers)"
         )
-    if (
-        isinstance(optimizer, OffloadedOptimizer)
-        and optimizer.shards is not None
-        and not optimizer.state_format.exact
-    ):
-        raise ConfigError(
-            f"hetstore.save / hetstore.load of a model sharded over "
-            f"{optimizer.shards.world_size} ranks with optimizer_state_format="
-            f"{optimizer.state_format.name!r} is not supported yet (each rank's file would "
-            "need its shard's states decoded); take the weights with model.state_dict() "
-            "on every rank (a collective: each rank gets them whole), or train sharded "
-            "with optimizer_state_format='fp32' to checkpoint the optimizer too"
-        )
 
 
 def _optimizer_class(optimizer: Optimizer) -> type:
@@ -374,7 +361,7 @@ def _shard_file(unit: Unit, index: int, optimizer, names, rank: int) -> tuple:
     start = unit.shard_start
     segments = []
     if isinstance(optimizer, OffloadedOptimizer) and unit.trainable_numel:
-        segments = [s for s in optimizer.segment_states(unit) if s["stepped"]]
+        segments = [s for s in _shard_segment_states(unit, optimizer) if s["stepped"]]
     items: list[Item] = []
     by_key: dict[str, list[Item]] = {}
     pieces: dict[str, dict] = {}
@@ -410,6 +397,27 @@ def _shard_file(unit: Unit, index: int, optimizer, names, rank: int) -> tuple:
     for key_items in by_key.values():
         items += key_items
     return f"unit-{index:05d}-rank{rank:05d}.safetensors", items, {}, pieces
+
+
+def _shard_segment_states(unit: Unit, optimizer: OffloadedOptimizer) -> list[dict]:
+    """``optimizer.segment_states(unit)``; for states in a compact format (bf16, 8-bit),
+    each state of the shard decoded to fp32 here (a checkpoint keeps fp32 states, as in
+    one process: the format is recorded and a load encodes them again, exactly)."""
+    streamed = optimizer.streamed_step_of(unit)
+    if streamed is None or streamed.format.exact:
+        return optimizer.segment_states(unit)
+    n = unit.trainable_numel
+    states = {key: streamed.read_state(key, 0, n) for key in streamed.states}
+    return [
+        {
+            "segment": segment,
+            "base": 0,
+            "step": streamed.steps[i] if streamed.has_step else None,
+            "states": states,
+            "stepped": streamed.stepped,
+        }
+        for i, segment in enumerate(unit.segments)
+    ]
 
 
 def master_of(unit: Unit, entry) -> torch.Tensor | DiskSlice:
@@ -1292,13 +1300,19 @@ def _load_shard(unit: Unit, entries, ckpt: LoadedCheckpoint, optimizer) -> None:
         return
     start, numel = unit.shard_start, unit.trainable_numel
     element_keys = [k for k in keys if k != "step"]
-    segments = optimizer.segment_states(unit, create=tuple(element_keys))
+    compact = streamed is not None and not streamed.format.exact
+    segments = [] if compact else optimizer.segment_states(unit, create=tuple(element_keys))
+    decoded: dict[str, list] = {}  # compact: fp32 values, encoded together below
     for key in element_keys:
         local = torch.zeros(numel, dtype=torch.float32)
         for name, e in trainable:
             a, b = max(e.offset, start), min(e.offset + e.numel, start + numel)
             if a < b and ckpt.has(name, key):
                 ckpt.read_into(name, key, local[a - start : b - start], a - e.offset)
+        if compact:
+            if key in streamed.states:
+                decoded[key] = [(0, local)]
+            continue
         if streamed is not None:
             if key in streamed.states:
                 streamed.states[key].write_all(local)
@@ -1306,6 +1320,8 @@ def _load_shard(unit: Unit, entries, ckpt: LoadedCheckpoint, optimizer) -> None:
         for segment in segments:
             seg = segment["segment"]
             segment["states"][key].copy_(local[seg.start : seg.end])
+    if compact:
+        streamed.write_states(decoded, None)
     steps = _segment_steps(unit, trainable, ckpt)
     if streamed is not None:
         streamed.mark_loaded(steps)
