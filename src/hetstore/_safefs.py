@@ -65,21 +65,33 @@ def removing_created_dirs(path: str) -> Iterator[None]:
     the parents of it that did not exist before are removed again, deepest first, where
     they are empty. Something else written there in the meantime stays, and so do they:
     ``rmdir`` removes nothing but an empty directory, so nobody's files are lost."""
+    missing = missing_dirs(path)
+    try:
+        yield
+    finally:
+        remove_empty_dirs(missing)
+
+
+def missing_dirs(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist yet, deepest first: what
+    creating it makes (hand them to :func:`remove_empty_dirs` afterwards)."""
     missing = []
     here = os.path.abspath(path)
     while not os.path.lexists(here) and os.path.dirname(here) != here:
         missing.append(here)
         here = os.path.dirname(here)
-    try:
-        yield
-    finally:
-        for directory in missing:
-            try:
-                os.rmdir(directory)
-            except FileNotFoundError:  # never made (a failed makedirs stops part way)
-                continue
-            except OSError:  # not empty: something else uses it, and its parents
-                break
+    return missing
+
+
+def remove_empty_dirs(directories: list[str]) -> None:
+    """``rmdir`` each of ``directories`` (deepest first) until one is not empty."""
+    for directory in directories:
+        try:
+            os.rmdir(directory)
+        except FileNotFoundError:  # never made (a failed makedirs stops part way)
+            continue
+        except OSError:  # not empty: something else uses it, and its parents
+            break
 
 
 def check_shared_root(st: os.stat_result, path: str, key: str) -> None:

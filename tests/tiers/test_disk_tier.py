@@ -58,6 +58,26 @@ def test_two_tiers_of_one_process_get_distinct_directories(tmp_path):
         assert a.path != b.path and "-rank1-" in b.path
 
 
+def test_the_root_it_created_goes_with_it_and_a_root_that_was_there_stays(tmp_path):
+    """offload_path='./offload' by default: a run leaves no empty directory behind, and
+    removes nothing it did not make (another process's entries keep a shared root)."""
+    with DiskTier(root=tmp_path / "made" / "offload", capacity=MiB) as made:
+        assert os.path.isdir(made.path)
+    assert not (tmp_path / "made").exists()  # the root and the parent it made
+    (tmp_path / "there").mkdir()
+    with DiskTier(root=tmp_path / "there", capacity=MiB):
+        pass
+    assert (tmp_path / "there").is_dir()
+    with DiskTier(root=tmp_path / "shared", capacity=MiB) as first:
+        second = DiskTier(root=tmp_path / "shared", capacity=MiB)
+        first.close()
+        assert os.path.isdir(second.path)  # the other tier's directory is untouched
+        second.close()
+    with pytest.raises(OutOfTierMemory):  # refused at creation: nothing left either
+        DiskTier(root=tmp_path / "refused", capacity=2**62)
+    assert not (tmp_path / "refused").exists()
+
+
 @pytest.mark.parametrize(
     "nbytes,offset", [(1, 0), (4095, 0), (4097, 3), (3 * MiB + 17, 0), (20 * MiB, 0)]
 )
@@ -180,7 +200,7 @@ def test_capacity_above_free_space_is_refused_at_start(tmp_path):
     assert info.value.tier == "disk"
     assert "offload_disk_size" in msg and "free" in msg and "1000.00 TiB" in msg
     assert info.value.requested == 1000 * 2**40
-    assert not [n for n in os.listdir(tmp_path / "r") if n.startswith("hetstore-")]
+    assert not (tmp_path / "r").exists()  # nothing left, not even the root it made
 
 
 def test_capacity_none_means_free_space_at_start(tmp_path):

@@ -14,11 +14,11 @@ refused with the figures, before it allocates anything.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
 
 from hetstore._sizes import format_size
+from hetstore._warn import warn_at_caller
 from hetstore.planner.plan import Plan
 from hetstore.planner.planner import plan_first_batch, refit_activations
 from hetstore.planner.trace import Trace
@@ -145,12 +145,12 @@ class BatchGuard:
             self.config.optimizer_chunk_size,
         )
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        warnings.warn(
+        warn_at_caller(
             f"hetstore: auto_offload could not trace {what} on fake tensors "
             f"({type(exc).__name__}: {reason}); every unit's activations go to host memory "
             "instead of a plan made for them. Pass example_inputs (meta tensors of the "
             "batch's shapes) to hetstore.offload() for a plan made for the batch",
-            stacklevel=3,
+            UserWarning,
         )
         self.apply(plan)
         self.plan = plan
@@ -174,9 +174,8 @@ class BatchGuard:
                 f"{format_size(plan.activation_min_bytes)}"
             )
         if moved:
-            warnings.warn(
-                f"hetstore: {batch} {verb} the placement ({', '.join(moved)})",
-                stacklevel=3,
+            warn_at_caller(
+                f"hetstore: {batch} {verb} the placement ({', '.join(moved)})", UserWarning
             )
         self.apply(plan)
         self.plan = plan

@@ -43,7 +43,14 @@ from collections import defaultdict
 
 import torch
 
-from hetstore._safefs import create_private_file, make_private_dir, open_root, read_small_file
+from hetstore._safefs import (
+    create_private_file,
+    make_private_dir,
+    missing_dirs,
+    open_root,
+    read_small_file,
+    remove_empty_dirs,
+)
 from hetstore._sizes import format_size, parse_size
 from hetstore.errors import DiskIOError, OutOfTierMemory
 from hetstore.tier import Tier
@@ -311,8 +318,11 @@ class _TierFiles:
     Kept apart from :class:`DiskTier` so that its finalizer holds no reference to the tier.
     """
 
-    def __init__(self, path: str, root_fd: int, dir_fd: int):
+    def __init__(self, path: str, root_fd: int, dir_fd: int, created: list[str]):
         self.path = path
+        # the offload root and parents this tier created, removed with it when empty
+        # (a run leaves no empty ./offload behind; another process's entries keep them)
+        self.created = created
         self.root_fd = root_fd  # the offload root, held open: entries are removed by name
         self.dir_fd = dir_fd  # our private directory: files are created relative to it
         self.files: set[DiskFile] = set()
@@ -333,6 +343,7 @@ class _TierFiles:
         os.close(self.dir_fd)
         shutil.rmtree(os.path.basename(self.path), dir_fd=self.root_fd, ignore_errors=True)
         os.close(self.root_fd)
+        remove_empty_dirs(self.created)
 
 
 class DiskTier:
@@ -366,6 +377,7 @@ class DiskTier:
         self.engine = engine or AsyncIOEngine(  # first: a bad setting leaves nothing behind
             block_size=block_size, queue_depth=queue_depth, threads=threads, enable_aio=enable_aio
         )
+        created = missing_dirs(self.root)
         root_fd = open_root(self.root, "offload_path")
         self._files: _TierFiles | None = None
         try:
@@ -375,7 +387,7 @@ class DiskTier:
             name = f"hetstore-{me['hostname']}-pid{me['pid']}-rank{rank}-{secrets.token_hex(4)}"
             self.path = os.path.join(self.root, name)
             dir_fd = make_private_dir(root_fd, name, self.path)
-            self._files = _TierFiles(self.path, root_fd, dir_fd)  # owns both descriptors now
+            self._files = _TierFiles(self.path, root_fd, dir_fd, created)  # owns both fds now
             self._finalizer = weakref.finalize(
                 self, _TierFiles.cleanup, self._files, self.engine if self._owns_engine else None
             )
@@ -389,6 +401,7 @@ class DiskTier:
         except BaseException:
             if self._files is None:
                 os.close(root_fd)
+                remove_empty_dirs(created)
             else:
                 self._finalizer()
             raise
