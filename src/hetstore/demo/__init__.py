@@ -27,7 +27,6 @@ import torch
 
 import hetstore
 from hetstore._cli import in_flags
-from hetstore._safefs import removing_created_dirs
 from hetstore._sizes import format_duration, format_size
 from hetstore.demo.gpt import GPT
 from hetstore.errors import ConfigError, OutOfTierMemory
@@ -180,10 +179,8 @@ def run_demo(settings: DemoSettings = DemoSettings(), out=sys.stdout, err=sys.st
     except ConfigError as exc:
         print(f"hetstore demo: {in_flags(str(exc), flags)}", file=err)
         return 2
-    # the disk tier's directory goes when the demo is done, with the parents it made
-    # (the default ./offload was left behind in the directory the demo ran from)
-    with removing_created_dirs(config.offload_path):
-        return _run(settings, config, model, n_params, states, budget, data, out_dir, out, err)
+    # (its disk tier removes the ./offload it made when the model is released)
+    return _run(settings, config, model, n_params, states, budget, data, out_dir, out, err)
 
 
 def _flags(settings: DemoSettings) -> dict[str, str]:
