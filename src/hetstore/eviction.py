@@ -37,6 +37,7 @@ from hetstore.errors import ConfigError
 from hetstore.model_state import ModelState, is_released, state_of
 from hetstore.tier import Tier
 from hetstore.tiers import HostBuffer
+from hetstore.tiers.host import HostTier
 from hetstore.tiers.store import read_into, write_from
 
 __all__ = ["evict", "restore", "is_evicted", "refuse_if_evicted", "EvictionReport"]
@@ -77,6 +78,7 @@ class _Moved:
     nbytes: int
     copy: object
     tier: Tier
+    buffer: bool  # a module buffer's (the model keeps them after a release)
 
 
 @dataclass(eq=False)
@@ -84,14 +86,27 @@ class Eviction:
     """One model's evictions (``ModelState.eviction``): what the current one took, and
     the host buffers kept between cycles."""
 
+    host: HostTier
     moved: list[_Moved] = field(default_factory=list)
     held: dict[str, int] | None = None  # the device tier's holders while evicted
-    refusing: list = field(default_factory=list)  # the model's refusing hooks while evicted
+    # the model's buffers while evicted: (module, name, the buffer), a meta tensor in
+    # its place (a read says it has no data, instead of touching freed memory)
+    buffers: list = field(default_factory=list)
     spare: list[HostBuffer] = field(default_factory=list)  # kept for the next evict
 
     @property
     def active(self) -> bool:
         return self.held is not None
+
+    def reclaim(self) -> bool:
+        """The host tier is out of room: give the kept buffers back (they are made again
+        at the next evict). True when something was freed."""
+        if not self.spare:
+            return False
+        for buffer in self.spare:
+            self.host.free(buffer)
+        self.spare = []
+        return True
 
 
 def is_evicted(model: nn.Module) -> bool:
@@ -106,7 +121,7 @@ def evict(model: nn.Module, optimizer=None) -> EvictionReport:
     step work lands first. Evicting an evicted model does nothing. See the module doc."""
     state = _checked(model, optimizer, "evict")
     if state.eviction is None:
-        state.eviction = Eviction()
+        state.eviction = Eviction(state.tiers.host)
     eviction = state.eviction
     if eviction.active:
         return EvictionReport()
@@ -119,29 +134,37 @@ def evict(model: nn.Module, optimizer=None) -> EvictionReport:
             "copies); run the backward, or drop the loss, before evicting"
         )
     opt = runtime.optimizer() if runtime.optimizer is not None else None
+    storages = _device_storages(model, state, opt)
     if opt is not None:
         opt.finish_steps_in_forward()  # (a step still running on from the last step())
     for unit in runtime.units:
         unit.barrier()
+        unit.release()  # fetched copies: their home holds the values (no graph reads them)
     _refuse_transient_holders(state)
     start = time.perf_counter()
-    for unit in runtime.units:
-        unit.release()  # fetched copies: their home holds the values
-    storages = _device_storages(model, state, opt)
-    moved = _copy_out(state, storages, eviction)
+    buffers = {
+        b.untyped_storage().data_ptr() for b in model.buffers() if b.device == state.tiers.device
+    }
+    moved = _copy_out(state, storages, eviction, buffers)
+    why = (
+        f"this {type(model).__name__} is evicted (hetstore.evict), its device memory given "
+        "back; call hetstore.restore(model) first"
+    )
+    # (from here nothing can fail: every refusal is set before a storage loses its bytes)
+    runtime.refusal = why
+    if opt is not None:
+        opt.refusal = why
+    for unit in runtime.units:  # reads of its parameters and gradients refused
+        unit.refusal = why
+        if unit.materialized:  # (parameters homed on the device: concealed meanwhile)
+            unit.conceal_params()
+    eviction.buffers = _swap_buffers(model, storages)
     for m in moved:
         m.storage.resize_(0)
     eviction.moved = moved
     eviction.held = state.tiers.device_tier.account.take_all()
     if state.tiers.device.type == "cuda":
         torch.cuda.empty_cache()  # the cached blocks those storages left
-    eviction.refusing = [model.register_forward_pre_hook(_refuse_evicted)]
-    runtime.refusal = (
-        f"this {type(model).__name__} is evicted (hetstore.evict), its device memory given "
-        "back; call hetstore.restore(model) before reading or loading its state dict"
-    )
-    if opt is not None:
-        opt.refusal = "its model is evicted (hetstore.evict): call hetstore.restore(model) first"
     return _report(moved, start)
 
 
@@ -149,8 +172,8 @@ def restore(model: nn.Module, optimizer=None, *, keep_buffers: bool = True) -> E
     """Bring back what ``evict`` moved, the first units' storages first; afterwards the
     model trains as if it never left. Restoring a model that is not evicted does nothing.
     Refused before any work if the device budget cannot hold it again. ``keep_buffers``:
-    keep the host buffers for the next ``evict`` (counted in the host tier), or give
-    them back."""
+    keep the host buffers for the next ``evict`` (counted in the host tier, and given
+    back first whenever the host tier runs out of room), or give them back now."""
     state = _checked(model, optimizer, "restore")
     eviction = state.eviction
     if eviction is None or not eviction.active:
@@ -173,7 +196,8 @@ def restore(model: nn.Module, optimizer=None, *, keep_buffers: bool = True) -> E
     except BaseException:
         for m in done:  # still evicted, as before the call: the copies hold the values
             m.storage.resize_(0)
-        account.take_all()
+        for label, nbytes in eviction.held.items():
+            account.release(nbytes, label)
         raise
     for m in eviction.moved:
         if keep_buffers and isinstance(m.copy, HostBuffer):
@@ -181,35 +205,56 @@ def restore(model: nn.Module, optimizer=None, *, keep_buffers: bool = True) -> E
             eviction.spare.append(m.copy)
         else:
             _free_copy(state, m)
+    if eviction.spare and eviction.reclaim not in state.tiers.host.reclaimers:
+        state.tiers.host.reclaimers.append(eviction.reclaim)
     report = _report(eviction.moved, start)
-    for hook in eviction.refusing:
-        hook.remove()
-    eviction.moved, eviction.held, eviction.refusing = [], None, []
-    runtime = state.runtime
-    runtime.refusal = None
-    opt = runtime.optimizer() if runtime.optimizer is not None else None
-    if opt is not None:
-        opt.refusal = None
+    _put_back(model, state, eviction)
     return report
 
 
 def forget(state: ModelState) -> None:
-    """The model is being released: free the copies and the kept buffers, and give the
-    device tier its holders back if evicted, so the release frees the units' buffers as
-    it always does."""
+    """The model is being released: free the copies and the kept buffers, and if it is
+    evicted give the device tier its holders back (the release frees the units' buffers
+    as it always does) and the model's buffers their bytes (the model keeps them)."""
     eviction = state.eviction
     if eviction is None:
         return
-    for m in eviction.moved:
-        _free_copy(state, m)
-    for buffer in eviction.spare:
-        state.tiers.host.free(buffer)
+    model = state.runtime.model
+    moved = eviction.moved
     if eviction.active:
+        for m in moved:
+            if m.buffer:
+                m.storage.resize_(m.nbytes)
+                _copy_in(state, m)
         state.tiers.device_tier.account.give_back_all(eviction.held)
-        for hook in eviction.refusing:
-            hook.remove()
-        state.runtime.refusal = None
+        _put_back(model, state, eviction)
+    for m in moved:
+        _free_copy(state, m)
+    eviction.moved = []
+    eviction.reclaim()
+    if eviction.reclaim in state.tiers.host.reclaimers:
+        state.tiers.host.reclaimers.remove(eviction.reclaim)
     state.eviction = None
+
+
+def _put_back(model: nn.Module, state: ModelState, eviction: Eviction) -> None:
+    """Undo what an evict changed besides the bytes: the model's buffers, the concealed
+    parameters, the refusals."""
+    for module, name, buffer in eviction.buffers:
+        module._buffers[name] = buffer  # (the buffer object it had; its bytes are back)
+    eviction.buffers = []
+    runtime = state.runtime
+    for unit in runtime.units:
+        unit.refusal = None
+        if unit.materialized:
+            unit.expose_params()
+    if runtime.activations is not None:
+        runtime.activations.note_buffers(model)  # (their storages have new addresses)
+    runtime.refusal = None
+    opt = runtime.optimizer() if runtime.optimizer is not None else None
+    if opt is not None:
+        opt.refusal = None
+    eviction.moved, eviction.held = [], None
 
 
 # ---------------------------------------------------------------------- what moves
@@ -290,13 +335,27 @@ def _device_storages(model: nn.Module, state: ModelState, opt) -> list[torch.Unt
     return out
 
 
+def _swap_buffers(model: nn.Module, storages: list[torch.UntypedStorage]) -> list:
+    """Put a meta tensor in place of each module buffer whose storage is evicted (a read
+    of it then says it has no data); returns what to put back."""
+    evicted = {s.data_ptr() for s in storages}
+    swapped = []
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.untyped_storage().data_ptr() in evicted:
+                swapped.append((module, name, buffer))
+    for module, name, buffer in swapped:
+        module._buffers[name] = torch.empty_like(buffer, device="meta")
+    return swapped
+
+
 # ---------------------------------------------------------------------- the copies
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _copy_out(
-    state: ModelState, storages: list[torch.UntypedStorage], eviction: Eviction
+    state: ModelState, storages: list[torch.UntypedStorage], eviction: Eviction, buffers: set[int]
 ) -> list[_Moved]:
     """Each storage's bytes into a host buffer (a kept one of its size first), or a disk
     array where the host budget is short; all or nothing (a failure gives back what was
@@ -312,21 +371,21 @@ def _copy_out(
     eviction.spare = []
     try:
         for storage in storages:
-            nbytes = storage.nbytes()
+            nbytes, key = storage.nbytes(), storage.data_ptr()
             flat = _as_bytes(storage)
             kept = spare.get(nbytes)
             if kept:
                 buffer = kept.pop()
                 host.rename(buffer, _EVICTED)
-                moved.append(_Moved(storage, nbytes, buffer, Tier.HOST))
+                moved.append(_Moved(storage, nbytes, buffer, Tier.HOST, key in buffers))
                 buffer.tensor[:nbytes].copy_(flat, non_blocking=cuda)
             elif host.account.would_fit(nbytes):
                 buffer = host.allocate(nbytes, _EVICTED, torch.uint8)
-                moved.append(_Moved(storage, nbytes, buffer, Tier.HOST))
+                moved.append(_Moved(storage, nbytes, buffer, Tier.HOST, key in buffers))
                 buffer.tensor[:nbytes].copy_(flat, non_blocking=cuda)
             else:
                 array = state.tiers.disk.allocate_flat(nbytes, torch.uint8, "evicted")
-                moved.append(_Moved(storage, nbytes, array, Tier.DISK))
+                moved.append(_Moved(storage, nbytes, array, Tier.DISK, key in buffers))
                 if cuda:
                     torch.cuda.current_stream(state.tiers.device).synchronize()
                 for at in range(0, nbytes, _CHUNK):
@@ -382,10 +441,3 @@ def refuse_if_evicted(model: nn.Module, what: str) -> None:
             "memory given back; call hetstore.restore(model) first (or read the weights "
             "before evicting)"
         )
-
-
-def _refuse_evicted(module: nn.Module, args) -> None:
-    raise ConfigError(
-        f"this {type(module).__name__} is evicted (hetstore.evict): its device memory was "
-        "given back. Call hetstore.restore(model) before the next forward"
-    )

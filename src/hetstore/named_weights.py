@@ -68,7 +68,10 @@ def _weights(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str,
     out = dtype if dtype is not None else units[0].compute_dtype
     first_name = {id(t.tensor): t.names[0] for t in targets}
     for unit in units:
+        # (again per unit: a generator taken before hetstore.evict is read after it)
+        refuse_if_evicted(model, "named_weights")
         yield from _unit_weights(unit, first_name, out)
+    refuse_if_evicted(model, "named_weights")
     for target in targets:
         if not target.is_param:
             yield target.names[0], target.tensor.detach().to("cpu", copy=True)

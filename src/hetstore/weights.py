@@ -50,6 +50,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from hetstore.errors import ConfigError
+from hetstore.eviction import refuse_if_evicted
 from hetstore.model_state import state_of
 
 __all__ = ["load_weights", "LoadResult"]
@@ -104,6 +105,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_weights() takes an nn.Module, got {type(model).__name__}")
+    refuse_if_evicted(model, "load_weights")
     location = Path(os.fspath(path))
     files = _resolve(location)
     tensors = _read_headers(files)

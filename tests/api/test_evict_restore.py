@@ -8,6 +8,7 @@ bytes and change no value, so any difference at all is a bug.
 
 from __future__ import annotations
 
+import copy
 import gc
 import statistics
 import time
@@ -93,19 +94,24 @@ def test_evict_moves_what_the_device_held_and_restore_brings_it_back(tmp_path):
     x, y = next(iter(batches(1)))
     model(x, y).backward()
     optimizer.step()  # (the gradients stay: evicting before zero_grad keeps them)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     device = hetstore.state_of(model).tiers.device_tier
     held = device.account.current
     host = hetstore.state_of(model).tiers.host.account.current
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
     report = hetstore.evict(model)
     assert report.total >= held  # (and the optimizer's step counts, not accounted)
     assert hetstore.memory_stats(model)["device"]["current"] == 0
     taken = hetstore.state_of(model).tiers.host.account.current - host
     assert report.total <= taken < report.total + report.storages * 4096  # (whole pages)
     assert hetstore.evict(model).total == 0  # evicting again does nothing
+    with pytest.raises(hetstore.GradientAccessError, match="evicted"):
+        _ = next(model.parameters()).grad  # (its buffer has no bytes now)
     hetstore.restore(model, keep_buffers=False)
     assert device.account.current == held
     assert hetstore.state_of(model).tiers.host.account.current == host
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, weights[key]), key
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, grads[n]), n
     assert hetstore.restore(model).total == 0  # restoring again does nothing
@@ -137,9 +143,11 @@ def test_the_host_buffers_are_kept_between_cycles(tmp_path):
 def test_a_model_released_while_evicted_frees_everything(tmp_path):
     model, optimizer = _offloaded("none", tmp_path)
     tiers = hetstore.state_of(model).tiers
+    scale = model.scale
     hetstore.evict(model)
     hetstore.release(model)
     assert tiers.host.account.current == 0  # the evicted copies went
+    assert model.scale is scale and torch.equal(scale, torch.ones(64))  # the model keeps it
     # (the model keeps its buffers after a release, as without an eviction)
     assert [label for label, _ in tiers.device_tier.account.holders()] == ["module buffers"]
 
@@ -194,9 +202,19 @@ def test_an_evicted_model_and_its_optimizer_refuse_until_restored(tmp_path):
             call()
     with pytest.raises(hetstore.ConfigError, match="before evicting"):
         hetstore.named_weights(model)
-    for read in (model.state_dict, lambda: model.load_state_dict({})):
+    for read in (
+        model.state_dict,
+        lambda: model.load_state_dict({}),
+        lambda: model.blocks[0](torch.zeros(1, 16, 64)),  # a block on its own
+        lambda: copy.deepcopy(model),
+    ):
         with pytest.raises(hetstore.ConfigError, match="evicted"):
             read()
+    # the parameters homed on the device, and the model's buffers, have no bytes: a read
+    # says so instead of touching freed memory
+    with pytest.raises(hetstore.OffloadedParameterError, match="evicted"):
+        next(model.parameters()).sum()
+    assert model.scale.device.type == "meta"
     for call in (
         lambda: hetstore.save(tmp_path / "ckpt", model, optimizer),
         lambda: hetstore.load(tmp_path / "ckpt", model, optimizer),
@@ -253,4 +271,66 @@ def test_evict_refuses_others_models_and_optimizers(tmp_path):
     hetstore.release(other)
     with pytest.raises(hetstore.ConfigError, match="released"):
         hetstore.evict(other)
+    hetstore.release(model)
+
+
+def test_a_refused_forward_moves_nothing_and_dropping_the_loss_allows_evict(tmp_path):
+    """The refusal comes first of all the model's hooks: no unit is fetched, no batch is
+    traced. And a graph dropped without its backward holds nothing back (its root unit,
+    fetched in place on a CPU device, is released by evict)."""
+    model, optimizer = _offloaded("cpu", tmp_path)
+    x, y = next(iter(batches(1)))
+    loss = model(x, y)
+    del loss
+    assert hetstore.evict(model).bytes == {"host": 64 * 4}  # (the module buffer)
+    with pytest.raises(hetstore.ConfigError, match="evicted"):
+        model(x, y)
+    assert hetstore.memory_stats(model)["device"]["current"] == 0
+    hetstore.restore(model)
+    model(x, y).backward()
+    optimizer.step()
+    hetstore.release(model)
+
+
+def test_a_model_of_one_unit_with_a_graph_alive_is_not_evicted(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    model, optimizer = hetstore.offload(model, optimizer, _config("none", tmp_path))
+    loss = model(torch.randn(4, 8)).square().sum()
+    with pytest.raises(hetstore.ConfigError, match="awaits its backward"):
+        hetstore.evict(model)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert hetstore.evict(model).total > 0
+    hetstore.restore(model)
+    hetstore.release(model)
+
+
+def test_kept_host_buffers_are_given_back_when_the_host_runs_out_of_room(tmp_path):
+    """restore keeps its host buffers for the next evict, counted in the host tier; an
+    allocation that finds no room frees them first instead of failing."""
+    torch.manual_seed(0)
+    model = GPT(vocab=64, width=64, depth=3, heads=4, ctx=16)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    config = OffloadConfig(
+        offload_param="none",
+        offload_optimizer="none",
+        offload_cpu_size="4MB",
+        enable_pinned_mem=False,
+        device="cpu",
+    )
+    model, optimizer = hetstore.offload(model, optimizer, config)
+    host = hetstore.state_of(model).tiers.host
+    hetstore.evict(model)
+    hetstore.restore(model)  # ~2.4 MB kept
+    kept = dict(host.account.holders(n=100))["eviction buffers"]
+    assert kept > 2 * 2**20
+    room = host.capacity - host.account.current
+    big = host.allocate(room + 2**20, "more than the room left")  # fits once they go
+    assert "eviction buffers" not in dict(host.account.holders(n=100))
+    host.free(big)
+    hetstore.evict(model)  # (made again)
+    hetstore.restore(model)
     hetstore.release(model)

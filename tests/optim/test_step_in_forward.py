@@ -452,7 +452,9 @@ def test_what_was_read_ahead_gives_way_to_a_host_allocation_and_to_a_rewrite(tmp
                 held = host.account.current
                 assert opt.step_ahead.read_ahead
                 if i == 0:
-                    assert host.reclaim()  # what an allocation without room calls
+                    assert any(
+                        r() for r in host.reclaimers
+                    )  # what an allocation without room calls
                     assert not opt.step_ahead.read_ahead
                     assert host.account.current < held
                 else:

@@ -255,7 +255,7 @@ class StepAhead:
         # (activations restored in backward, a later micro-batch's forward)
         self._reclaiming_allowed = True
         # (host shadows, the worker's buffers in the next forward, lent masters)
-        self._host.reclaim = self._reclaim_host
+        self._host.reclaimers.append(self._reclaim_host)
         # step_in_backward: steps taken in backward and committed, until optimizer.step()
         self.consume = consume
         # the runtime's events (runtime.events): told when gradients are final, when
@@ -691,8 +691,8 @@ class StepAhead:
             self._drop_read_ahead()
             self.discard_all()
             self._stop_worker_if_idle(closing=True)
-        if self._host.reclaim == self._reclaim_host:
-            self._host.reclaim = None
+        if self._reclaim_host in self._host.reclaimers:
+            self._host.reclaimers.remove(self._reclaim_host)
         for stager in self._param_stagers:
             stager.on_give_back = stager.reclaim_lent = None
         for event, handler in self._subscriptions():

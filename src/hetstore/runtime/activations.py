@@ -290,7 +290,7 @@ class ActivationHooks:
         # copies coming in (runtime.streams.CudaStreams.activations); None on CPU
         self.stream = stream
         self._unit_tiers: dict[str, Tier] = {}
-        self._buffer_ptrs = {b.untyped_storage().data_ptr() for b in model.buffers()}
+        self.note_buffers(model)
         self._records: dict[tuple[int, int], tuple[StorageWeakRef, _Storage]] = {}
         self._counted: dict[int, tuple[StorageWeakRef, _Counted]] = {}
         self._context = None
@@ -418,6 +418,11 @@ class ActivationHooks:
             u.materialized and u.compute_flat.untyped_storage().data_ptr() == ptr
             for u in self.units
         )
+
+    def note_buffers(self, model: nn.Module) -> None:
+        """Where the model's buffers are (a saved buffer is the model's, not an
+        activation): again whenever their storages moved (``hetstore.restore``)."""
+        self._buffer_ptrs = {b.untyped_storage().data_ptr() for b in model.buffers()}
 
     def pack(self, tensor: torch.Tensor):
         # Saved tensors off the compute device stay where they are: they take none of its

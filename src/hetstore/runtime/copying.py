@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch._C import DisableTorchFunctionSubclass
 
+from hetstore.errors import ConfigError
 from hetstore.runtime import released
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ class PlainCopies:
 
     def copy(self, module: nn.Module, memo: dict) -> nn.Module:
         # once per top-level copy (each module of it comes here): the memo is that copy's
+        if self._runtime.refusal is not None:
+            raise ConfigError(self._runtime.refusal)
         hooks = memo.get(id(self))
         if hooks is None:
             hooks = memo[id(self)] = self._runtime.hooks_installed()

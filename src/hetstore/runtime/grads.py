@@ -116,6 +116,8 @@ class GradContract:
         unit, entry = where
         if entry.group is None or not entry.has_grad:
             return None  # frozen, not optimized, or no gradient since the last clear
+        if unit.refusal is not None:  # (evicted: the buffer may have no bytes now)
+            raise GradientAccessError(f"{entry.name!r}.grad: {unit.refusal}")
         if unit.grads.staged and self.disk_gradients is not None and unit.shards is None:
             unit.barrier()
             unit.grads.wait_copies()
@@ -135,6 +137,8 @@ class GradContract:
             if unit.grads.staged and self.disk_gradients is not None:
                 self.disk_gradients.cleared(unit)  # (factors a clip left for them go)
             return
+        if unit.refusal is not None:
+            raise GradientAccessError(f"{entry.name!r}.grad: {unit.refusal}")
         if tuple(value.shape) != tuple(entry.shape):
             raise RuntimeError(
                 f"assigned grad has shape {tuple(value.shape)}, but parameter "

@@ -105,8 +105,8 @@ class OffloadRuntime:
         assert all(u.index == i for i, u in enumerate(units))
         self.optimizer: weakref.ref | None = None  # the OffloadedOptimizer, set by offload()
         self.released = False  # set by hetstore.release: a graph still alive must not run
-        # why the weights cannot be read now (hetstore.evict gave the device's away), for
-        # model.state_dict() / load_state_dict(); None when they can
+        # why the model cannot run or be read now (hetstore.evict gave the device's bytes
+        # away): refused by forward, state_dict() / load_state_dict(), copies; None: it can
         self.refusal: str | None = None
         self.prefetch_depth = prefetch_depth
         self.grad_stager = grad_stager
@@ -139,7 +139,9 @@ class OffloadRuntime:
         # first forward without example_inputs): the module hooks then do nothing
         self._tracing = False
         pre_hook, post_hook = model.register_forward_pre_hook, model.register_forward_hook
-        if batch_guard is not None:  # first: it may change where activations go
+        # first of all: a model that cannot run now (evicted) refuses before anything moves
+        self._handles.append(pre_hook(self._module_hook(self._refuse_if_unusable)))
+        if batch_guard is not None:  # next: it may change where activations go
             self._handles.append(pre_hook(self._module_hook(self._check_batch), with_kwargs=True))
         self.activations = activations
         if activations is not None:
@@ -223,6 +225,10 @@ class OffloadRuntime:
         set_torch_grad(param, None)
 
     # ------------------------------------------------------------------ forward
+    def _refuse_if_unusable(self, module, args) -> None:
+        if self.refusal is not None:
+            raise ConfigError(self.refusal)
+
     def _check_batch(self, module, args, kwargs) -> None:
         if torch.is_grad_enabled() and not _in_backward():
             self.batch_guard(args, kwargs)
@@ -264,6 +270,11 @@ class OffloadRuntime:
         if self.root is not None and not needs_grad and not _in_backward():
             self.root.release()
         if needs_grad and not _in_backward():
+            for tensor in tree_flatten(output)[0]:  # (a model of no blocks has a graph too)
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    marker = _GraphMarker()
+                    tensor.register_hook(marker)
+                    self._awaiting_backward.add(marker)
             self._prefetch_edge(first=False)  # backward starts with the last blocks
             # the loss and the head's backward (the root's) come next
             self._mark((self._root_name, "backward"))
@@ -271,6 +282,8 @@ class OffloadRuntime:
             self._mark("other")
 
     def _pre_forward(self, unit: Unit) -> None:
+        if self.refusal is not None:  # (a block called on its own)
+            raise ConfigError(self.refusal)
         if not self._order_done and not _in_backward() and unit not in self.order:
             self.order.append(unit)
         forward = not _in_backward()  # else a checkpoint's recompute, inside backward
@@ -481,6 +494,15 @@ class _GradReadyHook:
         if runtime is not None:
             unit = runtime.units[self.unit]
             runtime._grad_ready(unit, unit.trainable_entries[self.entry])
+
+
+class _GraphMarker:
+    """Lives as long as the graph of a forward's output (``graph_alive``); does nothing."""
+
+    __slots__ = ("__weakref__",)
+
+    def __call__(self, grad) -> None:
+        return None
 
 
 class _PreBackwardHook:

@@ -75,8 +75,11 @@ class ParamSource:
         self.unit, self.entry, self.refusal = unit, entry, refusal
 
     def read(self) -> torch.Tensor:
-        if self.refusal is not None:
-            raise OffloadedParameterError(f"parameter {self.entry.name!r}: {self.refusal}")
+        refusal = self.refusal
+        if refusal is None and self.unit is not None:
+            refusal = self.unit.refusal  # (evicted: hetstore.evict)
+        if refusal is not None:
+            raise OffloadedParameterError(f"parameter {self.entry.name!r}: {refusal}")
         return self.unit.read_param(self.entry)
 
 

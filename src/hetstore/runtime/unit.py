@@ -127,6 +127,9 @@ class Unit(UnitForms, DeviceResidency):
         # on during the next forward): every use of the unit's parameters, master,
         # states or gradients goes through barrier() first, which lands that work
         self.work_pending = False
+        # why its parameters cannot be read now (hetstore.evict took the device's bytes),
+        # said by a read of a concealed parameter; None when they can
+        self.refusal: str | None = None
         # the root: backward releases it only once it is over (not when its gradients
         # are final), so its device copy is never lent away before that
         self.released_after_backward = False

@@ -425,7 +425,14 @@ class UnitForms:
         after it (from an aligned offset) and never change, so a LoRA model's frozen base
         on disk is read by fetches and never rewritten by a step."""
         if self.shards is not None:  # frozen_start is a full-layout offset, not a shard's
-            self.refresh_from_master()
+            if self.has_home_only:  # (the compute-only tail never changes: not read again)
+                head = self.master
+                if transfers_only(head):
+                    head = torch.empty(self.master_numel, dtype=torch.float32)
+                    read_into(self.master, head)
+                self._sync_home(head[: self.master_numel])
+            else:
+                self.refresh_from_master()
         else:
             self._sync_home(self.master[: self.frozen_start])
 

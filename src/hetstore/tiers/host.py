@@ -163,7 +163,9 @@ class HostTier:
         self.pinned = self._pin
         # set by the optimizer's step ahead: gives back host memory held only to save
         # time (speculative steps' shadows); True when it freed some
-        self.reclaim: Callable[[], bool] | None = None
+        # memory held only to save time, given back when room runs out: each returns
+        # True when it freed something (the step engine's lent buffers, evict's copies)
+        self.reclaimers: list[Callable[[], bool]] = []
 
     @property
     def capacity(self) -> int | None:
@@ -188,12 +190,12 @@ class HostTier:
     ) -> HostBuffer:
         """A page-aligned slice of at least ``nbytes``, viewed as ``nbytes // itemsize`` dtype.
         ``transient``: freed again within a step (carved from the top, see module doc).
-        Out of room, memory held only to save time is given back first (``reclaim``)."""
+        Out of room, memory held only to save time is given back first (``reclaimers``)."""
         while True:
             try:
                 return self._allocate(nbytes, label, dtype, transient)
             except OutOfTierMemory:
-                if self.reclaim is None or not self.reclaim():
+                if not any(reclaim() for reclaim in list(self.reclaimers)):
                     raise
 
     def _allocate(self, nbytes: int, label: str, dtype: torch.dtype, transient: bool) -> HostBuffer:
