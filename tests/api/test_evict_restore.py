@@ -334,3 +334,47 @@ def test_kept_host_buffers_are_given_back_when_the_host_runs_out_of_room(tmp_pat
     hetstore.evict(model)  # (made again)
     hetstore.restore(model)
     hetstore.release(model)
+
+
+class _Scaled(torch.nn.Module):
+    """Blocks whose forward saves the model's buffer for backward (``x * scale``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(2))
+        self.register_buffer("scale", torch.full((64,), 0.5))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x) * self.scale)
+        return x.square().mean()
+
+
+def test_a_saved_buffer_is_still_the_models_after_a_cycle(tmp_path):
+    """With activations offloaded, a buffer saved for backward is not an activation (it
+    is not copied off the device); restore gives the buffer a new storage, and it must
+    still be known as the model's: the bytes packed per step stay the same."""
+    torch.manual_seed(0)
+    model = _Scaled()
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    config = OffloadConfig(
+        offload_param="cpu",
+        offload_optimizer="cpu",
+        offload_activations="cpu",
+        activation_min_bytes=0,
+        enable_pinned_mem=False,
+        device="cpu",
+    )
+    model, optimizer = hetstore.offload(model, optimizer, config)
+    activations = hetstore.state_of(model).runtime.activations
+    packed = []
+    for _ in range(3):
+        before = activations.packed_bytes
+        model(torch.randn(8, 64)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        packed.append(activations.packed_bytes - before)
+        hetstore.evict(model)
+        hetstore.restore(model)
+    assert packed[0] > 0 and packed == [packed[0]] * 3, packed
+    hetstore.release(model)
