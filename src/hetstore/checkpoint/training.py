@@ -48,6 +48,7 @@ failed: a read of the offload disk names the offload file, a write the checkpoin
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from collections.abc import Iterator
@@ -158,12 +159,33 @@ class Buffers:
 
 
 # ---------------------------------------------------------------------- save
+@dataclass(frozen=True)
+class DecodedSlice:
+    """Elements ``[start, start + numel)`` of a compact (bf16, 8-bit) state ``key`` of a
+    unit's chunked step, seen as an fp32 tensor of ``shape``: decoded a chunk at a time as
+    the file is written, never whole."""
+
+    states: object  # the unit's UnitStates (read_state decodes)
+    key: str
+    start: int
+    numel: int
+    shape: torch.Size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def read(self, at: int, n: int) -> torch.Tensor:
+        return self.states.read_state(self.key, self.start + at, n)
+
+
 @dataclass
 class Item:
-    """One tensor written to a file: its key and its data, in memory or on the offload disk."""
+    """One tensor written to a file: its key and its data, in memory or on the offload
+    disk (or a compact state, decoded as it is written)."""
 
     key: str
-    data: torch.Tensor | DiskSlice
+    data: torch.Tensor | DiskSlice | DecodedSlice
 
     @property
     def spec(self) -> TensorSpec:
@@ -389,7 +411,9 @@ def _shard_file(unit: Unit, index: int, optimizer, names, rank: int) -> tuple:
             by_key.setdefault("step", []).append(Item(f"{name}/step", segment["step"]))
         for key, data in segment["states"].items():
             at = local - segment["base"]
-            if transfers_only(data):
+            if data is None:  # a compact state, decoded as the file is written
+                piece = DecodedSlice(segment["compact"], key, at, b - a, shape)
+            elif transfers_only(data):
                 piece = DiskSlice(data, at, b - a, shape)
             else:
                 piece = data[at : at + b - a].view(shape)
@@ -401,19 +425,19 @@ def _shard_file(unit: Unit, index: int, optimizer, names, rank: int) -> tuple:
 
 def _shard_segment_states(unit: Unit, optimizer: OffloadedOptimizer) -> list[dict]:
     """``optimizer.segment_states(unit)``; for states in a compact format (bf16, 8-bit),
-    each state of the shard decoded to fp32 here (a checkpoint keeps fp32 states, as in
-    one process: the format is recorded and a load encodes them again, exactly)."""
+    their keys with no array (``None``) and the step that decodes them (``"compact"``):
+    a checkpoint keeps fp32 states, as in one process (the format is recorded and a load
+    encodes them again, exactly), decoded a chunk at a time as the file is written."""
     streamed = optimizer.streamed_step_of(unit)
     if streamed is None or streamed.format.exact:
         return optimizer.segment_states(unit)
-    n = unit.trainable_numel
-    states = {key: streamed.read_state(key, 0, n) for key in streamed.states}
     return [
         {
             "segment": segment,
             "base": 0,
             "step": streamed.steps[i] if streamed.has_step else None,
-            "states": states,
+            "states": dict.fromkeys(streamed.states),  # (None: decoded from "compact")
+            "compact": streamed,
             "stepped": streamed.stepped,
         }
         for i, segment in enumerate(unit.segments)
@@ -470,7 +494,11 @@ def stream(items: list[Item], buffers: Buffers) -> Iterator[tuple[Item, torch.Te
     owners: list[Item] = []  # the item of each disk job
     for item in items:
         data = item.data
-        if isinstance(data, DiskSlice):
+        if isinstance(data, DecodedSlice):  # decoded when its turn comes, not now
+            for a in range(0, data.numel, CHUNK_ELEMENTS):
+                n = min(CHUNK_ELEMENTS, data.numel - a)
+                jobs.append((item, functools.partial(data.read, a, n)))
+        elif isinstance(data, DiskSlice):
             for a in range(0, data.numel, CHUNK_ELEMENTS):
                 n = min(CHUNK_ELEMENTS, data.numel - a)
                 jobs.append((item, (data.array, data.start + a, n)))
@@ -481,7 +509,8 @@ def stream(items: list[Item], buffers: Buffers) -> Iterator[tuple[Item, torch.Te
                 jobs.append((item, flat[a : a + CHUNK_ELEMENTS].cpu()))  # a device home: host
     disk = [job for _, job in jobs if isinstance(job, tuple)]
     if not disk:
-        yield from jobs
+        for item, job in jobs:
+            yield item, job() if callable(job) else job
         return
     numel = max(n for _, _, n in disk)
     taken: dict[torch.dtype, list] = {}  # two alternating chunk buffers per dtype
@@ -508,7 +537,7 @@ def stream(items: list[Item], buffers: Buffers) -> Iterator[tuple[Item, torch.Te
         k = 0
         for item, job in jobs:
             if not isinstance(job, tuple):
-                yield item, job
+                yield item, job() if callable(job) else job
                 continue
             try:
                 pending.pop(k).wait()
