@@ -134,13 +134,13 @@ def evict(model: nn.Module, optimizer=None) -> EvictionReport:
             "copies); run the backward, or drop the loss, before evicting"
         )
     opt = runtime.optimizer() if runtime.optimizer is not None else None
-    storages = _device_storages(model, state, opt)
     if opt is not None:
         opt.finish_steps_in_forward()  # (a step still running on from the last step())
     for unit in runtime.units:
         unit.barrier()
         unit.release()  # fetched copies: their home holds the values (no graph reads them)
     _refuse_transient_holders(state)
+    storages = _device_storages(model, state, opt)  # (after the steps landed)
     start = time.perf_counter()
     buffers = {
         b.untyped_storage().data_ptr() for b in model.buffers() if b.device == state.tiers.device
