@@ -15,14 +15,19 @@ gives the same storages their bytes back and copies the values in. The values ar
 bytes themselves, so training after any number of cycles is bitwise what it is without
 them.
 
-While evicted, a forward of the model and the optimizer's step, zero_grad, clip and
-state dicts refuse with a ConfigError that says to call ``hetstore.restore`` (a
-streaming eval forward is not offered: the inference engine is the one that rolls out).
-``hetstore.named_weights`` refuses too: sync the weights before ``evict``.
+While evicted, every use that would touch those storages refuses, naming
+``hetstore.restore``, before anything moves: a forward of the model or of one of its
+blocks (``OffloadRuntime.refusal``; a streaming eval forward is not offered: the
+inference engine is the one that rolls out), its state dicts and copies, the
+optimizer's step, zero_grad, clip and state dicts (``OffloadedOptimizer.refusal``),
+reads of its parameters and of ``p.grad`` (``Unit.refusal``; parameters homed on the
+device are concealed meanwhile), checkpoints and ``named_weights`` (sync the weights
+before ``evict``). The model's buffers are meta tensors until ``restore``.
 
 The host buffers are kept after ``restore`` for the next ``evict`` (pinned once, no
-allocation per cycle), and stay counted in the host tier as ``'eviction buffers'``;
-``restore(model, keep_buffers=False)`` gives them back (and ``hetstore.release`` does).
+allocation per cycle), and stay counted in the host tier as ``'eviction buffers'``; the
+host tier gives them back first when it runs out of room (``HostTier.reclaimers``), and
+``restore(model, keep_buffers=False)`` or ``hetstore.release`` at once.
 """
 
 from __future__ import annotations
