@@ -101,13 +101,12 @@ def main() -> None:
         return time.perf_counter() - start
 
     moved = {"evict": [], "restore": []}
+    restore_seconds: list[float] = []  # (timed with each evict, reported beside it)
 
     def evict() -> float:
         seconds = timed(lambda: moved["evict"].append(hetstore.evict(model, optimizer)))
         restore_seconds.append(timed(lambda: moved["restore"].append(hetstore.restore(model))))
         return seconds
-
-    restore_seconds: list[float] = []
 
     def copy_out() -> None:
         for h, d in zip(host_refs, device_refs, strict=True):

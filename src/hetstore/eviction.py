@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hetstore._sizes import format_size
 from hetstore.errors import ConfigError
 from hetstore.model_state import ModelState, is_released, state_of
 from hetstore.tier import Tier
@@ -66,8 +67,6 @@ class EvictionReport:
         return sum(self.bytes.values())
 
     def __str__(self) -> str:
-        from hetstore._sizes import format_size
-
         where = ", ".join(f"{format_size(n)} {tier}" for tier, n in self.bytes.items()) or "0 B"
         rate = self.total / self.seconds / 2**30 if self.seconds > 0 else 0.0
         return (
@@ -285,10 +284,10 @@ def _checked(model: nn.Module, optimizer, what: str) -> ModelState:
 
 
 def _refuse_transient_holders(state: ModelState) -> None:
-    """Evict only what lives between steps: the units' own device buffers, their fetched
-    copies and the model's buffers. Anything more on the device belongs to a step under
-    way (a forward's saved tensors, gradients in flight) and would be lost: refused
-    before anything moves."""
+    """Evict only what lives between steps (the units released first): the units' own
+    device buffers and the model's buffers. Anything more on the device belongs to a
+    step under way (a forward's saved tensors, gradients in flight) and would be lost:
+    refused before anything moves."""
     account = state.tiers.device_tier.account
     between_steps = dict(account.holders(n=1 << 30)).get("module buffers", 0)
     for unit in state.runtime.units:
@@ -297,8 +296,6 @@ def _refuse_transient_holders(state: ModelState) -> None:
             for b in unit.buffers_on(Tier.DEVICE)
             if isinstance(b, torch.Tensor)
         )
-        if unit.has_device_copy:
-            between_steps += unit.device_bytes
     if account.current != between_steps:
         units = tuple(" " + u.name for u in state.runtime.units)
         listed = ", ".join(

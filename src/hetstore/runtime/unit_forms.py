@@ -430,7 +430,7 @@ class UnitForms:
                 if transfers_only(head):
                     head = torch.empty(self.master_numel, dtype=torch.float32)
                     read_into(self.master, head)
-                self._sync_home(head[: self.master_numel])
+                self._sync_home(head)  # (the master is the head: [0, master_numel))
             else:
                 self.refresh_from_master()
         else:
