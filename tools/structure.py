@@ -9,6 +9,10 @@
   ``self``/``cls`` and ``_attr`` is not defined in the same module (a module may use the
   private names of its own classes on other instances of them).
 - *type dispatch on disk*: ``isinstance(..., DiskArray)`` outside ``hetstore/tiers``.
+- *planner sites naming a tier*: in ``hetstore/planner``, a tier other than the device
+  named by hand: ``Tier.HOST`` / ``Tier.DISK``, or an attribute named after one
+  (``.host``, ``.disk_read``, ``e.host_shadows``), where the planner does not walk
+  ``Tier`` or ask a tier's property (``tier.py``'s tables).
 - *largest classes*: lines from ``class`` to the class's last line.
 - *private reads in tests*: the same reaches from ``tests/``: ``obj._attr`` where
   ``_attr`` is a private name hetstore defines (not torch's, not the test module's own)
@@ -142,6 +146,33 @@ def disk_dispatch(path: Path) -> list[str]:
     return found
 
 
+def planner_tier_names(path: Path) -> list[str]:
+    if "planner" not in path.relative_to(SRC).parts[:1]:
+        return []
+    sys.path.insert(0, str(SRC.parent))
+    from hetstore.tier import Tier
+
+    members = {t.name for t in Tier if t is not Tier.DEVICE}
+    labels = {t.label for t in Tier if t is not Tier.DEVICE}
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        by_member = isinstance(node.value, ast.Name) and node.value.id == "Tier"
+        if (by_member and node.attr in members) or (
+            not by_member and node.attr.split("_")[0] in labels and node.attr not in _NOT_TIERS
+        ):
+            found.append(
+                (node.lineno, f"{path.relative_to(SRC.parent)}:{node.lineno} {ast.unparse(node)}")
+            )
+    return [site for _, site in sorted(found)]
+
+
+# names that start like a tier's and are not one: the CPU's own rates (it steps and
+# copies buffers of any tier), and the standard library's free-space call
+_NOT_TIERS = {"host_step", "host_copy", "disk_usage"}
+
+
 def classes(path: Path) -> list[tuple[int, str]]:
     tree = ast.parse(path.read_text())
     return [
@@ -159,6 +190,7 @@ def counts() -> dict:
     ours = set().union(*(_own_names(ast.parse(f.read_text())) for f in files)) - theirs
     reaches = [r for f in files for r in private_reaches(f, ours)]
     dispatch = [d for f in files for d in disk_dispatch(f)]
+    tier_names = [n for f in files for n in planner_tier_names(f)]
     sized = sorted((c for f in files for c in classes(f)), reverse=True)
     lines = sum(len(f.read_text().splitlines()) for f in files)
     tests = sorted(TESTS.rglob("*.py")) if TESTS.is_dir() else []
@@ -168,6 +200,7 @@ def counts() -> dict:
         "lines": lines,
         "private_reaches": reaches,
         "disk_dispatch": dispatch,
+        "planner_tier_names": tier_names,
         "largest_classes": sized[:8],
         "test_private_reads": test_reads,
     }
@@ -187,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for d in c["disk_dispatch"]:
             print("   ", d)
+    print(f"planner sites naming a tier other than the device: {len(c['planner_tier_names'])}")
+    if args.list:
+        for n in c["planner_tier_names"]:
+            print("   ", n)
     print(f"private reads in tests: {len(c['test_private_reads'])}")
     if args.list:
         for r in c["test_private_reads"]:

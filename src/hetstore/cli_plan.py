@@ -191,6 +191,7 @@ def accelerate_side_by_side(model, plan) -> str:
     from accelerate.utils import calculate_maximum_sizes
 
     from hetstore._sizes import format_size
+    from hetstore.tier import TIER_LABELS, Tier
 
     weights, (largest, _) = calculate_maximum_sizes(model)
     params = sum(u.param_bytes for u in plan.units)
@@ -204,9 +205,9 @@ def accelerate_side_by_side(model, plan) -> str:
         ("training with Adam", f"{format_size(4 * weights)} (4 x weights)", format_size(states)),
         ("saved for backward", "not counted", format_size(saved)),
         (
-            "peaks device/host/disk",
+            "peaks " + "/".join(TIER_LABELS),
             "-",
-            f"{format_size(e.device)} / {format_size(e.host)} / {format_size(e.disk)}",
+            " / ".join(format_size(e.peak(tier)) for tier in Tier),
         ),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]

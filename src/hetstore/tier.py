@@ -6,11 +6,12 @@ tier is never a bare string compared in many places. Its value is the config spe
 ``StrEnum`` member equals that string, so configs written as strings keep working.
 ``label`` is the name reports and ``memory_stats()`` use ("device", "host", "disk").
 
-Everything that differs by tier and is not its storage or its cost lives here, in one
-table per property (label, capacity key, share key, the next tier toward the device,
-report colour), so that reports, budgets and the planner's capacity checks walk
-``Tier`` in order instead of naming three. Adding a tier: see docs/how-it-works.md,
-"Where a new piece plugs in".
+Everything that differs by tier and is not its storage lives here, in one table per
+property (label, capacity key, share key, the next tier toward the device, report
+colour, where its transfers are staged, which machine measurements price its link),
+so that reports, budgets, the planner and its cost model walk ``Tier`` in order
+instead of naming three. Adding a tier: see docs/how-it-works.md, "Where a new piece
+plugs in".
 """
 
 from __future__ import annotations
@@ -54,6 +55,39 @@ class Tier(StrEnum):
         """The next tier toward the device (faster, smaller); None for the device."""
         return _CLOSER[self]
 
+    @property
+    def farther(self) -> Tier | None:
+        """The next tier away from the device (slower, larger); None for the last."""
+        return _FARTHER[self]
+
+    @property
+    def staging(self) -> Tier | None:
+        """The tier whose buffers this tier's reads and writes pass through: None where
+        its buffers are addressable (tensors, used in place: device and host memory),
+        else the addressable tier that holds its staging (disk: pinned host memory,
+        O_DIRECT needs aligned host buffers). The cost model counts the staging there."""
+        return _STAGING[self]
+
+    @property
+    def addressable(self) -> bool:
+        """Whether this tier's buffers are tensors used in place (``tiers.store.
+        addressable``), not moved through staging."""
+        return self.staging is None
+
+    @property
+    def path_key(self) -> str | None:
+        """The config key of the directory whose free space is this tier's capacity
+        when its capacity key is unset (disk: ``offload_path``); None for a tier sized
+        otherwise."""
+        return _PATH_KEYS[self]
+
+    @property
+    def link_rates(self) -> tuple[str, str] | None:
+        """The ``MachineRates`` measurements (bytes per second) of the link between this
+        tier and the next one toward the device: ``(toward the device, away from it)``;
+        None for the device."""
+        return _LINK_RATES[self]
+
     @classmethod
     def from_label(cls, label: str) -> Tier:
         """The tier a report name ("device", "host", "disk") or a config spelling names."""
@@ -73,6 +107,15 @@ _CAPACITY_KEYS = {
 _SHARE_KEYS = {Tier.DEVICE: "hbm_ratio", Tier.HOST: "cpu_ratio", Tier.DISK: None}
 _COLORS = {Tier.DEVICE: "#d62728", Tier.HOST: "#1f77b4", Tier.DISK: "#2ca02c"}
 _CLOSER = {Tier.DEVICE: None, Tier.HOST: Tier.DEVICE, Tier.DISK: Tier.HOST}
+_FARTHER = {closer: tier for tier, closer in _CLOSER.items() if closer is not None}
+_FARTHER.update({tier: None for tier in Tier if tier not in _FARTHER})
+_STAGING = {Tier.DEVICE: None, Tier.HOST: None, Tier.DISK: Tier.HOST}
+_PATH_KEYS = {Tier.DEVICE: None, Tier.HOST: None, Tier.DISK: "offload_path"}
+_LINK_RATES = {
+    Tier.DEVICE: None,
+    Tier.HOST: ("to_device", "from_device"),
+    Tier.DISK: ("disk_read", "disk_write"),
+}
 
 # report names, nearest first: the keys of memory_stats() and of the planner's peaks
 TIER_LABELS = tuple(t.label for t in Tier)

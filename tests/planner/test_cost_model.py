@@ -9,6 +9,7 @@ import pytest
 from hetstore.planner import Trace, UnitChoice, estimate
 from hetstore.planner.cost import memory, times
 from hetstore.planner.plan import Capacities, Plan
+from hetstore.tier import Tier
 from tests.planner.helpers import CPU, GPU, MiB, gpt_like, unit
 
 
@@ -26,7 +27,7 @@ def test_everything_on_device_counts_every_state_and_activation():
     assert e.device == states + max(b + g for b, g in zip(before, grad, strict=True))
     assert e.device == states + saved + grad[-1]
     # the planner's fit adds the two moments' extras up: a bound for its search
-    assert memory(trace, [UnitChoice()] * len(trace.units), 1, 32 << 20)[0] >= e.device
+    assert memory(trace, [UnitChoice()] * len(trace.units), 1, 32 << 20)[Tier.DEVICE] >= e.device
     assert e.host == e.disk == 0
     assert e.compute_s == sum(u.forward_s + u.backward_s for u in trace.units)
     assert e.stall_s == e.exposed_s == 0
@@ -83,7 +84,7 @@ def test_blocks_copies_and_the_end_of_forwards_activations_peak_apart():
         for k in range(n)
     ]
     assert e.device == model_data + max(moments)
-    summed = memory(trace, blocks_host, 0, 32 << 20)[0]
+    summed = memory(trace, blocks_host, 0, 32 << 20)[Tier.DEVICE]
     assert summed == model_data + block + max(sum(saved[: k + 1]) + grad[k] for k in range(n))
     assert e.device < summed
 
@@ -111,9 +112,9 @@ def test_a_cpu_backward_restores_a_whole_nodes_saved_tensors():
 def test_without_a_machine_every_prefetch_is_counted_on_the_device():
     trace = gpt_like(machine=None)
     blocks = [UnitChoice(param="disk") if not u.is_root else UnitChoice() for u in trace.units]
-    everything = memory(trace, [UnitChoice()] * len(trace.units), 2, 2**24)[0]
+    everything = memory(trace, [UnitChoice()] * len(trace.units), 2, 2**24)[Tier.DEVICE]
     block = trace.units[0].param_bytes
-    assert everything - memory(trace, blocks, 2, 2**24)[0] == 4 * block - 3 * block
+    assert everything - memory(trace, blocks, 2, 2**24)[Tier.DEVICE] == 4 * block - 3 * block
 
 
 def test_fp32_parameters_alias_their_master():

@@ -19,6 +19,7 @@ from hetstore.planner import (
 from hetstore.planner import planner as planner_module
 from hetstore.planner.planner import refit_activations
 from hetstore.planner.shapes import scaled_trace
+from hetstore.tier import Tier
 from tests.planner.helpers import (
     CPU,
     GPU,
@@ -96,8 +97,8 @@ def test_margin_ratio_helps_monotonically():
 
 def test_ratios_scale_the_capacities():
     cfg = config(max_device_memory="1GB", offload_cpu_size="10GB", hbm_ratio=0.5, cpu_ratio=0.25)
-    c = Capacities.from_config(cfg, device_total=None, host_total=None, disk_free=123)
-    assert (c.device, c.host, c.disk) == (
+    c = Capacities.from_config(cfg, {Tier.DISK: 123})
+    assert tuple(c.of(tier) for tier in Tier) == (
         cfg.max_device_memory // 2,
         cfg.offload_cpu_size // 4,
         123,
@@ -107,12 +108,7 @@ def test_ratios_scale_the_capacities():
     assert not full.offloads_anything
     halved = make_plan(
         trace,
-        Capacities.from_config(
-            config(max_device_memory=all_none_peak(trace), hbm_ratio=0.5),
-            device_total=None,
-            host_total=None,
-            disk_free=None,
-        ),  # fmt: skip
+        Capacities.from_config(config(max_device_memory=all_none_peak(trace), hbm_ratio=0.5)),
         config(),
     )
     assert halved.offloads_anything and halved.estimate.device <= all_none_peak(trace) // 2
@@ -213,7 +209,7 @@ def test_a_larger_batch_moves_activations_off_the_device_and_keeps_the_rest():
         if old.choice != new.choice
     ]
     assert changed and all(new == UnitChoice(activations="cpu") for _, new in changed)
-    assert replanned.estimate.device <= plan.capacities.device
+    assert replanned.estimate.device <= plan.capacities.of(Tier.DEVICE)
 
 
 def test_a_larger_batch_spills_activations_to_disk_when_host_is_short():
@@ -301,8 +297,8 @@ def test_nothing_is_offloaded_that_buys_nothing(seed):
     # what it keeps free on host (planner.spill_headroom): a move into it buys a
     # little speed at the price of refusing a later batch, so it is not taken
     room = spill_headroom(trace, cfg)
-    if plan.estimate.host <= limits.host - room:
-        limits = replace(limits, host=limits.host - room)
+    if plan.estimate.host <= limits.of(Tier.HOST) - room:
+        limits = limits.less(Tier.HOST, room)
     closer = {"disk": "cpu", "cpu": "none"}
     for i, c in enumerate(choices):
         for field_ in ("param", "activations", "optimizer"):
@@ -314,10 +310,7 @@ def test_nothing_is_offloaded_that_buys_nothing(seed):
             trial = list(choices)
             trial[i] = replace(c, **{field_: target})
             used = memory(trace, trial, plan.prefetch_depth, cfg.optimizer_chunk_size)
-            fits = all(
-                cap is None or v <= cap
-                for v, cap in zip(used, (limits.device, limits.host, limits.disk), strict=True)
-            )
+            fits = all(limits.of(t) is None or used[t] <= limits.of(t) for t in Tier)
             faster_or_equal = estimate(trace, trial, plan.prefetch_depth).step_s <= step
             assert not (fits and faster_or_equal), (i, field_, target)
 

@@ -15,7 +15,7 @@ Memory (peak bytes per tier, during a step)
   host: parameters homed on host (unless they alias a host master), host-optimizer
   master/states/gradients, and the staging the disk paths use (parameters ``depth + 1``
   units, gradients 3 units); plus the larger of two phases: forward/backward
-  (see ``_host_activation_peak``: activations sent to host, and the host staging of
+  (see ``_staged_activation_peak``: activations sent to host, and the host staging of
   activations on disk, at their peak moment) and the optimizer step (the streamed
   step's chunk buffers: up to 3 sets of one chunk per array).
   disk: everything homed on disk, plus the larger of activations sent to disk (forward
@@ -87,11 +87,12 @@ class UnitChoice:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Predicted per-tier peaks (bytes) and step time with its parts (seconds)."""
+    """Predicted per-tier peaks (bytes) and step time with its parts (seconds).
 
-    device: int
-    host: int
-    disk: int
+    ``peaks``: one per tier, keyed by ``Tier``; read one with :meth:`peak` (a ``Tier``
+    or its report name), or as the attribute of its report name (``e.host``)."""
+
+    peaks: dict[Tier, int]
     compute_s: float
     stall_s: float  # copies that stop compute
     exposed_s: float  # overlappable transfers compute could not hide
@@ -143,7 +144,17 @@ class Estimate:
 
     def peak(self, tier: Tier | str) -> int:
         """The predicted peak of ``tier`` (a ``Tier`` or its report name)."""
-        return getattr(self, Tier.from_label(tier).label)
+        return self.peaks[Tier.from_label(tier)]
+
+    def __getattr__(self, name: str) -> int:
+        # a tier's report name reads its peak (``e.device``, ``e.host``, ``e.disk``)
+        peaks = self.__dict__.get("peaks")
+        if peaks is None or name.startswith("_"):
+            raise AttributeError(name)
+        for tier, peak in peaks.items():
+            if tier.label == name:
+                return peak
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 def aliases_master(u: UnitTrace, c: UnitChoice) -> bool:
@@ -189,10 +200,34 @@ def _max(values) -> int:
     return max(values, default=0)
 
 
+def _in_memory(tier: Tier) -> bool:
+    """A memory tier beside the device (host memory): addressable, not the device."""
+    return tier is not Tier.DEVICE and tier.addressable
+
+
+def _hop_into_device(tier: Tier) -> Tier:
+    """The tier on ``tier``'s way to the device whose next tier is the device: the one
+    whose link to it a copy takes (host memory, for disk too: it is staged there)."""
+    while tier.closer is not Tier.DEVICE:
+        tier = tier.closer
+    return tier
+
+
+def _hops_beyond(tier: Tier) -> list[Tier]:
+    """The tiers on ``tier``'s way to the device before :func:`_hop_into_device`'s,
+    each priced at its own link (``MachineRates.inward`` / ``outward``): ``[disk]`` for
+    disk, none for host memory."""
+    hops = []
+    while tier.closer not in (None, Tier.DEVICE):
+        hops.append(tier)
+        tier = tier.closer
+    return hops
+
+
 def memory(
     trace: Trace, choices: list[UnitChoice], depth: int, chunk_bytes: int, *, timeline=False
-) -> tuple[int, int, int]:
-    """Peak (device, host, disk) bytes of ``choices`` (see module doc).
+) -> dict[Tier, int]:
+    """Peak bytes of ``choices`` per tier, keyed by ``Tier`` (see module doc).
 
     The device's activations and its blocks' copies peak at different moments (the end
     of forward holds every kept activation and no block; a block's backward holds its
@@ -201,8 +236,8 @@ def memory(
     and its "more capacity is never slower" hold (with the moments apart a larger device
     once planned 1.4% slower, tests/planner/test_planner.py seed 5); the plan reports the
     moments apart (``timeline=True``, :func:`estimate`)."""
+    peaks = dict.fromkeys(Tier, 0)
     device = trace.buffer_bytes
-    host = disk = 0
     fetched_blocks = []
     for u, c in zip(trace.units, choices, strict=True):
         aliased = aliases_master(u, c)
@@ -215,15 +250,12 @@ def memory(
             else:
                 fetched_blocks.append(u.param_bytes)
             if not aliased:
-                host += paged(u.param_bytes) if c.param == Tier.HOST else 0
-                disk += paged(u.param_bytes) if c.param == Tier.DISK else 0
+                peaks[c.param] += paged(u.param_bytes)
         is_consumed = consumed(trace, u, c)
         if c.optimizer == Tier.DEVICE:
             device += optimizer_bytes(u, c, is_consumed)
         else:
-            stored = _stored_optimizer_bytes(u, c, is_consumed)
-            host += stored if c.optimizer == Tier.HOST else 0
-            disk += stored if c.optimizer == Tier.DISK else 0
+            peaks[c.optimizer] += _stored_optimizer_bytes(u, c, is_consumed)
     units = list(zip(trace.units, choices, strict=True))
     working = ahead = 0  # blocks' device copies while a block runs / prefetched only
     if fetched_blocks:
@@ -237,58 +269,72 @@ def memory(
         device += working + _activation_peak(units, depth, prefetched)
     if trace.machine is not None and trace.machine.device != "cpu":
         device += _max(u.temp_bytes for u in trace.units)
-    # host staging of the disk paths (runtime.staging, optim.streamed, activations).
-    # Activations on host and the activations' write staging exist during forward and
-    # backward only; the streamed step's chunk buffers during the optimizer step only.
-    persistent = forward_backward = step = 0
-    # every home on disk is read through the parameter stager, the master too when
-    # it is the home (runtime.staging)
-    disk_params = [u.param_bytes for u, c in units if c.param == Tier.DISK]
-    if disk_params:
-        persistent += param_staging_bytes(depth, paged(max(disk_params)))
-    disk_opt = [(u, c) for u, c in units if c.optimizer == Tier.DISK]
-    stepped_ahead, shadow_bytes, worker = False, 0, None
-    if disk_opt:
-        persistent += grad_staging_bytes(paged(_max(u.grad_bytes for u, _ in disk_opt)))
-        chunks = _max(
-            streamed_step_bytes(
-                master_bytes(u, c) // 4,
-                u.state_count,
-                chunk_bytes // 4,
-                state_itemsize=u.per_state_itemsize,
-                grad_on_disk=True,  # the planner puts gradients in the optimizer's tier
-                home_itemsize=u.compute_itemsize
-                if c.param == Tier.DISK and not aliases_master(u, c)
-                else 0,
+    peaks[Tier.DEVICE] += device
+    # the staging of the tiers that are not addressable (disk), in the tier that holds
+    # it (host memory: runtime.staging, optim.streamed, activations). Activations in
+    # memory and the activations' write staging exist during forward and backward only;
+    # the streamed step's chunk buffers during the optimizer step only.
+    persistent, step = dict.fromkeys(Tier, 0), dict.fromkeys(Tier, 0)
+    workers = {}
+    for tier in Tier:
+        if tier.addressable:
+            continue
+        staging = tier.staging
+        # every home there is read through the parameter stager, the master too when it
+        # is the home (runtime.staging)
+        homes = [u.param_bytes for u, c in units if c.param == tier]
+        if homes:
+            persistent[staging] += param_staging_bytes(depth, paged(max(homes)))
+        streamed = [(u, c) for u, c in units if c.optimizer == tier]
+        stepped_ahead, shadow_bytes = False, 0
+        if streamed:
+            persistent[staging] += grad_staging_bytes(
+                paged(_max(u.grad_bytes for u, _ in streamed))
             )
-            for u, c in disk_opt
-        )
-        step += chunks
-        in_backward = trace.step_overlap or trace.step_in_backward
-        stepped = [i for i, (u, c) in enumerate(units) if _stepped_ahead(u, c)]
-        stepped_ahead = in_backward and bool(stepped)
-        if stepped_ahead:  # the step-ahead worker's, during backward, from the first
-            worker = (stepped[-1], chunks)  # unit it steps: the last in execution order
-        # the shadow of a step; inside backward, the one being stepped and one done
-        # awaiting its commit
-        shadows = 2 if any(consumed(trace, u, c) for u, c in disk_opt) else 1
-        shadow_bytes = shadows * _one_shadow(disk_opt)
-    # activations on disk live from their forward to their backward; a step's shadows
-    # after backward (optimizer.step()), or during it when units are stepped ahead
-    disk_saved = sum(u.saved_bytes for u, c in units if c.activations == Tier.DISK)
-    if stepped_ahead:
-        disk += disk_saved + shadow_bytes
-    else:
-        disk += max(disk_saved, shadow_bytes)
-    forward_backward += _host_activation_peak(units, depth, worker)
-    host += persistent + max(forward_backward, step)
-    return device, host, disk
+            chunks = _max(
+                streamed_step_bytes(
+                    master_bytes(u, c) // 4,
+                    u.state_count,
+                    chunk_bytes // 4,
+                    state_itemsize=u.per_state_itemsize,
+                    grad_on_disk=True,  # the planner puts gradients in the optimizer's tier
+                    home_itemsize=u.compute_itemsize
+                    if c.param == tier and not aliases_master(u, c)
+                    else 0,
+                )
+                for u, c in streamed
+            )
+            step[staging] += chunks
+            in_backward = trace.step_overlap or trace.step_in_backward
+            stepped = [i for i, (u, c) in enumerate(units) if _stepped_ahead(u, c)]
+            stepped_ahead = in_backward and bool(stepped)
+            if stepped_ahead:  # the step-ahead worker's, during backward, from the first
+                workers[staging] = (stepped[-1], chunks)  # it steps: the last in order
+            # the shadow of a step; inside backward, the one being stepped and one done
+            # awaiting its commit
+            shadows = 2 if any(consumed(trace, u, c) for u, c in streamed) else 1
+            shadow_bytes = shadows * _one_shadow(streamed)
+        # activations there live from their forward to their backward; a step's shadows
+        # after backward (optimizer.step()), or during it when units are stepped ahead
+        saved = sum(u.saved_bytes for u, c in units if c.activations == tier)
+        if stepped_ahead:
+            peaks[tier] += saved + shadow_bytes
+        else:
+            peaks[tier] += max(saved, shadow_bytes)
+    for tier in Tier:
+        if _in_memory(tier):
+            forward_backward = _staged_activation_peak(units, tier, depth, workers.get(tier))
+            peaks[tier] += persistent[tier] + max(forward_backward, step[tier])
+    return peaks
 
 
-def _host_activation_peak(units, depth: int, worker: tuple[int, int] | None = None) -> int:
-    """Peak host bytes of saved activations (runtime.activations), units in execution
-    order (the root last). Those on host stay from their unit's forward to its backward.
-    Those on disk pass through host staging, a window of units ending at the one running
+def _staged_activation_peak(
+    units, tier: Tier, depth: int, worker: tuple[int, int] | None = None
+) -> int:
+    """Peak bytes of saved activations (runtime.activations) in the memory tier ``tier``
+    (host memory), units in execution order (the root last). Those on ``tier`` stay from
+    their unit's forward to its backward. Those on a tier staged in it (disk) pass
+    through its staging, a window of units ending at the one running
     (``footprints.activation_staging_units``). Both are counted at each unit k: the host
     units resident then are those up to k, in forward and in backward alike. (Summing
     every host unit with a full window, as before, over-predicted the host peak of disk
@@ -298,8 +344,8 @@ def _host_activation_peak(units, depth: int, worker: tuple[int, int] | None = No
     from the end of unit ``j``'s backward, so beside the backward of the units before
     ``j`` only (adding them to the forward's peak, as before, over-predicted a GPT's
     host peak by 12 MiB of 106)."""
-    on_host = [u.saved_bytes if c.activations == Tier.HOST else 0 for u, c in units]
-    on_disk = [u.saved_bytes if c.activations == Tier.DISK else 0 for u, c in units]
+    on_host = [u.saved_bytes if c.activations == tier else 0 for u, c in units]
+    on_disk = [u.saved_bytes if c.activations.staging == tier else 0 for u, c in units]
     reach = activation_staging_units(depth) - 1  # units before the running one
     j, held = worker if worker is not None else (-1, 0)
     peak = held  # (after backward: the worker alone)
@@ -321,8 +367,7 @@ def _fetched_at_once(trace: Trace, choices: list[UnitChoice], depth: int, blocks
     ahead = depth
     if machine is not None:
         host_homes = any(
-            c.param == Tier.HOST and not u.is_root
-            for u, c in zip(trace.units, choices, strict=True)
+            _in_memory(c.param) and not u.is_root for u, c in zip(trace.units, choices, strict=True)
         )
         ahead = depth if machine.copies_overlap and host_homes else 0
     return min(1 + ahead, blocks)
@@ -392,7 +437,7 @@ def _host_step_s(u: UnitTrace, m) -> float:
 
 def _stepped_ahead(u: UnitTrace, c: UnitChoice) -> bool:
     """What optim.step_ahead steps during backward: states and parameters on disk."""
-    return c.optimizer == Tier.DISK and (c.param == Tier.DISK or aliases_master(u, c))
+    return not c.optimizer.addressable and c.param == c.optimizer
 
 
 def _memory_stepped_ahead(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
@@ -401,7 +446,7 @@ def _memory_stepped_ahead(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
     return (
         trace.step_overlap_memory
         and not trace.step_in_backward
-        and c.optimizer == Tier.HOST
+        and _in_memory(c.optimizer)
         and not u.is_root
         and not u.compact_states  # (stepped chunk by chunk: not stepped ahead in memory)
         and u.trainable_numel > 0
@@ -411,7 +456,7 @@ def _memory_stepped_ahead(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
 def _fetched_in_place(c: UnitChoice, m: MachineRates) -> bool:
     """On a CPU device a home in host memory is used in place by a fetch, not copied
     (``Unit.fetches_in_place``)."""
-    return c.param == Tier.HOST and m.device == "cpu"
+    return _in_memory(c.param) and m.device == "cpu"
 
 
 def shadow_copy_s(u: UnitTrace, m) -> float:
@@ -507,7 +552,7 @@ def _read_ahead(trace: Trace, choices: list[UnitChoice], bitten: bool = False) -
 
 def _read_ahead_s(u: UnitTrace, c: UnitChoice, m: MachineRates) -> float:
     """The disk seconds of the master and states a read ahead takes off a step."""
-    return (master_bytes(u, c) + u.state_bytes) / m.disk_read
+    return (master_bytes(u, c) + u.state_bytes) / m.inward(c.optimizer)
 
 
 def read_ahead_bytes(trace: Trace, choices: list[UnitChoice]) -> int:
@@ -542,8 +587,8 @@ def _memory_in_forward(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
         trace.step_in_forward_memory
         and m is not None
         and m.device == "cuda"
-        and c.optimizer == Tier.HOST
-        and c.param == Tier.HOST
+        and _in_memory(c.optimizer)
+        and c.param == c.optimizer
         and not u.compact_states
         and u.trainable_numel > 0
     )
@@ -611,33 +656,37 @@ def times(
         fetches = 1 if u.is_root else 2  # the root stays from forward through backward
         unit_transfer = 0.0
         if c.param != Tier.DEVICE:
-            copy = 0.0 if _fetched_in_place(c, m) else fetches * u.param_bytes / m.to_device
+            into = _hop_into_device(c.param)
+            copy = 0.0 if _fetched_in_place(c, m) else fetches * u.param_bytes / m.inward(into)
             if m.copies_overlap and depth > 0 and not u.is_root:
                 unit_transfer += copy
             else:
                 stall += copy
-            if c.param == Tier.DISK:  # (a master that is the home is read as well)
+            for hop in _hops_beyond(c.param):  # (a master that is the home is read as well)
                 reads = fetches
                 if u.frozen_compute_numel == 0 and _steps_in_forward(trace, u, c):
                     reads -= 1  # forward's fetch takes what the step left in staging
-                read = reads * u.param_bytes / m.disk_read
+                read = reads * u.param_bytes / m.inward(hop)
                 if depth > 0 and not u.is_root:
                     unit_transfer += read
                 else:
                     stall += read
         if c.optimizer != Tier.DEVICE and u.trainable_numel:
             # gradients leave the device in the gradient hook, synchronously
-            stall += u.trainable_numel * u.compute_itemsize / m.from_device
-        if c.optimizer == Tier.DISK and not consumed(trace, u, c):
-            unit_transfer += u.grad_bytes / m.disk_write
+            out = m.outward(_hop_into_device(c.optimizer))
+            stall += u.trainable_numel * u.compute_itemsize / out
+        if c.optimizer != Tier.DEVICE and not consumed(trace, u, c):
+            for hop in _hops_beyond(c.optimizer):  # written on from the staging
+                unit_transfer += u.grad_bytes / m.outward(hop)
         if c.activations != Tier.DEVICE:
-            copies = u.saved_bytes / m.from_device + u.saved_bytes / m.to_device
+            into = _hop_into_device(c.activations)
+            copies = u.saved_bytes / m.outward(into) + u.saved_bytes / m.inward(into)
             if m.copies_overlap:
                 unit_transfer += copies
             else:
                 stall += copies
-            if c.activations == Tier.DISK:
-                disk_io = u.saved_bytes / m.disk_write + u.saved_bytes / m.disk_read
+            for hop in _hops_beyond(c.activations):
+                disk_io = u.saved_bytes / m.outward(hop) + u.saved_bytes / m.inward(hop)
                 if m.copies_overlap and depth > 0:
                     unit_transfer += disk_io
                 else:
@@ -654,22 +703,23 @@ def times(
             continue
         if c.optimizer == Tier.DEVICE:
             steps[-1] += n / m.device_step
-        elif c.optimizer == Tier.HOST:
+        elif c.optimizer.addressable:  # stepped in place in memory
             steps[-1] += _host_step_s(u, m)
             if c.param == Tier.DEVICE:  # (at the commit too: not hidden)
-                steps[-1] += u.param_bytes / m.to_device  # updated weights back
-        else:
+                back = m.inward(_hop_into_device(c.optimizer))
+                steps[-1] += u.param_bytes / back  # updated weights back
+        else:  # streamed through its staging, chunk by chunk
             read = u.state_bytes
             read += 0 if consumed(trace, u, c) else u.grad_bytes
             # a step in backward reads a lent master from memory (lent_master_bytes)
             read += 0 if overlap and _lends_master(trace, u, c) else master_bytes(u, c)
             write = master_bytes(u, c) + u.state_bytes
-            if c.param == Tier.DISK and not aliases_master(u, c):
+            if c.param == c.optimizer and not aliases_master(u, c):
                 write += u.master_bytes // 4 * u.compute_itemsize  # the home's head
-            io = read / m.disk_read + write / m.disk_write
+            io = read / m.inward(c.optimizer) + write / m.outward(c.optimizer)
             steps[-1] += max(_host_step_s(u, m), io)
             if c.param == Tier.DEVICE:
-                steps[-1] += u.param_bytes / m.to_device
+                steps[-1] += u.param_bytes / m.inward(_hop_into_device(c.optimizer))
     exposed = max(0.0, overlappable - compute) + (fill / depth if depth else 0.0)
     if bitten and not trace.step_in_forward:  # (in forward: _hidden_behind_forward)
         for k in _read_ahead(trace, choices, bitten=True):
@@ -690,7 +740,7 @@ def estimate(
     chunk_bytes: int = 32 << 20,
     overlap: bool | None = None,
 ) -> Estimate:
-    device, host, disk = memory(trace, choices, depth, chunk_bytes, timeline=True)
+    peaks = memory(trace, choices, depth, chunk_bytes, timeline=True)
     compute, stall, exposed, optimizer, hidden = times(trace, choices, depth, overlap)
     basis = "measured" if trace.measured else trace.compute_basis
     shadows = 0
@@ -705,9 +755,7 @@ def estimate(
     if not trace.measured and trace.compute_spread is not None:
         spread = (*spread, ("block forward+backward", round(trace.compute_spread, 4)))
     return Estimate(
-        device,
-        host,
-        disk,
+        peaks,
         compute,
         stall,
         exposed,
@@ -767,9 +815,9 @@ def _more_disk_shadows(trace: Trace, choices: list[UnitChoice]) -> int:
     ]
     if not any(shadow):
         return 0
-    saved = [u.saved_bytes if c.activations == Tier.DISK else 0 for u, c in units]
+    saved = [u.saved_bytes if not c.activations.addressable else 0 for u, c in units]
     worst = max(sum(saved[:k]) + sum(shadow[k:]) for k in range(len(units) + 1))
-    counted = _one_shadow([(u, c) for u, c in units if c.optimizer == Tier.DISK])
+    counted = _one_shadow([(u, c) for u, c in units if not c.optimizer.addressable])
     return max(0, worst - (sum(saved) + counted))
 
 
@@ -797,7 +845,7 @@ def _lends_master(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
         trace.machine is not None
         and trace.machine.device == "cpu"
         and (trace.step_overlap or trace.step_in_backward)
-        and c.param == Tier.DISK
+        and not c.param.addressable
         and aliases_master(u, c)
         and not u.is_root
         and u.trainable_numel > 0

@@ -19,7 +19,6 @@ import secrets
 import shutil
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 
@@ -27,6 +26,7 @@ from hetstore._safefs import make_private_dir, open_root, removing_created_dirs
 from hetstore.optim.state_format import decode, encode, state_format, stored_arrays
 from hetstore.planner.plan import Capacities
 from hetstore.planner.trace import MachineRates
+from hetstore.tier import Tier
 from hetstore.tiers.aio import AsyncIOEngine, DiskFile
 from hetstore.tiers.hostmem import MappedBlock
 
@@ -278,17 +278,18 @@ def machine_capacities(config, device: torch.device | str) -> Capacities:
         device_total, host_total = torch.cuda.get_device_properties(device).total_memory, ram
     else:
         device_total, host_total = ram // 4, ram // 2
-    capacities = Capacities.from_config(
-        config,
-        device_total=device_total,
-        host_total=host_total,
-        disk_free=free_space_at(config.offload_path),
-    )
-    if device.type != "cuda" or capacities.device is None:
+    # what this machine has of each tier it can measure; a tier it cannot has no
+    # limit unless its capacity key is set
+    available = {
+        Tier.DEVICE: device_total,
+        Tier.HOST: host_total,
+        Tier.DISK: free_space_at(config.offload_path),
+    }
+    capacities = Capacities.from_config(config, available)
+    budget = capacities.of(Tier.DEVICE)
+    if device.type != "cuda" or budget is None:
         return capacities
-    return replace(
-        capacities, device=max(capacities.device - cuda_runtime_share(capacities.device), 0)
-    )
+    return capacities.with_limit(Tier.DEVICE, max(budget - cuda_runtime_share(budget), 0))
 
 
 # cuBLAS and cuBLASLt workspaces, taken from the budget by the first matrix product

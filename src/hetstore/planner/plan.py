@@ -69,33 +69,56 @@ def confidence(e: Estimate) -> str:
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Capacities:
-    """What the planner may fill, in bytes (None: no limit): the tiers' capacities times
-    ``hbm_ratio`` / ``cpu_ratio``."""
+    """What the planner may fill, in bytes per tier (None: no limit): the tiers'
+    capacities times their shares (``hbm_ratio`` / ``cpu_ratio``). ``limits`` is keyed by
+    ``Tier``; read one with :meth:`of`."""
 
-    device: int | None
-    host: int | None
-    disk: int | None
+    limits: dict[Tier, int | None]
+
+    def __init__(self, *nearest_first: int | None, **by_label: int | None):
+        """One limit per tier, the device's first, in ``Tier``'s order
+        (``Capacities(device, host, disk)``), or by report name (``Capacities(host=...)``);
+        a tier not given has no limit."""
+        if len(nearest_first) > len(Tier):
+            raise TypeError(f"Capacities takes at most {len(Tier)} limits, one per tier")
+        limits: dict[Tier, int | None] = dict.fromkeys(Tier)
+        limits.update(zip(Tier, nearest_first, strict=False))  # (the rest: no limit)
+        for label, value in by_label.items():
+            limits[Tier.from_label(label)] = value
+        object.__setattr__(self, "limits", limits)
 
     def of(self, tier: Tier | str) -> int | None:
         """The capacity of ``tier`` (a ``Tier`` or its report name)."""
-        return getattr(self, Tier.from_label(tier).label)
+        return self.limits[Tier.from_label(tier)]
+
+    def less(self, tier: Tier, nbytes: int) -> Capacities:
+        """These capacities with ``nbytes`` less of ``tier`` (which has a limit)."""
+        return self.with_limit(tier, self.of(tier) - nbytes)
+
+    def with_limit(self, tier: Tier, limit: int | None) -> Capacities:
+        """These capacities with ``tier``'s set to ``limit``."""
+        return Capacities(**{t.label: limit if t is tier else v for t, v in self.limits.items()})
+
+    def by_label(self) -> dict[str, int | None]:
+        """The limits keyed by report name, nearest the device first (the plan's JSON)."""
+        return {tier.label: self.limits[tier] for tier in Tier}
 
     @classmethod
-    def from_config(
-        cls, config, *, device_total: int | None, host_total: int | None, disk_free: int | None
-    ) -> Capacities:
-        """The planner's limits: each configured capacity (else what the machine has,
-        given by the caller) times ``hbm_ratio`` / ``cpu_ratio``."""
-        device = config.max_device_memory if config.max_device_memory is not None else device_total
-        host = config.offload_cpu_size if config.offload_cpu_size is not None else host_total
-        disk = config.offload_disk_size if config.offload_disk_size is not None else disk_free
-        return cls(
-            None if device is None else int(device * config.hbm_ratio),
-            None if host is None else int(host * config.cpu_ratio),
-            disk,
-        )
+    def from_config(cls, config, available: dict[Tier, int | None] | None = None) -> Capacities:
+        """The planner's limits: each tier's configured capacity (``Tier.capacity_key``),
+        else what the machine has of it (``available``, given by the caller; no limit
+        where it says nothing), times its share (``Tier.share_key``)."""
+        available = available or {}
+        limits = {}
+        for tier in Tier:
+            configured = getattr(config, tier.capacity_key)
+            limit = configured if configured is not None else available.get(tier)
+            if limit is not None and tier.share_key is not None:
+                limit = int(limit * getattr(config, tier.share_key))
+            limits[tier.label] = limit
+        return cls(**limits)
 
 
 @dataclass(frozen=True)
@@ -274,7 +297,15 @@ class Plan:
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        data = asdict(self)
+        if self.estimate is not None:  # the peaks by report name, as the capacities
+            del data["estimate"]["peaks"]
+            data["estimate"] = {
+                **{tier.label: self.estimate.peak(tier) for tier in Tier},
+                **data["estimate"],
+            }
+        data["capacities"] = self.capacities.by_label()
+        return json.dumps(data, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -285,6 +316,7 @@ class Plan:
             predicted["clip_bites_s"] = tuple(predicted["clip_bites_s"])
         if predicted:
             predicted["probe_spread"] = tuple(tuple(p) for p in predicted.get("probe_spread", ()))
+            predicted["peaks"] = {tier: predicted.pop(tier.label) for tier in Tier}
         return cls(
             units,
             data["prefetch_depth"],

@@ -38,34 +38,40 @@ from hetstore.footprints import activation_staging_units
 from hetstore.planner.cost import UnitChoice, memory, times
 from hetstore.planner.plan import Capacities, Plan
 from hetstore.planner.trace import Trace
-from hetstore.tier import TIER_LABELS, Tier
+from hetstore.tier import Tier
 
 __all__ = ["make_plan"]
+
+# The ladder walks ``Tier`` in order: a move off the device goes to the nearest tier
+# beside it (host memory), a spill from a tier to the next one away (``Tier.farther``).
+_NEAR = Tier.DEVICE.farther
+_LAST = tuple(Tier)[-1]
+_COUNTS = {2: "two", 3: "three", 4: "four", 5: "five"}
 
 
 def _fits(value: int, cap: int | None) -> bool:
     return cap is None or value <= cap
 
 
-def _fits_every_tier(used: tuple[int, int, int], capacities: Capacities) -> bool:
-    """``used``: :func:`memory`'s (device, host, disk) peaks."""
-    return all(_fits(v, capacities.of(t)) for t, v in zip(TIER_LABELS, used, strict=True))
+def _fits_every_tier(used: dict[Tier, int], capacities: Capacities) -> bool:
+    """``used``: :func:`memory`'s peaks."""
+    return all(_fits(used[t], capacities.of(t)) for t in Tier)
 
 
 def _time(trace, choices, depth) -> float:
     return sum(times(trace, choices, depth)[:4]) + trace.overhead_s  # not the hidden part
 
 
-def _order(trace: Trace, base: list[UnitChoice], moves, depth, chunk, tier_index, sign=1):
-    """Sort ``moves`` (unit index, field, value) by added time per byte freed on the tier
-    at ``tier_index`` of :func:`memory`, each measured alone against ``base``."""
+def _order(trace: Trace, base: list[UnitChoice], moves, depth, chunk, tier: Tier, sign=1):
+    """Sort ``moves`` (unit index, field, value) by added time per byte freed on
+    ``tier``, each measured alone against ``base``."""
     t0 = _time(trace, base, depth)
-    m0 = memory(trace, base, depth, chunk)[tier_index]
+    m0 = memory(trace, base, depth, chunk)[tier]
     keyed = []
     for i, field_, value in moves:
         trial = list(base)
         trial[i] = replace(trial[i], **{field_: value})
-        freed = sign * (m0 - memory(trace, trial, depth, chunk)[tier_index])
+        freed = sign * (m0 - memory(trace, trial, depth, chunk)[tier])
         added = sign * (_time(trace, trial, depth) - t0)
         keyed.append((added / freed if freed > 0 else float("inf"), i, field_, value))
     keyed.sort(key=lambda k: (k[0], k[1]))
@@ -80,11 +86,12 @@ def _apply(choices: list[UnitChoice], moves) -> list[UnitChoice]:
 
 
 def _spill(choices, spills, s):
-    """The first ``s`` spills that apply (an item still on host goes to disk)."""
+    """The first ``s`` spills that apply (an item still on the tier next to the one it
+    spills to goes there: host memory to disk)."""
     out = list(choices)
-    for i, field_, _ in spills[:s]:
-        if getattr(out[i], field_) == Tier.HOST:
-            out[i] = replace(out[i], **{field_: Tier.DISK})
+    for i, field_, value in spills[:s]:
+        if getattr(out[i], field_) == value.closer:
+            out[i] = replace(out[i], **{field_: value})
     return out
 
 
@@ -153,15 +160,14 @@ def _make_plan_roomy(trace: Trace, capacities: Capacities, config, disk_optimize
     host was 1.75 MiB short at its first batch once the host peak was predicted
     within 10%)."""
     headroom = _spill_headroom(trace, config)
-    roomy_fits = bool(headroom) and capacities.host is not None and capacities.host > headroom
+    near = capacities.of(_NEAR)
+    roomy_fits = bool(headroom) and near is not None and near > headroom
     full = _make_plan(
         trace, capacities, config, disk_optimizer, keep_host=headroom if roomy_fits else 0
     )
     if roomy_fits:
         try:
-            roomy = _make_plan(
-                trace, replace(capacities, host=capacities.host - headroom), config, disk_optimizer
-            )
+            roomy = _make_plan(trace, capacities.less(_NEAR, headroom), config, disk_optimizer)
         except OutOfTierMemory:  # (and OutOfDeviceMemory): then without the room
             pass
         else:
@@ -205,36 +211,42 @@ def _make_plan(
         return Plan.build(trace, everything, config.prefetch_depth, capacities, "auto", chunk)
 
     trainable = [i for i, u in enumerate(trace.units) if u.trainable_numel]
+    device_cap = capacities.of(Tier.DEVICE)
     best: tuple[float, list[UnitChoice], int] | None = None
     for depth in sorted({0, 1, 2, config.prefetch_depth}):
         host_opt = [
-            replace(c, optimizer=Tier.HOST) if i in trainable else c
-            for i, c in enumerate(everything)
+            replace(c, optimizer=_NEAR) if i in trainable else c for i, c in enumerate(everything)
         ]
         device_moves = _order(
             trace,
             host_opt,
-            [(i, "param", Tier.HOST) for i, u in enumerate(trace.units) if not u.is_root]
-            + [(i, "activations", Tier.HOST) for i, u in enumerate(trace.units) if u.saved_bytes],
+            [(i, "param", _NEAR) for i, u in enumerate(trace.units) if not u.is_root]
+            + [(i, "activations", _NEAR) for i, u in enumerate(trace.units) if u.saved_bytes],
             depth,
             chunk,
-            0,
+            Tier.DEVICE,
         )
         for j in range(len(device_moves) + 1):
             base = _apply(host_opt, device_moves[:j])
             # optimizer states back on the device, most time saved per byte first
             returns = _order(
-                trace, base, [(i, "optimizer", Tier.DEVICE) for i in trainable], depth, chunk, 0, -1
+                trace,
+                base,
+                [(i, "optimizer", Tier.DEVICE) for i in trainable],
+                depth,
+                chunk,
+                Tier.DEVICE,
+                -1,
             )
             candidates = []
-            device_base = memory(trace, base, depth, chunk)[0]
-            if not _fits(device_base, capacities.device):
+            device_base = memory(trace, base, depth, chunk)[Tier.DEVICE]
+            if not _fits(device_base, device_cap):
                 continue
             all_back = _apply(base, returns)
-            if _fits(memory(trace, all_back, depth, chunk)[0], capacities.device):
+            if _fits(memory(trace, all_back, depth, chunk)[Tier.DEVICE], device_cap):
                 candidates.append(all_back)
             else:
-                margin = (capacities.device - device_base) * config.gpu_margin_mem_ratio
+                margin = (device_cap - device_base) * config.gpu_margin_mem_ratio
 
                 def within(
                     k,
@@ -244,13 +256,13 @@ def _make_plan(
                     margin=margin,
                     depth=depth,
                 ):
-                    used = memory(trace, _apply(base, returns[:k]), depth, chunk)[0]
+                    used = memory(trace, _apply(base, returns[:k]), depth, chunk)[Tier.DEVICE]
                     return used - device_base <= margin
 
                 k = _largest_true(within, 0, len(returns))
                 candidates.append(_apply(base, returns[: max(k, 0)]))
             for choices in candidates:
-                plan = _fit_host(trace, choices, depth, chunk, capacities, disk_optimizer)
+                plan = _fit_beyond(trace, choices, depth, chunk, capacities, disk_optimizer)
                 if plan is None:
                     continue
                 t = _time(trace, plan, depth)
@@ -272,12 +284,13 @@ def _within_margin(trace, choices, depth, chunk, capacities, ratio) -> bool:
         if c.optimizer == Tier.DEVICE and trace.units[i].trainable_numel
     ]
     trainable = [i for i, u in enumerate(trace.units) if u.trainable_numel]
-    if capacities.device is None or not kept or len(kept) == len(trainable):
+    cap = capacities.of(Tier.DEVICE)
+    if cap is None or not kept or len(kept) == len(trainable):
         return True
-    without = [replace(c, optimizer=Tier.HOST) if i in kept else c for i, c in enumerate(choices)]
-    rest = memory(trace, without, depth, chunk)[0]
-    used = memory(trace, choices, depth, chunk)[0]
-    return used - rest <= (capacities.device - rest) * ratio
+    without = [replace(c, optimizer=_NEAR) if i in kept else c for i, c in enumerate(choices)]
+    rest = memory(trace, without, depth, chunk)[Tier.DEVICE]
+    used = memory(trace, choices, depth, chunk)[Tier.DEVICE]
+    return used - rest <= (cap - rest) * ratio
 
 
 def _bring_closer(trace, choices, depth, chunk, capacities, ratio) -> list[UnitChoice]:
@@ -329,50 +342,60 @@ def _params_to_host(trace, choices, depth, chunk, capacities, keep_host) -> list
         if current[i].param != Tier.DEVICE or trace.units[i].is_root:
             continue
         trial = list(current)
-        trial[i] = replace(trial[i], param=Tier.HOST)
+        trial[i] = replace(trial[i], param=_NEAR)
         t_trial = _time(trace, trial, depth)
         if not t_trial < t_current - 1e-12:
             continue
         room = capacities
-        if keep_host and capacities.host is not None and t_trial > t_current * (1 - HEADROOM_COST):
-            room = replace(capacities, host=capacities.host - keep_host)
+        near = capacities.of(_NEAR)
+        if keep_host and near is not None and t_trial > t_current * (1 - HEADROOM_COST):
+            room = capacities.less(_NEAR, keep_host)
         if _fits_every_tier(memory(trace, trial, depth, chunk), room):
             current, t_current = trial, t_trial
     return current
 
 
-def _fit_host(
-    trace, choices, depth, chunk, capacities, disk_optimizer=True
+def _fit_beyond(
+    trace, choices, depth, chunk, capacities, disk_optimizer=True, tier: Tier = _NEAR
 ) -> list[UnitChoice] | None:
-    """The fewest spills to disk that make host (and then disk) fit; None if none do."""
+    """From ``tier`` (host memory) outward, one tier at a time: the fewest spills from it
+    to the next tier away that make it fit, then the same from that one, until the last
+    tier, which must fit as it is; None if one cannot. ``disk_optimizer=False``: optimizer
+    states never spill to a tier that is not addressable (they are not streamed)."""
+    farther = tier.farther
+    if farther is None:
+        return (
+            choices
+            if _fits(memory(trace, choices, depth, chunk)[tier], capacities.of(tier))
+            else None
+        )
     spills = _order(
         trace,
         choices,
         [
-            (i, field_, Tier.DISK)
+            (i, field_, farther)
             for i, c in enumerate(choices)
             for field_ in ("optimizer", "param", "activations")
-            if getattr(c, field_) == Tier.HOST and (disk_optimizer or field_ != "optimizer")
+            if getattr(c, field_) == tier
+            and (disk_optimizer or field_ != "optimizer" or farther.addressable)
         ],
         depth,
         chunk,
-        1,
+        tier,
     )
 
-    def host_short(s: int) -> bool:
-        return not _fits(
-            memory(trace, _spill(choices, spills, s), depth, chunk)[1], capacities.host
-        )
+    def short(s: int) -> bool:
+        used = memory(trace, _spill(choices, spills, s), depth, chunk)[tier]
+        return not _fits(used, capacities.of(tier))
 
-    # host use falls as spills grow: find the first s where it fits
-    last_short = _largest_true(host_short, 0, len(spills))
+    # use falls as spills grow: find the first s where it fits
+    last_short = _largest_true(short, 0, len(spills))
     s = last_short + 1
     if s > len(spills):
         return None
-    result = _spill(choices, spills, s)
-    if not _fits(memory(trace, result, depth, chunk)[2], capacities.disk):
-        return None
-    return result
+    return _fit_beyond(
+        trace, _spill(choices, spills, s), depth, chunk, capacities, disk_optimizer, farther
+    )
 
 
 def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) -> OutOfTierMemory:
@@ -380,30 +403,34 @@ def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) 
     chunk = config.optimizer_chunk_size
     lean = [
         UnitChoice(
-            param=Tier.DEVICE if u.is_root else Tier.HOST,
-            optimizer=Tier.HOST,
-            activations=Tier.HOST,
+            param=Tier.DEVICE if u.is_root else _NEAR,
+            optimizer=_NEAR,
+            activations=_NEAR,
         )
         for u in trace.units
     ]
-    device_need = memory(trace, lean, 0, chunk)[0]
-    on_disk = [
+    # the farthest tier optimizer states may go to (not streamed: the last in memory)
+    states_last = _LAST if disk_optimizer else [t for t in Tier if t.addressable][-1]
+    on_last = [
         UnitChoice(
-            param=Tier.DEVICE if u.is_root else Tier.DISK,
-            optimizer=Tier.DISK if disk_optimizer else Tier.HOST,
-            activations=Tier.DISK,
+            param=Tier.DEVICE if u.is_root else _LAST,
+            optimizer=states_last,
+            activations=_LAST,
         )
         for u in trace.units
     ]
-    host_need = memory(trace, on_disk, 0, chunk)[1]
-    # disk: what spills when the host holds all it may, at the leanest device plan
-    disk_need = memory(trace, on_disk, 0, chunk)[2]
-    host_cap = capacities.host
-    if host_cap is not None:
-        plan = _fit_host(trace, lean, 0, chunk, Capacities(None, host_cap, None), disk_optimizer)
+    # the device: at the leanest plan; the others: with everything as far as it goes
+    needs = {Tier.DEVICE: memory(trace, lean, 0, chunk)[Tier.DEVICE]}
+    far = memory(trace, on_last, 0, chunk)
+    needs.update((tier, far[tier]) for tier in Tier if tier is not Tier.DEVICE)
+    # the last: what spills there when the tiers before it hold all they may, at the
+    # leanest device plan
+    between = [t for t in Tier if t not in (Tier.DEVICE, _LAST)]
+    if any(capacities.of(t) is not None for t in between):
+        held = Capacities(**{t.label: capacities.of(t) for t in between})
+        plan = _fit_beyond(trace, lean, 0, chunk, held, disk_optimizer)
         if plan is not None:
-            disk_need = memory(trace, plan, 0, chunk)[2]
-    needs = {Tier.DEVICE: device_need, Tier.HOST: host_need, Tier.DISK: disk_need}
+            needs[_LAST] = memory(trace, plan, 0, chunk)[_LAST]
     lines = []
     short = []
     for tier, need in needs.items():
@@ -411,12 +438,13 @@ def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) 
         if cap is not None and need > cap:
             short.append(tier)
             ratio, key = tier.share_key, tier.capacity_key
-            if tier is Tier.DISK and getattr(config, key, None) is None:
+            path = tier.path_key
+            if path is not None and getattr(config, key, None) is None:
                 # the machine's free space, not a key to raise (see floor.check_manual_floor)
                 lines.append(
-                    f"  disk: needs at least {format_size(need)}, only {format_size(cap)} is "
-                    f"free at offload_path {config.offload_path!r} ({key} is not set); free "
-                    f"space there, or point offload_path at a disk with at least "
+                    f"  {tier.label}: needs at least {format_size(need)}, only "
+                    f"{format_size(cap)} is free at {path} {getattr(config, path)!r} ({key} is "
+                    f"not set); free space there, or point {path} at a disk with at least "
                     f"{format_size(need)} free"
                 )
                 continue
@@ -426,10 +454,11 @@ def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) 
                 f"({key}{share}); raise {key}" + (f" or {ratio}" if ratio else "")
             )
     if not short:  # each tier alone would do; together they do not
-        short = [Tier.HOST]
+        short = [_NEAR]
+        keys = " or ".join(t.capacity_key for t in Tier if t is not Tier.DEVICE)
         lines.append(
-            "  no single tier is short, but no placement fits all three at once; "
-            "raise offload_cpu_size or offload_disk_size"
+            "  no single tier is short, but no placement fits all "
+            f"{_COUNTS.get(len(Tier), len(Tier))} at once; raise {keys}"
         )
     message = (
         f"hetstore cannot place this model (model states {format_size(trace.state_bytes)}) "
@@ -494,7 +523,7 @@ def _first_batch_at(trace, plan, config, batch, move_params, move_states) -> Pla
     moves = _activations_off_the_device(trace, plan)
     if move_params:
         moves += [
-            (i, "param", Tier.HOST)
+            (i, "param", _NEAR)
             for i, (u, p) in enumerate(zip(trace.units, plan.units, strict=True))
             if p.choice.param == Tier.DEVICE and not u.is_root
         ]
@@ -524,8 +553,7 @@ def _holes_slack(trace: Trace, before: list[UnitChoice], after: list[UnitChoice]
     99% of the host's capacity failed its second forward 140 KiB short of a 256 KiB
     activation in a fragmented pool; the same plan fit at 105%)."""
     moved = any(
-        b.optimizer == Tier.HOST and a.optimizer == Tier.DISK
-        for b, a in zip(before, after, strict=True)
+        b.optimizer == _NEAR and a.optimizer != _NEAR for b, a in zip(before, after, strict=True)
     )
     return max((u.largest_saved_bytes for u in trace.units), default=0) if moved else 0
 
@@ -533,7 +561,7 @@ def _holes_slack(trace: Trace, before: list[UnitChoice], after: list[UnitChoice]
 def _activations_off_the_device(trace: Trace, plan: Plan) -> list:
     """Moves to host of every unit's activations kept on the device (and saved at all)."""
     return [
-        (i, "activations", Tier.HOST)
+        (i, "activations", _NEAR)
         for i, (u, p) in enumerate(zip(trace.units, plan.units, strict=True))
         if p.choice.activations == Tier.DEVICE and u.saved_bytes
     ]
@@ -560,48 +588,52 @@ def _fit_moving(
     depth = plan.prefetch_depth
     capacities = plan.capacities
     choices = [u.choice for u in plan.units]
-    moves = _order(trace, choices, moves, depth, chunk, 0)
+    moves = _order(trace, choices, moves, depth, chunk, Tier.DEVICE)
+    device_cap = capacities.of(Tier.DEVICE)
 
     def device_fits(j: int) -> bool:
-        return _fits(memory(trace, _apply(choices, moves[:j]), depth, chunk)[0], capacities.device)
+        used = memory(trace, _apply(choices, moves[:j]), depth, chunk)[Tier.DEVICE]
+        return _fits(used, device_cap)
 
     first_fit = next((j for j in range(len(moves) + 1) if device_fits(j)), None)
     if first_fit is None:
-        need = memory(trace, _apply(choices, moves), depth, chunk)[0]
+        need = memory(trace, _apply(choices, moves), depth, chunk)[Tier.DEVICE]
         raise OutOfDeviceMemory(
             f"{batch} needs more device memory than the plan allows: with {offloaded} "
             f"offloaded the device would hold {format_size(need)} ({need} bytes), and it "
-            f"may use {format_size(capacities.device)} (max_device_memory). {advice}",
+            f"may use {format_size(device_cap)} (max_device_memory). {advice}",
             tier="device",
             requested=need,
-            capacity=capacities.device,
+            capacity=device_cap,
         )
     grown = _apply(choices, moves[:first_fit])
     # any activations on host may spill; parameters only if moved here (a home built on
     # host stays there)
     moved_params = {i for i, f, _ in moves[:first_fit] if f == "param"}
+    beyond = _NEAR.farther
     spills = _order(
         trace,
         grown,
-        [(i, "activations", Tier.DISK) for i, c in enumerate(grown) if c.activations == Tier.HOST]
-        + [(i, "param", Tier.DISK) for i in sorted(moved_params)]
+        [(i, "activations", beyond) for i, c in enumerate(grown) if c.activations == _NEAR]
+        + [(i, "param", beyond) for i in sorted(moved_params)]
         + [
-            (i, "optimizer", Tier.DISK)
+            (i, "optimizer", beyond)
             for i, c in enumerate(grown)
-            if spill_states and c.optimizer == Tier.HOST and trace.units[i].state_bytes
+            if spill_states and c.optimizer == _NEAR and trace.units[i].state_bytes
         ],
         depth,
         chunk,
-        1,
+        _NEAR,
     )
     for s in range(len(spills) + 1):
         candidate = _spill(grown, spills, s)
-        host, disk = memory(trace, candidate, depth, chunk)[1:]
-        host += _holes_slack(trace, choices, candidate)
-        if _fits(host, capacities.host) and _fits(disk, capacities.disk):
+        used = memory(trace, candidate, depth, chunk)
+        used[_NEAR] += _holes_slack(trace, choices, candidate)
+        short = [t for t in Tier if t is not Tier.DEVICE and not _fits(used[t], capacities.of(t))]
+        if not short:
             return Plan.build(trace, candidate, depth, capacities, plan.source, chunk)
-    tier = Tier.HOST if not _fits(host, capacities.host) else Tier.DISK
-    need = host if tier is Tier.HOST else disk
+    tier = short[0]
+    need = used[tier]
     raise OutOfTierMemory(
         f"{batch}: its activations do not fit the {tier.label} tier: it would hold "
         f"{format_size(need)} and may use {format_size(capacities.of(tier))} "

@@ -135,7 +135,8 @@ class BatchGuard:
         such as a branch on a tensor's values): offload every unit's activations
         to host, the placement that needs no figures, and say so. Parameters stay."""
         self.trace_batch = None  # tried once; later batches are not compared
-        choices = [replace(u.choice, activations=Tier.HOST) for u in self.plan.units]
+        near = Tier.DEVICE.farther  # host memory
+        choices = [replace(u.choice, activations=near) for u in self.plan.units]
         plan = Plan.build(
             self.trace,
             choices,

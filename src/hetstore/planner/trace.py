@@ -12,6 +12,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from hetstore.tier import Tier
+
 __all__ = ["MachineRates", "UnitTrace", "Trace", "StepProfile"]
 
 
@@ -49,6 +51,15 @@ class MachineRates:
     # the share of this machine's CPU time (all cores) other processes used while the
     # probes ran, 0 to 1 (Linux: /proc/stat); None when not measured here
     others_busy: float | None = None
+
+    def inward(self, tier: Tier) -> float:
+        """Bytes per second from ``tier`` to the next tier toward the device (the host
+        tier's: ``to_device``; the disk's: ``disk_read``), as ``Tier.link_rates`` says."""
+        return getattr(self, tier.link_rates[0])
+
+    def outward(self, tier: Tier) -> float:
+        """Bytes per second into ``tier`` from the next tier toward the device."""
+        return getattr(self, tier.link_rates[1])
 
 
 @dataclass(frozen=True)
