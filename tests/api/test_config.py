@@ -322,13 +322,13 @@ def test_prefetch_after_is_bounded_by_the_units():
     read from JSON is not checked by OffloadConfig)."""
     from types import SimpleNamespace
 
-    from hetstore.runtime.hooks import OffloadRuntime
+    from hetstore.runtime.prefetch import Prefetch
 
     order = ["a", "b", "c"]
     fetched = []
-    runtime = SimpleNamespace(prefetch_depth=10**12, order=order, _prefetch=fetched.append)
-    OffloadRuntime._prefetch_after(runtime, "a", 1)
-    OffloadRuntime._prefetch_after(runtime, "c", -1)
+    prefetch = SimpleNamespace(depth=10**12, order=order, start=fetched.append)
+    Prefetch.after(prefetch, "a", 1)
+    Prefetch.after(prefetch, "c", -1)
     assert fetched == ["b", "c", "b", "a"]
 
 

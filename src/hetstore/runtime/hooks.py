@@ -25,8 +25,10 @@ from torch.utils.hooks import RemovableHandle
 
 from hetstore.errors import BACKWARD_AFTER_RELEASE, ConfigError
 from hetstore.runtime import released
+from hetstore.runtime.backward_state import BackwardState, GraphMarker, in_backward
 from hetstore.runtime.events import Event, Events
 from hetstore.runtime.grads import set_torch_grad, torch_grad
+from hetstore.runtime.prefetch import Prefetch
 from hetstore.runtime.profiler import StepProfiler
 from hetstore.runtime.staging import stagers_of
 from hetstore.runtime.unit import Unit
@@ -69,10 +71,6 @@ def _refuse_compiled_autograd() -> None:
         )
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
 class OffloadRuntime:
     """Owns every hook hetstore installs on one model; ``remove()`` takes them all off."""
 
@@ -108,7 +106,6 @@ class OffloadRuntime:
         # why the model cannot run or be read now (hetstore.evict gave the device's bytes
         # away): refused by forward, state_dict() / load_state_dict(), copies; None: it can
         self.refusal: str | None = None
-        self.prefetch_depth = prefetch_depth
         self.grad_stager = grad_stager
         self.profiler = profiler
         # checks each forward's inputs against the batch the plan was made for
@@ -120,16 +117,13 @@ class OffloadRuntime:
         # gradients bound for host memory cross on this one while backward goes on
         self.grad_stream = grad_stream
         self.order: list[Unit] = []  # execution order recorded on the first forward
+        # which units to bring closer, and when (runtime.prefetch), over that order
+        self.prefetcher = Prefetch(prefetch_depth, self.order, copy_stream)
         self._order_done = False
-        self._callback_task: int | None = None
         self._handles: list = []
-        # units whose trainable gradients are in but whose frozen weights may still be
-        # needed later in this backward (see _release_finished_before)
-        self._awaiting_release: list[Unit] = []
-        # the pre-backward hooks of forwards whose backward has not run: a graph alive
-        # (empty once its backward ends or it is dropped; hetstore.evict refuses while not)
-        self._awaiting_backward: weakref.WeakSet = weakref.WeakSet()
-        self._any_frozen = False  # (set as each backward starts: see has_untracked_params)
+        # what the hooks remember between calls: the backward running, the graphs that
+        # await theirs, the units whose release waits for backward to move past them
+        self.backward_state = BackwardState()
 
         # Every module hook runs eagerly, outside any torch.compile graph: it moves bytes
         # and resizes storages, which a graph must never capture (Inductor cannot lower
@@ -230,11 +224,11 @@ class OffloadRuntime:
             raise ConfigError(self.refusal)
 
     def _check_batch(self, module, args, kwargs) -> None:
-        if torch.is_grad_enabled() and not _in_backward():
+        if torch.is_grad_enabled() and not in_backward():
             self.batch_guard(args, kwargs)
 
     def _enter_activations(self, module, args) -> None:
-        if torch.is_grad_enabled() and not _in_backward():
+        if torch.is_grad_enabled() and not in_backward():
             self.activations.enter()
 
     def _exit_activations(self, module, args, output) -> None:
@@ -247,51 +241,49 @@ class OffloadRuntime:
 
     def _model_pre_forward(self, module, args) -> None:
         _refuse_compiled_autograd()
-        if not _in_backward():
+        if not in_backward():
             if torch.is_grad_enabled():
                 for unit in self.units:  # the gradients this forward's backward will bring
                     unit.grads.track_requires_grad()
             if self.profiler is not None:
                 self.profiler.step_begins()
             self._mark("transfer")
-            self._prefetch_edge(first=True)  # the first blocks' reads overlap the root's
+            self.prefetcher.edge(first=True)  # the first blocks' reads overlap the root's
         if self.root is not None:
             self._fetch(self.root)
             self.root.wait_ready()
-        if not _in_backward():
+        if not in_backward():
             self._mark((self._root_name, "forward"))
 
     def _model_post_forward(self, module, args, output) -> None:
-        if not _in_backward():
+        if not in_backward():
             self._order_done = True  # the first full forward fixed the order
         needs_grad = any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0]
         )
-        if self.root is not None and not needs_grad and not _in_backward():
+        if self.root is not None and not needs_grad and not in_backward():
             self.root.release()
-        if needs_grad and not _in_backward():
+        if needs_grad and not in_backward():
             for tensor in tree_flatten(output)[0]:  # (a model of no blocks has a graph too)
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    marker = _GraphMarker()
-                    tensor.register_hook(marker)
-                    self._awaiting_backward.add(marker)
-            self._prefetch_edge(first=False)  # backward starts with the last blocks
+                    self.backward_state.await_backward(tensor, GraphMarker())
+            self.prefetcher.edge(first=False)  # backward starts with the last blocks
             # the loss and the head's backward (the root's) come next
             self._mark((self._root_name, "backward"))
-        elif not _in_backward():
+        elif not in_backward():
             self._mark("other")
 
     def _pre_forward(self, unit: Unit) -> None:
         if self.refusal is not None:  # (a block called on its own)
             raise ConfigError(self.refusal)
-        if not self._order_done and not _in_backward() and unit not in self.order:
+        if not self._order_done and not in_backward() and unit not in self.order:
             self.order.append(unit)
-        forward = not _in_backward()  # else a checkpoint's recompute, inside backward
+        forward = not in_backward()  # else a checkpoint's recompute, inside backward
         if forward:
             self._mark("transfer")
         self._fetch(unit)
         if forward:
-            self._prefetch_after(unit, step=1)
+            self.prefetcher.after(unit, step=1)
             if self.activations is not None:
                 self.activations.enter_unit(unit.name)
         unit.wait_ready()
@@ -299,7 +291,7 @@ class OffloadRuntime:
             self._mark((unit.name, "forward"))
 
     def _post_forward(self, unit: Unit, output) -> None:
-        if _in_backward():
+        if in_backward():
             return  # checkpoint recompute: the backward that follows needs the parameters
         self._mark((self._root_name, "forward"))
         if self.activations is not None:
@@ -308,17 +300,16 @@ class OffloadRuntime:
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     hook = _PreBackwardHook(self._weak, unit.index)
-                    tensor.register_hook(hook)
-                    self._awaiting_backward.add(hook)
+                    self.backward_state.await_backward(tensor, hook)
         unit.release()
 
     # ------------------------------------------------------------------ backward
     def _pre_backward(self, unit: Unit) -> None:
         self._ensure_end_of_backward_callback()
-        self._release_finished_before(unit)
+        self.backward_state.release_finished_before(unit, self.order)
         self._mark("transfer")
         self._fetch(unit)
-        self._prefetch_after(unit, step=-1)
+        self.prefetcher.after(unit, step=-1)
         unit.wait_ready()
         self._mark((unit.name, "backward"))
 
@@ -356,32 +347,17 @@ class OffloadRuntime:
                 if unit.has_untracked_params:
                     # frozen weights may still be needed for the gradient of the unit's
                     # input: released when backward moves to an earlier unit
-                    self._awaiting_release.append(unit)
+                    self.backward_state.release_later(unit)
                 else:
                     unit.release()
                 self._mark((self._root_name, "backward"))
 
-    def _release_finished_before(self, unit: Unit) -> None:
-        """Backward reached ``unit``'s output: units after it in the forward order have
-        computed their input's gradient, so their frozen weights are no longer needed.
-        Release those whose trainable gradients are all in (and wholly frozen ones)."""
-        if not self._any_frozen or unit not in self.order:
-            return
-        for other in self.order[self.order.index(unit) + 1 :]:
-            if not other.materialized or not other.has_untracked_params:
-                continue
-            if other in self._awaiting_release or not other.expected_grads:
-                other.release()
-        self._awaiting_release = [u for u in self._awaiting_release if u.materialized]
-
     def _ensure_end_of_backward_callback(self) -> None:
-        task = torch._C._current_graph_task_id()
-        if task == -1 or task == self._callback_task:
+        if not self.backward_state.starts():
             return
-        self._callback_task = task
         for unit in self.units:  # (a parameter frozen at the forward brings none)
             unit.grads.pending = unit.expected_grads
-        self._any_frozen = any(u.has_untracked_params for u in self.block_units)
+        self.backward_state.any_frozen = any(u.has_untracked_params for u in self.block_units)
         self.events.publish(Event.BACKWARD_STARTED)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
@@ -394,14 +370,11 @@ class OffloadRuntime:
 
     @property
     def graph_alive(self) -> bool:
-        """A forward's graph awaits its backward (its parameters and saved tensors may
-        still be read)."""
-        return len(self._awaiting_backward) > 0
+        """A forward's graph awaits its backward (``BackwardState.graph_alive``)."""
+        return self.backward_state.graph_alive
 
     def _end_of_backward(self) -> None:
-        self._callback_task = None
-        self._awaiting_release = []
-        self._awaiting_backward = weakref.WeakSet()
+        self.backward_state.ended()
         for unit in self.units:
             unit.grads.wait_copies()  # gradients still crossing to the host land first
             if unit.grads.has_bucket:  # sharded, some of whose parameters got no gradient
@@ -418,39 +391,8 @@ class OffloadRuntime:
         the first forward recorded."""
         return ([self.root] if self.root is not None else []) + self.order
 
-    # ------------------------------------------------------------------ prefetch
     def _fetch(self, unit: Unit) -> None:
         unit.fetch(self.copy_stream)
-
-    def _prefetch_edge(self, first: bool) -> None:
-        """Prefetch the units the next phase starts with: the first ones in the recorded
-        order before a forward, the last ones before a backward."""
-        if not self.prefetch_depth or not self.order:
-            return
-        edge = (
-            self.order[: self.prefetch_depth] if first else self.order[::-1][: self.prefetch_depth]
-        )
-        for unit in edge:
-            self._prefetch(unit)
-
-    def _prefetch_after(self, unit: Unit, step: int) -> None:
-        """Bring the next units closer: start their disk reads (any device) and, on CUDA,
-        their host-to-device copies on the side stream. On CPU a host-to-"device" copy
-        is a synchronous memcpy, so prefetching it would only hold memory earlier."""
-        if not self.prefetch_depth or unit not in self.order:
-            return
-        position = self.order.index(unit)
-        for k in range(1, min(self.prefetch_depth, len(self.order)) + 1):
-            other = position + step * k
-            if 0 <= other < len(self.order):
-                self._prefetch(self.order[other])
-
-    def _prefetch(self, unit: Unit) -> None:
-        """Start bringing ``unit`` closer without waiting (see ``_prefetch_after``)."""
-        if unit.param_stager is not None:
-            unit.prefetch()
-        elif self.copy_stream is not None:
-            self._fetch(unit)
 
     # ------------------------------------------------------------------ lifetime
     def remove(self) -> None:
@@ -494,15 +436,6 @@ class _GradReadyHook:
         if runtime is not None:
             unit = runtime.units[self.unit]
             runtime._grad_ready(unit, unit.trainable_entries[self.entry])
-
-
-class _GraphMarker:
-    """Lives as long as the graph of a forward's output (``graph_alive``); does nothing."""
-
-    __slots__ = ("__weakref__",)
-
-    def __call__(self, grad) -> None:
-        return None
 
 
 class _PreBackwardHook:
