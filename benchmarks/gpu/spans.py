@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from hetstore.optim import step_ahead
+from hetstore.optim import borrowed, in_forward, step_ahead
 from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.offloaded import OffloadedOptimizer
 from hetstore.runtime import grad_sink, staging
@@ -39,10 +39,10 @@ WRAPPED = [
     (OffloadedOptimizer, "step"),
     (Unit, "refresh_after_step"),
     (grad_sink.GradSink, "wait_copies"),
-    (step_ahead.StepAhead, "_run_in_forward"),
+    (in_forward.ForwardSteps, "_run"),
     (step_ahead.StepAhead, "finish_unit_in_forward"),
     (step_ahead.StepAhead, "_start_read_ahead"),
-    (step_ahead, "_read_into"),
+    (borrowed, "_read_into"),
     (staging.ParamStager, "take"),
     (staging.ParamStager, "lend"),
     (Unit, "fetch"),

@@ -1,6 +1,6 @@
 """On a CPU device, a step taken in backward reads its unit's master from the unit's
 device copy, lent to it at the end of the unit's backward, instead of reading the same
-fp32 values back from disk (``Unit.lend_device_copy``, ``StepAhead._lend_master``).
+fp32 values back from disk (``Unit.lend_device_copy``, ``LentMasters.lend``).
 
 Reference: the same offloaded model with lending switched off (``Unit.lends_device_copy``
 patched to False), compared with ``==`` on losses and ``torch.equal`` on weights: the
@@ -16,7 +16,7 @@ import pytest
 import hetstore
 from hetstore import OffloadConfig
 from hetstore.footprints import LENT_MASTERS
-from hetstore.optim import step_ahead
+from hetstore.optim import borrowed
 from tests.models.gpt import batches
 from tests.optim.helpers import assert_bitwise, fresh, train, without_lending
 from tests.optim.helpers import config as step_ahead_config
@@ -110,24 +110,24 @@ def test_a_clip_that_bites_rolls_back_to_the_master_on_disk(tmp_path, monkeypatc
 
 def test_no_more_than_the_cap_are_lent_and_none_without_host_room(tmp_path, monkeypatch):
     data = batches(2, vocab=64)
-    monkeypatch.setattr(step_ahead, "LENT_MASTERS", 1)
+    monkeypatch.setattr(borrowed, "LENT_MASTERS", 1)
     model, opt, _, _, seen = trained(tmp_path / "one", True, data, True, monkeypatch)
     assert seen["most"] == 1
     # the host one byte short of a block's copy beside what the rest of backward will
     # still allocate, at each lend: the step reads the master from disk, and trains
-    lend = step_ahead.StepAhead._lend_master
+    lend = borrowed.LentMasters.lend
 
-    def short_of_room(self, spec):
-        host = self._host.account
-        room = host.current + self._staging_to_come() + spec.unit_step.unit.device_bytes
+    def short_of_room(self, job, lent_now):
+        host = job.unit.tiers.host.account
+        room = host.current + self._worker.unmade_bytes() + job.unit.device_bytes
         host.capacity = room - 1
         try:
-            return lend(self, spec)
+            return lend(self, job, lent_now)
         finally:
             host.capacity = None
 
-    monkeypatch.setattr(step_ahead, "LENT_MASTERS", 3)
-    monkeypatch.setattr(step_ahead.StepAhead, "_lend_master", short_of_room)
+    monkeypatch.setattr(borrowed, "LENT_MASTERS", 3)
+    monkeypatch.setattr(borrowed.LentMasters, "lend", short_of_room)
     model, opt, losses, _, seen = trained(tmp_path / "tight", True, data, True, monkeypatch)
     ref, _, ref_losses, _, _ = trained(tmp_path / "ref", True, data, False, monkeypatch)
     stats = opt.speculation_stats

@@ -17,7 +17,7 @@ import torch
 
 import hetstore
 from hetstore import ConfigError, GradientAccessError, OffloadConfig
-from hetstore.optim.step_ahead import StepAhead
+from hetstore.optim.step_worker import StepWorker
 from tests.models.gpt import batches
 from tests.optim.helpers import assert_bitwise, fresh, train
 from tests.optim.helpers import config as step_ahead_config
@@ -185,7 +185,7 @@ def test_group_changed_after_backward_is_refused(tmp_path):
 def test_a_step_that_cannot_start_leaves_its_gradients_on_disk(tmp_path, monkeypatch):
     """No host room for the worker's chunks: the gradients are written to disk (the
     deferred region is made then) and the ordinary step takes them, exactly."""
-    monkeypatch.setattr(StepAhead, "_worker_slots", lambda self: None)
+    monkeypatch.setattr(StepWorker, "slots", lambda self: None)
     inside, opt, _, _ = both(tmp_path, steps=2)
     stats = opt.speculation_stats
     assert stats["committed"] == 0 and stats["not_started"] > 0

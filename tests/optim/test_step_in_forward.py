@@ -15,7 +15,8 @@ import torch
 
 import hetstore
 from hetstore.errors import ConfigError
-from hetstore.optim import step_ahead
+from hetstore.optim import borrowed
+from hetstore.optim.step_worker import StepWorker
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.staging import ParamStager
 from tests.models.gpt import GPT, batches
@@ -241,7 +242,7 @@ def test_the_next_forward_takes_the_stepped_parameters_instead_of_reading_them_b
         return stage(self, unit, slot)
 
     with monkeypatch.context() as patch:
-        patch.setattr(step_ahead, "_stages_params", lambda unit: False)
+        patch.setattr(borrowed, "stages_params", lambda unit: False)
         off, off_opt, off_losses, off_reads = run("off")
     monkeypatch.setattr(ParamStager, "stage", recording)
     on, on_opt, on_losses, on_reads = run("on")
@@ -266,13 +267,13 @@ def test_a_unit_without_a_step_pending_finds_a_staging_buffer_without_waiting(
     the worker out of order); training stays bitwise."""
     data = batches(4, vocab=64)
     reclaims = []
-    reclaim = step_ahead.StepAhead._reclaim_lent_params
+    reclaim = borrowed.ParamLending._reclaim
 
     def counting(self):
         reclaims.append(1)
         return reclaim(self)
 
-    monkeypatch.setattr(step_ahead.StepAhead, "_reclaim_lent_params", counting)
+    monkeypatch.setattr(borrowed.ParamLending, "_reclaim", counting)
     results = []
     for in_forward in (True, False):
         torch.manual_seed(0)
@@ -300,16 +301,16 @@ def _train_reading_ahead(
     ahead = opt.step_ahead
     losses, in_backward, in_forward = [], [], []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(step_ahead, "READ_AHEAD_UNITS", units)
+        patch.setattr(borrowed, "READ_AHEAD_UNITS", units)
         # (staged parameters, which depend on the worker's pace, would blur the count)
-        patch.setattr(step_ahead, "_stages_params", lambda unit: False)
+        patch.setattr(borrowed, "stages_params", lambda unit: False)
         x, y = data[0]
         loss = model(x, y)
         for x, y in data[1:]:
             start = disk.stats()["bytes_read"]
             loss.backward()
             for record in ahead.read_ahead:  # (the worker's reads are async)
-                ahead._wait_worker(record)
+                ahead.worker.wait(record)
             middle = disk.stats()["bytes_read"]
             losses.append(loss.item())
             if clip is not None:
@@ -385,7 +386,7 @@ def test_read_ahead_states_are_stepped_where_they_were_read(tmp_path, monkeypatc
     monkeypatch.setattr(StreamedUnitStep, "_views_of", counted)
     results = []
     for units in (2, 0):
-        monkeypatch.setattr(step_ahead, "READ_AHEAD_UNITS", units)
+        monkeypatch.setattr(borrowed, "READ_AHEAD_UNITS", units)
         model, opt = fresh()
         cfg = config(tmp_path / f"ra{units}", True, "disk")
         model, opt = hetstore.offload(model, opt, cfg)
@@ -425,7 +426,7 @@ def test_nothing_is_read_ahead_where_the_steps_chunk_buffers_would_not_fit_besid
     cfg = config(tmp_path, True, "disk", offload_cpu_size=2**30)
     model, opt = hetstore.offload(model, opt, cfg)
     # chunk buffers as large as the host's whole capacity: no room beside them
-    monkeypatch.setattr(step_ahead.StepAhead, "_slot_bytes", lambda self: 2**30)
+    monkeypatch.setattr(StepWorker, "slot_bytes", lambda self: 2**30)
     for x, y in data:
         model(x, y).backward()
         opt.clip_grad_norm_(0.05)
@@ -585,7 +586,7 @@ def test_the_default_runs_disk_steps_on_into_the_next_forward_unless_overlap_ste
 @pytest.mark.parametrize("state_format", ["fp32", "8bit"])
 def test_a_steps_shadow_bytes_are_what_its_shadows_take_of_the_disk(tmp_path, state_format):
     """The room kept for one ordinary step while steps run on into the next forward
-    (``StepAhead._disk_reserve``) is a unit's ``shadow_bytes``: it must be what making
+    (``StepAhead.disk_reserve``) is a unit's ``shadow_bytes``: it must be what making
     that unit's shadows takes of the disk tier, each array rounded as the tier rounds it.
     Counted unrounded, a disk budget a page or two short let the steps handed to the
     worker take the room the steps left to ``optimizer.step()`` needed, and the default

@@ -154,16 +154,16 @@ def test_the_pending_steps_use_the_values_of_the_optimizer_step_call(tmp_path, m
     the steps still use the lr of that call, as the ordinary step does."""
     import threading
 
-    from hetstore.optim import step_ahead
+    from hetstore.optim import in_forward as forward_steps
 
     gate = threading.Event()
-    original = step_ahead._step_in_place
+    original = forward_steps.step_in_place
 
     def held(record):
         assert gate.wait(30), "the test never let the worker go"
         return original(record)
 
-    monkeypatch.setattr(step_ahead, "_step_in_place", held)
+    monkeypatch.setattr(forward_steps, "step_in_place", held)
     data = batches(3, vocab=64)
     results = []
     for in_forward in (True, False):
@@ -188,17 +188,17 @@ def held(monkeypatch):
     """The worker's in-place steps wait for this gate (set: they run at once)."""
     import threading
 
-    from hetstore.optim import step_ahead
+    from hetstore.optim import in_forward as forward_steps
 
     gate = threading.Event()
     gate.set()
-    original = step_ahead._step_in_place
+    original = forward_steps.step_in_place
 
     def wait_for_gate(record):
         assert gate.wait(30), "the test never let the worker go"
         return original(record)
 
-    monkeypatch.setattr(step_ahead, "_step_in_place", wait_for_gate)
+    monkeypatch.setattr(forward_steps, "step_in_place", wait_for_gate)
     return gate
 
 

@@ -13,9 +13,10 @@ import torch
 
 from hetstore.optim.compact import CompactUnitStep
 from hetstore.optim.grad_norms import RecordedNorms
+from hetstore.optim.in_backward import eligible
 from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.registry import FLAT_NAMES
-from hetstore.optim.step_ahead import StepAhead, eligible
+from hetstore.optim.step_ahead import StepAhead
 from hetstore.optim.streamed import StreamedUnitStep, UnitStates
 from hetstore.runtime.unit import Unit
 from hetstore.tiers.store import transfers_only

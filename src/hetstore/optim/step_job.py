@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from hetstore.optim.step_ahead import ReadAhead
+    from hetstore.optim.borrowed import ReadAhead
     from hetstore.runtime.grad_sink import GradState
 
 __all__ = ["JobState", "StepJob", "Target", "When"]

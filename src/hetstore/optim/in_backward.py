@@ -1,0 +1,405 @@
+"""Steps started during backward, as soon as a unit's gradients are final: how they start
+and how ``optimizer.step()`` (or, taking the gradients, the end of backward) lands them.
+
+A step in backward is a :class:`StepJob` with ``When.IN_BACKWARD`` and ``Target.SHADOWS``
+(the module doc of :mod:`hetstore.optim.step_ahead` says what it assumes and when it
+holds). Two kinds:
+
+- **speculative** (``overlap_step``): the step is not known yet (a clip, a changed lr,
+  another micro-batch may come); at ``optimizer.step()`` it is committed where its inputs
+  still hold, else discarded and the unit stepped the ordinary way;
+- **taking the gradients** (``step_in_backward``): the step itself, from the gradients the
+  stager gathered (never written to disk), committed as soon as it is done; what would
+  need those gradients later is refused instead of rolled back.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from hetstore.errors import OutOfTierMemory
+from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
+from hetstore.optim.step_job import JobState, StepJob, Target, When
+from hetstore.optim.streamed import StreamedUnitStep
+from hetstore.runtime.rewrite import ChunkedRewrite
+from hetstore.runtime.staging import GradStager
+
+if TYPE_CHECKING:
+    from hetstore.optim.step_ahead import StepAhead
+    from hetstore.runtime.unit import Unit
+
+__all__ = ["BackwardSteps", "changed_keys", "eligible"]
+
+
+class BackwardSteps:
+    """The steps in backward of one step ahead (see the module doc)."""
+
+    def __init__(self, ahead: StepAhead, loss_scaler, consume: bool):
+        # (a proxy: the step ahead owns this object, and a cycle would keep a released
+        # model's step machinery for the garbage collector)
+        self._ahead = weakref.proxy(ahead)
+        self._worker = ahead.worker
+        self._stats = ahead.stats
+        self._policy = ahead.policy
+        self._loss_scaler = loss_scaler  # fp16: gradients are unscaled before the step
+        self.consume = consume
+        if consume:
+            for stager in ahead.stagers:
+                if isinstance(stager, GradStager):
+                    stager.reclaim = self._reclaim_oldest
+
+    # ------------------------------------------------------------------ starting
+    def start(self, unit: Unit) -> StepJob | None:
+        """A step of ``unit`` into shadows on the worker, or None when there is no room
+        for it (counted in ``not_started``)."""
+        ahead = self._ahead
+        unit_step = ahead.step_of(unit)
+        if unit_step is None:
+            return None
+        if isinstance(unit_step, InMemoryUnitStep):
+            return self._start_in_memory(unit, unit_step)
+        if not ahead.disk_room(unit_step) and self.consume and ahead.pending():
+            # in backward: the steps before hold their shadows until committed; their
+            # commits free the regions they replace, so wait for them rather than spill
+            # this unit's gradients to disk (the planner counts two shadows: this one
+            # and the reserve)
+            self.collect(block=False, wait=True)
+        if not ahead.disk_room(unit_step):
+            # pending speculations hold a shadow each until the step: they may fill the
+            # disk only up to one ordinary step's room (a window, on a big model)
+            self._stats.not_started += 1
+            return None
+        try:
+            rewrite = unit_step.begin_speculation()
+        except OutOfTierMemory:
+            self._stats.not_started += 1  # the ordinary step will say so if it cannot run
+            return None
+        try:
+            job = self._job(unit_step, rewrite)
+            slots = self._worker.slots()
+        except BaseException:
+            rewrite.discard()
+            raise
+        if slots is None:  # no host room for the worker's chunks: stepped after backward
+            rewrite.discard()
+            self._stats.not_started += 1
+            return None
+        # gradients on disk: step from the stager's buffer, not a read back: the one just
+        # flushed, or (step in backward) the one gathered, which is never written
+        grads = None
+        if unit.grad_stager is not None:
+            stager = unit.grad_stager
+            grads = stager.hand_over(unit) if self.consume else stager.lend(unit)
+        job.lent_grads = grads is not None
+        try:
+            master = self._lend_master(job)
+            job.submitted(
+                self._worker.submit(
+                    unit_step.run_speculation, rewrite, slots, job.hyper, grads, job.factor, master
+                )
+            )
+        except BaseException:
+            if job.lent_grads:
+                unit.grad_stager.give_back(unit)
+            ahead.masters.give_back(job)
+            rewrite.discard()
+            raise
+        self._stats.started += 1
+        return job
+
+    def _lend_master(self, job: StepJob) -> torch.Tensor | None:
+        """The unit's device copy as its master (``LentMasters``), after giving back
+        those of the steps the worker has finished."""
+        pending = self._ahead.pending().values()
+        for other in pending:
+            if other.master is not None and other.future is not None and other.future.done():
+                self._ahead.masters.give_back(other)
+        master = self._ahead.masters.lend(job, sum(j.master is not None for j in pending))
+        if master is not None:
+            self._stats.master_from_memory += 1
+        return master
+
+    def _job(self, unit_step, shadows, hyper: dict | None = None) -> StepJob:
+        """What a step of ``unit_step`` into ``shadows`` assumes, taken now."""
+        unit = unit_step.unit
+        return StepJob(
+            unit_step,
+            When.IN_BACKWARD,
+            Target.SHADOWS,
+            hyper if hyper is not None else self._ahead.hyper_now(unit),
+            shadows,
+            grad_state=unit.grads.state(),
+            state_version=unit.state_version,
+            factor=1.0 / self._loss_scaler.scale if self._loss_scaler is not None else None,
+        )
+
+    def _start_in_memory(self, unit: Unit, unit_step: InMemoryUnitStep) -> StepJob | None:
+        """A step of a unit whose master and states are in host memory, into host
+        shadows (:mod:`hetstore.optim.in_memory`), or None when the host tier has no
+        room for them beside what the rest of backward will still allocate."""
+        hyper = self._ahead.hyper_now(unit)
+        if not self._worker.host_room(unit_step.shadow_bytes(hyper)):
+            self._stats.not_started += 1
+            return None
+        if not self._policy.admit_memory_step():
+            self._stats.too_late += 1  # optimizer.step() steps it, sooner than we would
+            return None
+        try:
+            shadows = unit_step.begin_speculation(hyper)
+        except OutOfTierMemory:  # the pool could not grow (fragmentation): not now
+            self._stats.not_started += 1
+            return None
+        try:
+            job = self._job(unit_step, shadows, hyper)
+            copies = unit.grads.copies_event()
+            job.submitted(
+                self._worker.submit(self._run_in_memory, unit_step, shadows, job.factor, copies)
+            )
+        except BaseException:
+            shadows.discard()
+            raise
+        self._stats.started += 1
+        return job
+
+    def _run_in_memory(self, unit_step: InMemoryUnitStep, shadows, factor, copies) -> None:
+        """Worker: a host-memory unit's speculative step, timed for the pace (without
+        the wait for the gradients' copies, which is backward's time, not the step's)."""
+        if copies is not None:
+            copies.synchronize()  # on this thread: backward's never waits for them
+        start = time.perf_counter()
+        unit_step.run_speculation(shadows, factor)
+        self._policy.ran(time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ landing
+    def settle(self, disk_grad_factors: list, committed: set[int], outcomes: dict) -> None:
+        """At ``optimizer.step()``: commit the speculations that still hold, discard the
+        rest; add the ids of the units committed to ``committed`` as each commits, and
+        each unit's outcome to ``outcomes`` (for the policy)."""
+        # what the ordinary step multiplies gradients on disk by; factors of exactly 1.0
+        # (a clip that does not bite) change nothing
+        factors = [float(f) for f in disk_grad_factors if float(f) != 1.0]
+        # gradient writes of backward: their errors now, not at a later backward
+        for stager in self._ahead.stagers:
+            if isinstance(stager, GradStager):
+                stager.finish()
+        self._quiesce_device_reads()
+        for key, job in self._ahead.pending().items():
+            del self._ahead.jobs[key]
+            finished = self.finished(job)  # always: never discard under the worker
+            holds = verified = False
+            if finished and self._inputs_hold(job):
+                holds = self._grads_hold(job, factors)
+                verified = not holds and self._grads_equal(job)
+            if holds or verified:
+                job.unit_step.commit_speculation(job.shadows)
+                job.move(JobState.COMMITTED)
+                committed.add(key)
+                self._stats.committed += 1
+                self._stats.verified += verified
+            else:
+                job.shadows.discard()
+                job.cancel()
+                self._stats.rolled_back += 1
+            outcomes[key] = holds or verified
+
+    def _quiesce_device_reads(self) -> None:
+        """CUDA: a commit gives the old master back to the host pool, and a fetch of it
+        (an eval forward between backward and step) may still be copying it to the GPU
+        asynchronously; the pool must not hand it out before that copy has read it. At
+        ``optimizer.step()`` the GPU has usually finished backward already, so waiting
+        for it costs little, and only when a host-memory speculation will commit."""
+        if not any(isinstance(j.shadows, MemoryShadows) for j in self._ahead.pending().values()):
+            return
+        if self._ahead.device.type == "cuda":
+            torch.cuda.synchronize(self._ahead.device)
+
+    def collect(self, block: bool, *, wait: bool = False) -> None:
+        """Taking the gradients: commit the steps that are done (with ``wait``, after
+        waiting for the running ones; all of them with ``block``); one whose unit is still
+        resident (frozen weights backward may read) waits for backward's end."""
+        for key, job in self._ahead.pending().items():
+            unit = job.unit
+            if not block and (unit.materialized or not (wait or job.future.done())):
+                continue
+            self.finished(job, keep_failed_grads=True)
+            if not job.ok:
+                del self._ahead.jobs[key]
+                job.shadows.discard()
+                job.cancel()
+                self._stats.rolled_back += 1
+                continue
+            try:
+                job.unit_step.commit_speculation(job.shadows)
+            except BaseException:
+                del self._ahead.jobs[key]  # (as it left the pending steps before the commit)
+                raise
+            job.move(JobState.COMMITTED)  # kept, taken, until optimizer.step()
+            unit.grads.consumed = True
+            self._stats.committed += 1
+
+    def settle_consumed(self, committed: set[int]) -> None:
+        """optimizer.step() after a backward that stepped units: they are done, if the
+        param groups are still the values they used."""
+        self.collect(block=True)
+        consumed = self._ahead.consumed()
+        for key in consumed:
+            del self._ahead.jobs[key]
+        committed.update(consumed)
+        groups = {group for job in consumed.values() for group in job.hyper}
+        now = {group: self._ahead.hyper(group) for group in groups}
+        for job in consumed.values():
+            for group, hyper in job.hyper.items():
+                changed = changed_keys(now[group], hyper)
+                if changed:
+                    raise RuntimeError(
+                        f"step_in_backward=True: param group {group} changed ({changed}) "
+                        "between backward and optimizer.step(), but its units were already "
+                        "stepped inside backward with the earlier values. Change param "
+                        "groups (an LR scheduler's step) after optimizer.step() and before "
+                        "the next backward, or set step_in_backward=False"
+                    )
+
+    def check_fresh_backward(self) -> None:
+        """Taking the gradients, a backward is starting: refuse it when it would step
+        units again (or add into gradients the last steps consumed) where plain PyTorch
+        would not."""
+        consumed = self._ahead.consumed()
+        if consumed:
+            raise RuntimeError(
+                f"step_in_backward=True: a second backward before optimizer.step(), but "
+                f"the last backward already stepped {len(consumed)} units (their "
+                "gradients were consumed inside it). Call optimizer.step() after each "
+                "backward; to accumulate micro-batches, run the backward of every one but "
+                "the last under `with hetstore.no_sync(model):`"
+            )
+        stale = [s.unit.name for s in self._ahead.unit_steps if s.unit.grads.consumed]
+        if stale:
+            raise RuntimeError(
+                f"step_in_backward=True: units {stale[:3]} still count the gradients their "
+                "last step consumed; a backward now would add into them, which they no "
+                "longer hold. Call optimizer.zero_grad() after optimizer.step()"
+            )
+
+    def _reclaim_oldest(self) -> bool:
+        """The gradient stager needs a buffer: wait for the oldest step in backward that
+        holds one. False when none does."""
+        for job in self._ahead.pending().values():
+            if job.lent_grads:
+                self.finished(job, keep_failed_grads=True)
+                return True
+        return False
+
+    def unscaling(self, units: list[Unit]):
+        """fp16: the optimizer is about to unscale these units' gradients in memory, in
+        place, by the factor every speculation applied itself. Waits for the worker
+        (it must not read a buffer being unscaled); returns a callable to run after,
+        which lets the speculations hold through that one change."""
+        pending = self._ahead.pending()
+        jobs = [pending.get(id(u)) for u in units]
+        for job in jobs:
+            if job is not None:
+                self.finished(job)
+        before = [u.grad._version for u in units]
+
+        def done(inv: float) -> None:
+            for unit, job, version in zip(units, jobs, before, strict=True):
+                if job is None or job.factor != inv:
+                    continue
+                if job.grad_state.in_place == version:  # nothing else changed it since
+                    job.grad_state = job.grad_state._replace(in_place=unit.grad._version)
+
+        return done
+
+    def cancel(self, key: int) -> None:
+        job = self._ahead.pending().get(key)
+        if job is None:
+            return
+        self.finished(job)  # (interrupted here, it stays pending: the worker may write)
+        del self._ahead.jobs[key]
+        job.shadows.discard()
+        job.cancel()
+        self._stats.cancelled += 1
+
+    def finished(self, job: StepJob, keep_failed_grads: bool = False) -> bool:
+        """Wait for the worker (once: the outcome is kept in ``job.ok``) and give back
+        the gradient buffer it read; False when the step failed (the ordinary step then
+        runs, and raises if the cause persists). ``keep_failed_grads``: a step in
+        backward that failed writes its gradients to disk instead, for that step."""
+        self._worker.wait(job)
+        # (an interrupt of this thread while it waits propagates, and the buffer stays
+        # lent: the worker may still be reading it)
+        self._ahead.masters.give_back(job)
+        if job.lent_grads:
+            job.lent_grads = False
+            unit = job.unit
+            if job.ok or not keep_failed_grads:
+                unit.grad_stager.give_back(unit)
+            else:
+                unit.grad_stager.flush_lent(unit)
+        return job.ok
+
+    # ------------------------------------------------------------------ what holds
+    def _inputs_hold(self, job: StepJob) -> bool:
+        """The master and states it stepped from, and the group values, are current."""
+        return job.unit.state_version == job.state_version and all(
+            not changed_keys(self._ahead.hyper(group), hyper) for group, hyper in job.hyper.items()
+        )
+
+    @staticmethod
+    def _grads_hold(job: StepJob, factors: list[float]) -> bool:
+        """No gradient changed since it began, by the counters; gradients on disk carry
+        no factor (a clip that bit) but the one it applied itself."""
+        on_disk = not isinstance(job.unit.grad, torch.Tensor)
+        took = [job.factor] if job.factor is not None else []
+        return (factors == took or not on_disk) and job.unit.grads.state() == job.grad_state
+
+    @staticmethod
+    def _grads_equal(job: StepJob) -> bool:
+        """A host-memory unit's speculation that only the gradients' version counters
+        reject (handed out through p.grad, multiplied by torch's clip): it holds if the
+        gradients are still, bit for bit, the ones it stepped with."""
+        return (
+            isinstance(job.shadows, MemoryShadows)
+            and job.factor is None
+            and job.unit.grads.state().has_grad == job.grad_state.has_grad
+            and job.unit_step.grads_unchanged(job.shadows)
+        )
+
+
+def eligible(unit_step, unit: Unit) -> bool:
+    """A disk unit the step ahead can step into shadows (memory units:
+    :meth:`InMemoryUnitStep.can_speculate`, chosen by ``overlap_step``). Sharded too: a
+    rank steps its own shard, with nothing collective in the step; its fetch lands the
+    step before the all-gather, on every rank in the same order."""
+    return (
+        isinstance(unit_step, StreamedUnitStep)
+        and (isinstance(unit.grad, torch.Tensor) or unit.grad_stager is not None)
+        and ChunkedRewrite.can_speculate(unit)
+    )
+
+
+def changed_keys(a: dict, b: dict) -> list[str]:
+    """The keys whose values differ between two param-group snapshots (or that only
+    one has)."""
+    changed = []
+    for key in a.keys() | b.keys():
+        if key not in a or key not in b:
+            changed.append(key)
+            continue
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            same = (
+                isinstance(x, torch.Tensor)
+                and isinstance(y, torch.Tensor)
+                and x.shape == y.shape
+                and torch.equal(x, y)
+            )
+        else:
+            same = x == y
+        if not same:
+            changed.append(key)
+    return sorted(changed)
