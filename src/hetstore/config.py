@@ -9,41 +9,38 @@ Sizes are stored as ``int`` bytes; "GB" means GiB (see ``hetstore._sizes``).
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
-import json
 import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from hetstore._sizes import format_size, parse_size, short_repr
-from hetstore.errors import ConfigError
+from hetstore._sizes import format_size
+from hetstore.config_checks import (
+    COMPUTE_DTYPES,
+    STATE_FORMATS,  # noqa: F401 (named here for hetstore.optim.state_format, checkpoint)
+    TIERS,
+    cuda_with_index,  # noqa: F401 (named here for hetstore.tiers.device)
+    reject_unknown_keys,
+    resolve_device,
+    validate,
+)
+from hetstore.config_sources import (
+    MINDSPORE_KEYS,
+    mapping_values,
+    mindspore_values,
+    read_config_file,
+)
 from hetstore.tier import Tier
 
 __all__ = ["OffloadConfig", "TIERS", "COMPUTE_DTYPES"]
-
-TIERS = tuple(t.value for t in Tier)  # the spellings the tier keys accept
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_DTYPE_ALIASES = {
-    "float32": "fp32",
-    "float": "fp32",
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-}
+# (TIERS, COMPUTE_DTYPES, STATE_FORMATS: the allowed values, kept with their checks in
+# hetstore.config_checks; MINDSPORE_KEYS with MindSpore's form in hetstore.config_sources)
 
 
 def _doc(text: str) -> dict[str, str]:
     return {"doc": text}
-
-
-# optimizer_state_format's values (what each means: hetstore.optim.state_format)
-STATE_FORMATS = ("fp32", "bf16", "8bit")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -295,84 +292,7 @@ class OffloadConfig:
     )
 
     def __post_init__(self) -> None:
-        for key in ("offload_param", "offload_optimizer", "offload_activations"):
-            _set(self, key, _tier(key, getattr(self, key)))
-        if self.offload_grad is not None:
-            _set(self, "offload_grad", _tier("offload_grad", self.offload_grad))
-        for key in (
-            "auto_offload",
-            "enable_aio",
-            "step_in_backward",
-        ):
-            _check_bool(key, getattr(self, key))
-        for key in ("overlap_step", "step_in_forward", "enable_pinned_mem"):
-            value = getattr(self, key)
-            if not (isinstance(value, bool) or value == "auto"):
-                raise ConfigError(f"{key}={short_repr(value)}: must be 'auto', True or False")
-        for key in ("max_device_memory", "offload_cpu_size", "offload_disk_size"):
-            value = getattr(self, key)
-            if value is not None:
-                _set(self, key, _size(key, value))
-        for key in ("host_mem_block_size", "aio_block_size", "optimizer_chunk_size"):
-            size = _size(key, getattr(self, key))
-            if size < 4096 or size % 4096:
-                raise ConfigError(
-                    f"{key}={short_repr(getattr(self, key))}: must be a positive multiple of "
-                    f"4096 bytes (disk IO is page-aligned), e.g. '1GB' or '8MB'"
-                )
-            if size > _MAX_BLOCK[key]:
-                raise ConfigError(
-                    f"{key}={short_repr(getattr(self, key))}: at most "
-                    f"{format_size(_MAX_BLOCK[key])} (each is one buffer allocated whole)"
-                )
-            _set(self, key, size)
-        for key, low_open in (("hbm_ratio", True), ("cpu_ratio", True)):
-            _set(self, key, _ratio(key, getattr(self, key), low_open=low_open))
-        _set(
-            self,
-            "gpu_margin_mem_ratio",
-            _ratio("gpu_margin_mem_ratio", self.gpu_margin_mem_ratio, low_open=False),
-        )
-        for key, (low, high) in _INT_RANGES.items():
-            _set(self, key, _int_in_range(key, getattr(self, key), low, high))
-        _set(self, "activation_min_bytes", _size("activation_min_bytes", self.activation_min_bytes))
-        _set(self, "offload_path", _path_string("offload_path", self.offload_path))
-        _set(self, "compute_dtype", _compute_dtype(self.compute_dtype))
-        _set(self, "device", _device(self.device))
-        if self.optimizer_state_format not in STATE_FORMATS:
-            raise ConfigError(
-                f"optimizer_state_format={short_repr(self.optimizer_state_format)}: allowed "
-                f"values are {', '.join(repr(f) for f in STATE_FORMATS)}"
-            )
-        if self.offload_grad is Tier.DISK and self.offload_optimizer is not Tier.DISK:
-            raise ConfigError(
-                f"offload_grad='disk' with offload_optimizer='{self.offload_optimizer}': "
-                "gradients go to disk only when the optimizer steps from disk (they are read "
-                "there, chunk by chunk); use offload_grad='cpu', or offload_optimizer='disk'"
-            )
-        if (
-            self.step_in_backward
-            and not self.auto_offload
-            and self.offload_optimizer is not Tier.DISK
-        ):
-            raise ConfigError(
-                f"step_in_backward=True with offload_optimizer='{self.offload_optimizer}': it "
-                "steps units whose optimizer states are on disk; set offload_optimizer='disk' "
-                "(with offload_param='disk'), or step_in_backward=False"
-            )
-        if self.step_in_backward and self.compute_dtype == "fp16":
-            raise ConfigError(
-                "step_in_backward=True with compute_dtype='fp16': fp16 loss scaling must see "
-                "every gradient for overflow before any unit steps; use compute_dtype='bf16' "
-                "or 'fp32', or step_in_backward=False"
-            )
-        if self.auto_offload or Tier.DISK in (
-            self.offload_param,
-            self.offload_optimizer,
-            self.grad_tier,
-            self.offload_activations,
-        ):
-            _check_usable_directory("offload_path", self.offload_path)
+        validate(self)  # (hetstore.config_checks: each key and its allowed values)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -415,23 +335,7 @@ class OffloadConfig:
 
     def resolved_device(self) -> torch.device:
         """The compute device: 'auto' becomes cuda when available, else cpu."""
-        if self.device == "auto":
-            return cuda_with_index("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        dev = torch.device(self.device)
-        if dev.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ConfigError(
-                    f"device={self.device!r}: CUDA is not available here; "
-                    "use device='cpu' or 'auto'"
-                )
-            count = torch.cuda.device_count()
-            if dev.index is not None and dev.index >= count:
-                raise ConfigError(
-                    f"device={self.device!r}: this machine has {count} CUDA device(s); "
-                    f"allowed indexes are 0..{count - 1}"
-                )
-            return cuda_with_index(dev)
-        return dev
+        return resolve_device(self.device)  # (hetstore.config_checks)
 
     def replace(self, **changes: Any) -> OffloadConfig:
         """A copy with ``changes`` applied (validated like the constructor)."""
@@ -461,14 +365,7 @@ class OffloadConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> OffloadConfig:
-        if not isinstance(values, Mapping):
-            raise ConfigError(
-                f"{source}: expected a mapping of OffloadConfig keys to values, got "
-                f"{type(values).__name__} {short_repr(values)}"
-            )
-        values = dict(values)
-        _check_str_keys(values, source)
-        return cls(**values)
+        return cls(**mapping_values(values, source))  # (hetstore.config_sources)
 
     @classmethod
     def from_mindspore(
@@ -485,34 +382,7 @@ class OffloadConfig:
         guide: 模型的权重及优化器的状态量), so ``offload_param`` sets both
         ``offload_param`` and ``offload_optimizer`` unless the latter is given.
         """
-        if offload_config is None:
-            offload_config = {}
-        if not isinstance(offload_config, Mapping):
-            raise ConfigError(
-                f"offload_config: expected a dict of MindSpore offload keys to values, got "
-                f"{type(offload_config).__name__} {short_repr(offload_config)}"
-            )
-        offload_config = dict(offload_config)
-        _check_str_keys(offload_config, "offload_config")
-        for key in offload_config:
-            if key not in MINDSPORE_KEYS:
-                raise ConfigError(
-                    f"offload_config key {short_repr(key)} is not a MindSpore offload key; "
-                    f"allowed: {', '.join(sorted(MINDSPORE_KEYS))}"
-                    f"{_did_you_mean(key, MINDSPORE_KEYS)}"
-                )
-        context = dict(context)
-        context.pop("mode", None)
-        memory_offload = context.pop("memory_offload", "ON")
-        if not isinstance(memory_offload, str) or memory_offload not in ("ON", "OFF"):
-            raise ConfigError(
-                f"memory_offload={short_repr(memory_offload)}: allowed values are 'ON' and 'OFF'"
-            )
-        values = {**offload_config, **context}
-        if "offload_param" in offload_config and "offload_optimizer" not in values:
-            values["offload_optimizer"] = offload_config["offload_param"]
-        if memory_offload == "OFF":
-            values.update(offload_param="none", offload_optimizer="none", auto_offload=False)
+        values = mindspore_values(offload_config, context)  # (hetstore.config_sources)
         return cls(**values)
 
     @classmethod
@@ -522,70 +392,14 @@ class OffloadConfig:
         A file whose top level has an ``offload_config`` mapping is read as MindSpore's
         form: that mapping plus the other top-level keys as context (``from_mindspore``).
         """
-        if not isinstance(path, str | os.PathLike):
-            raise ConfigError(
-                f"config file: expected a path (str or os.PathLike), got "
-                f"{type(path).__name__} {short_repr(path)}"
-            )
-        try:
-            path = Path(path)
-        except TypeError as exc:  # a PathLike whose __fspath__ returns bytes
-            raise ConfigError(f"config file {short_repr(path)}: not a usable path: {exc}") from None
-        name = short_repr(str(path), limit=200)
-        suffix = path.suffix.lower()
-        if suffix not in (".json", ".yaml", ".yml", ".toml"):
-            raise ConfigError(
-                f"config file {name}: unknown extension {short_repr(suffix)}; "
-                f"use .json, .yaml, .yml or .toml"
-            )
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {name}: {exc.strerror or exc}") from exc
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"config file {name} is not UTF-8 text: {exc}") from None
-        except ValueError as exc:  # a NUL byte in the path
-            raise ConfigError(f"cannot read config file {name}: {exc}") from None
-        if suffix == ".json":
-            parse = json.loads
-        elif suffix == ".toml":
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                try:
-                    import tomli as tomllib
-                except ModuleNotFoundError:
-                    raise ConfigError(
-                        f"config file {name}: reading TOML on Python 3.10 needs the tomli "
-                        f"package (pip install tomli), or use a .json file"
-                    ) from None
-            parse = tomllib.loads
-        else:
-            try:
-                import yaml
-            except ModuleNotFoundError:
-                raise ConfigError(
-                    f"config file {name}: reading YAML needs PyYAML (pip install pyyaml), "
-                    f"or use a .json file"
-                ) from None
-            parse = yaml.safe_load
-        try:
-            data = parse(text)
-        except Exception as exc:  # each parser has its own error type
-            raise ConfigError(f"config file {name} is not valid {suffix[1:]}: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"config file {name}: expected a mapping of OffloadConfig keys at the top "
-                f"level, got {type(data).__name__}"
-            )
-        _check_str_keys(data, f"config file {name}")
+        data, name = read_config_file(path)  # (hetstore.config_sources)
         if "offload_config" in data:
             context = {k: v for k, v in data.items() if k != "offload_config"}
             return cls.from_mindspore(data["offload_config"], **context)
         return cls.from_dict(data, source=f"config file {name}")
 
 
-# --------------------------------------------------------------------------- validation
+# --------------------------------------------------------------------------- keys
 
 SIZE_KEYS = frozenset(
     {
@@ -597,234 +411,13 @@ SIZE_KEYS = frozenset(
         "optimizer_chunk_size",
     }
 )
-MINDSPORE_KEYS = frozenset(
-    {
-        "offload_param",
-        "auto_offload",
-        "offload_cpu_size",
-        "offload_disk_size",
-        "offload_path",
-        "host_mem_block_size",
-        "enable_aio",
-        "enable_pinned_mem",
-        "hbm_ratio",
-        "cpu_ratio",
-    }
-)
-
-
-def _set(config: OffloadConfig, key: str, value: Any) -> None:
-    object.__setattr__(config, key, value)
-
-
-def _did_you_mean(key: str, allowed: frozenset[str] | tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-# Counts, with bounds that keep every use of them finite: ``prefetch_depth`` sets loops
-# over units and ``prefetch_depth + 1`` staging buffers; the disk engine starts
-# ``min(aio_threads or default, aio_queue_depth)`` threads.
-_INT_RANGES = {
-    "aio_queue_depth": (1, 1024),
-    "aio_threads": (0, 256),
-    "prefetch_depth": (0, 64),
-}
-
-# Block sizes are single allocations: an IO request's bounce buffer (aio_block_size),
-# one host mapping (host_mem_block_size, further capped by the host tier's room), one
-# chunk of the streamed step per array (optimizer_chunk_size, capped by the unit's size).
-# The bounds refuse sizes no machine can allocate before anything is built.
-_MAX_BLOCK = {
-    "aio_block_size": 2**30,
-    "host_mem_block_size": 2**40,
-    "optimizer_chunk_size": 2**40,
-}
-
-
-def _check_str_keys(values: Mapping[Any, Any], source: str) -> None:
-    for key in values:
-        if not isinstance(key, str):
-            raise ConfigError(
-                f"{source}: key {short_repr(key)} ({type(key).__name__}) is not a string; "
-                f"keys are OffloadConfig key names such as 'offload_param'"
-            )
 
 
 def _plain(value: Any) -> Any:
     return value.value if isinstance(value, Tier) else value
 
 
-def _tier(key: str, value: Any) -> Tier:
-    if isinstance(value, str) and value.lower() in TIERS:
-        return Tier(value.lower())
-    raise ConfigError(
-        f"{key}={short_repr(value)}: allowed values are {', '.join(map(repr, TIERS))}"
-    )
-
-
-def _check_bool(key: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key}={short_repr(value)}: must be True or False")
-
-
-def _int_in_range(key: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"{key}={short_repr(value)}: must be an integer >= {low} and <= {high}")
-    return int(value)
-
-
-def _size(key: str, value: Any) -> int:
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise ConfigError(f"{key}={short_repr(value)}: {exc}") from None
-
-
-def _ratio(key: str, value: Any, *, low_open: bool) -> float:
-    interval = "(0, 1]" if low_open else "[0, 1]"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{key}={short_repr(value)}: must be a number in {interval}")
-    if not (0.0 <= value <= 1.0) or (low_open and value == 0.0):  # NaN fails both
-        raise ConfigError(f"{key}={short_repr(value)}: must be in {interval}")
-    return float(value)
-
-
-def _path_string(key: str, value: Any) -> str:
-    """``value`` as a ``str`` path, refused when no file system could take it."""
-    if isinstance(value, os.PathLike):
-        try:
-            value = os.fspath(value)
-        except Exception as exc:
-            raise ConfigError(f"{key}: os.fspath() of {short_repr(value)} failed: {exc}") from None
-    if not isinstance(value, str) or not value:
-        raise ConfigError(
-            f"{key}={short_repr(value)}: must be a non-empty directory path "
-            f"(a str or os.PathLike of str)"
-        )
-    if "\0" in value:
-        raise ConfigError(
-            f"{key}={short_repr(value)}: contains a NUL character, which no file name can hold"
-        )
-    try:
-        os.fsencode(value)
-    except UnicodeError:
-        raise ConfigError(
-            f"{key}={short_repr(value)}: cannot be encoded as a file name on this system"
-        ) from None
-    return str(value)
-
-
-def _check_usable_directory(key: str, path: str) -> None:
-    """Refuse ``path`` unless this process could create it (or use it) as a directory:
-    it is not an existing non-directory, and its nearest existing ancestor (itself when it
-    exists) is a directory this process may write and search. Creates nothing."""
-    try:
-        target = os.path.abspath(path)
-    except OSError as exc:  # a relative path while the working directory was removed
-        raise ConfigError(
-            f"{key}={short_repr(path)}: cannot resolve it ({exc.strerror or exc}); give an "
-            f"absolute path"
-        ) from None
-    probe = target
-    while True:
-        try:
-            st = os.stat(probe)
-            break
-        except (FileNotFoundError, NotADirectoryError):
-            # NotADirectoryError: a component above is a file; going up finds and names it.
-            if os.path.islink(probe):
-                raise ConfigError(
-                    f"{key}={short_repr(path)}: {probe!r} is a symbolic link to nothing, so "
-                    f"the directory cannot be created; remove the link or choose another path"
-                ) from None
-            parent = os.path.dirname(probe)
-            if parent == probe:  # cannot happen for an absolute path, but never loop
-                raise ConfigError(f"{key}={short_repr(path)}: no existing ancestor") from None
-            probe = parent
-        except OSError as exc:  # EACCES on a parent, ELOOP, ENAMETOOLONG...
-            raise ConfigError(
-                f"{key}={short_repr(path)}: cannot inspect {probe!r} ({exc.strerror or exc}); "
-                f"point {key} at a directory this process can create and write"
-            ) from None
-    if not stat.S_ISDIR(st.st_mode):
-        if probe == target:
-            raise ConfigError(
-                f"{key}={short_repr(path)}: {probe!r} exists and is not a directory; "
-                f"point {key} at a directory (it is created if missing)"
-            )
-        raise ConfigError(
-            f"{key}={short_repr(path)}: {probe!r} is not a directory, so {target!r} cannot be "
-            f"created under it; point {key} at a directory"
-        )
-    effective = os.access in os.supports_effective_ids
-    if not os.access(probe, os.W_OK | os.X_OK, effective_ids=effective):
-        where = (
-            f"the directory {probe!r}"
-            if probe == target
-            else f"{target!r} does not exist and its nearest existing ancestor {probe!r}"
-        )
-        raise ConfigError(
-            f"{key}={short_repr(path)}: {where} is not writable and searchable by this "
-            f"process (uid {os.geteuid()}); point {key} at a directory you can write, or "
-            f"create it with write permission"
-        )
-
-
-def _compute_dtype(value: Any) -> str:
-    if isinstance(value, torch.dtype):
-        for name, dtype in COMPUTE_DTYPES.items():
-            if dtype == value:
-                return name
-    if isinstance(value, str):
-        name = _DTYPE_ALIASES.get(value.lower(), value.lower())
-        if name in COMPUTE_DTYPES:
-            return name
-    raise ConfigError(
-        f"compute_dtype={short_repr(value)}: allowed values are 'fp32', 'bf16', 'fp16' "
-        f"(or the torch dtypes float32, bfloat16, float16)"
-    )
-
-
-def _device(value: Any) -> str:
-    if isinstance(value, torch.device):
-        value = str(value)
-    if isinstance(value, str):
-        if value == "auto":
-            return value
-        try:
-            dev = torch.device(value)
-        except Exception:  # torch's parser raises RuntimeError, ValueError or TypeError
-            dev = None
-        if dev is not None and dev.type in ("cpu", "cuda"):
-            return str(dev)
-    raise ConfigError(
-        f"device={short_repr(value)}: allowed values are 'auto', 'cpu', 'cuda', 'cuda:N'"
-    )
-
-
-def _reject_unknown_keys(init):
-    """Wrap the generated __init__ so unknown keywords raise ConfigError, not TypeError."""
-    allowed = frozenset(OffloadConfig.keys())
-
-    @functools.wraps(init)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if args:
-            raise ConfigError(
-                "OffloadConfig takes keyword arguments only, e.g. OffloadConfig(offload_param='cpu')"
-            )
-        for key in kwargs:
-            if key not in allowed:
-                raise ConfigError(
-                    f"unknown OffloadConfig key {short_repr(key)}{_did_you_mean(key, allowed)}; "
-                    f"allowed keys: {', '.join(sorted(allowed))}"
-                )
-        init(self, **kwargs)
-
-    return __init__
-
-
-OffloadConfig.__init__ = _reject_unknown_keys(OffloadConfig.__init__)
+OffloadConfig.__init__ = reject_unknown_keys(OffloadConfig.__init__, OffloadConfig.keys())
 
 
 _MINDSPORE_NOTE = {
@@ -867,13 +460,3 @@ def config_reference_markdown() -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def cuda_with_index(device: str | torch.device) -> torch.device:
-    """``cuda`` with its index made explicit (the current device when none was given).
-    Why: some CUDA calls (``set_per_process_memory_fraction``) refuse a bare 'cuda', and
-    a model's device must not change if the user later switches the current device."""
-    dev = torch.device(device)
-    if dev.type != "cuda" or dev.index is not None:
-        return dev
-    return torch.device("cuda", torch.cuda.current_device())
