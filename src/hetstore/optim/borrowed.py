@@ -113,9 +113,10 @@ def reads_ahead(unit_step, unit: Unit) -> bool:
 class ReadAheads:
     """The units' masters and states read ahead, by unit (see the module doc)."""
 
-    def __init__(self, host, worker: StepWorker):
+    def __init__(self, host, worker: StepWorker, stats):
         self._host = host
         self._worker = worker
+        self._stats = stats  # (the step ahead's: counts the records taken)
         self._records: dict[int, ReadAhead] = {}
 
     @property
@@ -179,6 +180,7 @@ class ReadAheads:
         if not ok or record.versions != versions(unit):
             self.give_back(record)
             return None
+        self._stats.read_ahead += 1
         return record
 
     def drop(self, unit: Unit | None = None) -> None:

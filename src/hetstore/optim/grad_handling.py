@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from hetstore.errors import ConfigError
-from hetstore.optim.streamed import ChunkNorms, StreamedUnitStep
+from hetstore.optim.grad_norms import ChunkNorms, scan_grads
+from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.unit import ParamEntry, Unit
 from hetstore.tiers.store import transfers_only
 
@@ -106,7 +107,7 @@ class GradHandling:
         for unit_step in self._disk_units():
             if found or not finite[0]:
                 break
-            unit_step.scan_grads(self._disk_grad_factors, check)
+            scan_grads(unit_step, self._disk_grad_factors, check)
         found = found or not finite[0]
         if self.shards is not None:  # every rank skips the step, or none does
             flag = torch.tensor(float(found), device=self.units[0].device)
@@ -135,7 +136,7 @@ class GradHandling:
                 norms.update(recorded)
                 continue
             chunked = ChunkNorms(unit_step.unit, norm_type)
-            unit_step.scan_grads(self._disk_grad_factors, chunked.visit)
+            scan_grads(unit_step, self._disk_grad_factors, chunked.visit)
             norms.update(chunked.result())
         return norms
 
@@ -241,7 +242,7 @@ class GradHandling:
         if flats:
             add(flats)
         for unit_step in self._disk_units():
-            unit_step.scan_grads(self._disk_grad_factors, lambda chunk, start: add([chunk]))
+            scan_grads(unit_step, self._disk_grad_factors, lambda chunk, start: add([chunk]))
         local = torch.zeros((), dtype=torch.float64)
         if partials:
             stacked = torch.stack(partials)

@@ -136,7 +136,7 @@ class ForwardSteps:
         )
         try:
             ahead.lending.offer(job)
-            job.read_ahead = ahead.take_read_ahead(unit)
+            job.read_ahead = ahead.read_aheads.take(unit)
             job.submitted(self._worker.submit(self._run, job, slots))
         except BaseException:
             rewrite.discard()
@@ -260,7 +260,7 @@ class ForwardSteps:
         ``committed`` and filled, else unused)."""
         read_ahead, job.read_ahead = job.read_ahead, None
         if read_ahead is not None:
-            self._ahead.give_back_read_ahead(read_ahead)
+            self._ahead.read_aheads.give_back(read_ahead)
         if self._ahead.lending.give_back(job, committed):
             self._stats.params_staged += 1
 

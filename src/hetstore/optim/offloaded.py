@@ -257,7 +257,7 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
                 continue  # like torch: parameters without a gradient are not stepped
             self._warn_missing(unit)
             # (taken while the unit's versions are still those it was read at)
-            ahead = None if self.step_ahead is None else self.step_ahead.take_read_ahead(unit)
+            ahead = None if self.step_ahead is None else self.step_ahead.read_aheads.take(unit)
             # an in-memory master that is also the home changes in place: the values
             # forward sees move from here, even if the step then fails
             unit.param_version += 1
@@ -301,7 +301,7 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         try:
             unit_step.step(self._factors_for(unit), read_ahead=ahead.arrays)
         finally:
-            self.step_ahead.give_back_read_ahead(ahead)
+            self.step_ahead.read_aheads.give_back(ahead)
 
     def _factors_for(self, unit: Unit) -> list:
         """What the step multiplies ``unit``'s gradients by as it reads them: the clip's

@@ -175,7 +175,7 @@ class StepAhead:
         keep_thread = pace and any(isinstance(s, InMemoryUnitStep) for s in unit_steps)
         self.worker = StepWorker(self._host, streamed, self.stagers, keep_thread)
         self.masters = LentMasters(self._host, self.worker)
-        self.read_aheads = ReadAheads(self._host, self.worker)
+        self.read_aheads = ReadAheads(self._host, self.worker, self.stats)
         self.lending: ParamLending | None = None
         if in_forward:
             param_stagers = [s for s in self.stagers if isinstance(s, ParamStager)]
@@ -428,16 +428,6 @@ class StepAhead:
             self.forward.land(unit)
 
     # ------------------------------------------------------------------ read-ahead
-    def take_read_ahead(self, unit: Unit) -> ReadAhead | None:
-        """What was read ahead for ``unit`` (``ReadAheads.take``), counted."""
-        record = self.read_aheads.take(unit)
-        if record is not None:
-            self.stats.read_ahead += 1
-        return record
-
-    def give_back_read_ahead(self, record: ReadAhead) -> None:
-        self.read_aheads.give_back(record)
-
     def drop_read_ahead(self) -> None:
         """The end of ``optimizer.step()``: what no step used goes (and the worker, if
         nothing is left for it)."""

@@ -44,7 +44,7 @@ from hetstore.runtime.rewrite import ChunkedRewrite, WholeArray, chunk_buffers
 from hetstore.runtime.unit import Unit
 from hetstore.tier import Tier
 from hetstore.tiers.host import own_version_counter
-from hetstore.tiers.store import Store, transfers_only, wait_all_quiet
+from hetstore.tiers.store import Store, transfers_only
 
 __all__ = ["StreamedUnitStep", "UnitStates", "step_flat", "chunks_of"]
 
@@ -119,44 +119,6 @@ def chunks_of(unit: Unit, chunk_numel: int) -> list[_Chunk]:
             stepped = min(b, seg_end) if segment is not None else a
             chunks.append(_Chunk(segment, a, b, min(b, unit.trainable_numel), stepped))
     return chunks
-
-
-class ChunkNorms:
-    """Per-parameter gradient norms of one unit, from its gradients visited in chunks
-    (``StreamedUnitStep.scan_grads`` from disk, or ``visit_in`` over a buffer in memory:
-    the same chunks either way, so the same bits). A parameter cut by a chunk border
-    gets the norm of its pieces' norms (within fp32 round-off of torch's norm)."""
-
-    def __init__(self, unit: Unit, norm_type: float):
-        self.unit = unit
-        self.norm_type = norm_type
-        self._norms: dict[int, torch.Tensor] = {}
-        self._parts: dict[int, list[torch.Tensor]] = {}
-
-    def visit(self, chunk: torch.Tensor, start: int) -> None:
-        end = start + chunk.numel()
-        whole, whole_ids = [], []
-        for entry in self.unit.trainable_entries:
-            a, b = entry.offset, entry.offset + entry.numel
-            if not entry.has_grad or b <= start or a >= end:
-                continue
-            view = chunk[max(a, start) - start : min(b, end) - start]
-            if start <= a and b <= end:
-                whole.append(view)
-                whole_ids.append(id(entry.param))
-            else:
-                part = torch.linalg.vector_norm(view, self.norm_type)
-                self._parts.setdefault(id(entry.param), []).append(part)
-        if whole:
-            computed = torch._foreach_norm(whole, self.norm_type)
-            self._norms.update(zip(whole_ids, computed, strict=True))
-
-    def result(self) -> dict[int, torch.Tensor]:
-        """id(param) -> its gradient's norm."""
-        norms = dict(self._norms)
-        for key, pieces in self._parts.items():
-            norms[key] = torch.linalg.vector_norm(torch.stack(pieces), self.norm_type)
-        return norms
 
 
 class UnitStates:
@@ -245,49 +207,6 @@ class StreamedUnitStep(UnitStates):
         """``count`` sets of host buffers of ``numel`` elements (a chunk, or less for a
         unit smaller than one chunk: a small model does not pay for big chunks)."""
         return chunk_buffers(self.unit.tiers.host, count, names, numel, f"swap {self.unit.name}")
-
-    # ------------------------------------------------------------------ gradients
-    def _grad_spans(self) -> list[tuple[int, int]]:
-        """The gradient chunks ``[start, end)`` a scan visits (one definition: recorded
-        norms equal scanned ones only over the same chunks)."""
-        total = self.unit.trainable_numel
-        return [(a, min(a + self.chunk_numel, total)) for a in range(0, total, self.chunk_numel)]
-
-    def visit_in(self, grads: torch.Tensor, visit: Callable[[torch.Tensor, int], None]) -> None:
-        """Call ``visit(chunk, start)`` over ``grads`` (the unit's whole gradient buffer,
-        in memory) in the chunks :meth:`scan_grads` reads."""
-        for a, b in self._grad_spans():
-            visit(grads[a:b], a)
-
-    def scan_grads(self, multipliers: list, visit: Callable[[torch.Tensor, int], None]) -> None:
-        """Read the unit's gradients chunk by chunk (two buffers, reading ahead), apply
-        ``multipliers`` in order, and call ``visit(chunk, start)``."""
-        unit = self.unit
-        spans = self._grad_spans()
-        starts = [a for a, _ in spans]
-        sets, buffers = self._slot_sets(
-            min(2, len(spans)),
-            [("grad", torch.float32)],
-            min(self.chunk_numel, unit.trainable_numel),
-        )
-        pending: list = []
-        try:
-            views = [sets[i % len(sets)]["grad"][: b - a] for i, (a, b) in enumerate(spans)]
-            pending.append(unit.grad.read(views[0], starts[0]))
-            for i, a in enumerate(starts):
-                current = pending.pop(0)
-                if i + 1 < len(starts):
-                    pending.append(unit.grad.read(views[i + 1], starts[i + 1]))
-                current.wait()
-                chunk = views[i]
-                unit.grads.fill_missing(chunk, a)
-                for m in multipliers:
-                    chunk.mul_(m)
-                visit(chunk, a)
-        finally:
-            wait_all_quiet(pending)
-            for buffer in buffers:
-                self.unit.tiers.host.free(buffer)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
