@@ -7,7 +7,7 @@ by the unit's :class:`~hetstore.runtime.grad_sink.GradSink`). A form on a tier t
 not addressable is a :class:`~hetstore.tiers.store.Store`, else a tensor.
 
 This class owns the buffers (``_owned``: every one it allocated, freed by
-:meth:`free_all`), keeps ``home`` equal to ``master`` (``_sync_home``), edits and moves
+:meth:`free_all`), keeps ``home`` equal to ``master`` (``sync_home``), edits and moves
 them whole or not at all. It is one of the classes a :class:`~hetstore.runtime.unit.Unit`
 is made of; the device copy is :class:`~hetstore.runtime.residency.DeviceResidency`'s.
 """
@@ -21,6 +21,7 @@ import torch
 
 from hetstore.runtime.grad_sink import GradSink
 from hetstore.runtime.residency import Residency
+from hetstore.runtime.sharded_forms import ShardedForms
 from hetstore.tier import Tier
 from hetstore.tiers import HostBuffer
 from hetstore.tiers.accounting import FlatAllocation
@@ -42,7 +43,8 @@ class MasterMove:
 class UnitForms:
     """The buffers-per-role concern of a :class:`~hetstore.runtime.unit.Unit` (see the
     module doc). State it owns: ``master``, ``home``, ``_owned``, ``home_stale``,
-    ``param_version``, ``state_version``."""
+    ``param_version``, ``state_version``; ``sharded`` (a
+    :class:`~hetstore.runtime.sharded_forms.ShardedForms`) when sharded over ranks."""
 
     def init_forms(self) -> None:
         self._owned: list[FlatAllocation] = []  # every buffer allocate() made
@@ -54,6 +56,8 @@ class UnitForms:
         # moves whenever the parameters' values may have changed (a step, a load, an
         # edit): an alias read while released (``p.detach()``) reads them again then
         self.param_version = 0
+        # sharded over ranks: the forms over the full layout (runtime.sharded_forms)
+        self.sharded = ShardedForms(self) if self.shards is not None else None
 
     def free_all(self) -> None:
         """Free every buffer the unit allocated (``close``)."""
@@ -124,31 +128,12 @@ class UnitForms:
     def initialize_master(self) -> None:
         """The master from the parameters' current values; sharded, rank 0's values (as
         DDP does at construction, so ranks that initialized differently agree)."""
-        if self.shards is None:
-            with self.edit_master() as master:
-                for e in self.entries:
-                    master[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
+        if self.sharded is not None:
+            self.sharded.initialize_master()
             return
-        with self.device_scratch(self.full_numel, torch.float32, "master broadcast") as full:
-            full.zero_()
+        with self.edit_master() as master:
             for e in self.entries:
-                full[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
-            self.shards.broadcast(full, self.collective("the initial parameters"))
-            self._store_shard(full[self.shard_start : self.shard_start + self.numel])
-
-    def _store_shard(self, shard: torch.Tensor) -> None:
-        """Make ``shard`` (this rank's elements, anywhere) the master; refresh the copies."""
-        if self.has_home_only:  # (its compute-only tail goes to the home alone)
-            self.store_master(shard.to("cpu", copy=shard.device.type == "cpu").contiguous())
-            return
-        self.before_state_change()
-        if transfers_only(self.master):
-            local = shard.to("cpu", copy=shard.device.type == "cpu").contiguous()
-            self.master.write_all(local)
-            self._sync_home(local)
-        else:
-            self.master.copy_(shard)
-            self._sync_home(self.master)
+                master[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
 
     @property
     def home_bytes(self) -> int:
@@ -166,22 +151,16 @@ class UnitForms:
         Sharded, it yields the full unit (all-gathered on the device; a collective, so
         every rank must edit the same units in the same order) and keeps this rank's shard.
         """
-        if self.shards is not None:
-            with self.device_scratch(self.full_numel, torch.float32, "master gather") as full:
-                self.shards.all_gather(
-                    full, self.master_copy().to(self.device), self.collective("the master")
-                )
-                try:
-                    yield full
-                finally:
-                    self._store_shard(full[self.shard_start : self.shard_start + self.numel])
+        if self.sharded is not None:
+            with self.sharded.edit_master() as full:
+                yield full
             return
         if not transfers_only(self.master) and not self.has_home_only:
             self.before_state_change()
             try:
                 yield self.master
             finally:  # even a half-done edit: the copies must match the master
-                self._sync_home(self.master)
+                self.sync_home(self.master)
             return
         scratch = self.scratch(self.numel, torch.float32, "master scratch")
         try:
@@ -254,27 +233,23 @@ class UnitForms:
             self.master.write_all(head)
         elif self.master.data_ptr() != head.data_ptr():
             self.master.copy_(head)
-        self._sync_home(flat)
+        self.sync_home(flat)
 
     def full_master(self) -> torch.Tensor:
         """The whole unit's fp32 master on the host (all-gathered when sharded: a
         collective); hand it back changed with :meth:`store_full_master`."""
-        if self.shards is None:
+        if self.sharded is None:
             return self.master_copy()
-        full = torch.empty(self.full_numel, dtype=torch.float32, device=self.device)
-        self.shards.all_gather(
-            full, self.master_copy().to(self.device), self.collective("the master")
-        )
-        return full.cpu()
+        return self.sharded.full_master()
 
     def store_full_master(self, full: torch.Tensor) -> None:
         """Make ``full`` (from :meth:`full_master`, changed) the master; keeps this rank's shard."""
-        if self.shards is None:
+        if self.sharded is None:
             self.store_master(full)
         else:
-            self._store_shard(full[self.shard_start : self.shard_start + self.numel])
+            self.sharded.store_full(full)
 
-    def _sync_home(self, master: torch.Tensor) -> None:
+    def sync_home(self, master: torch.Tensor) -> None:
         """Make ``home`` (and a materialized device copy) equal ``master``, cast.
         ``master`` may be a prefix of the layout (the trainable head after a step, see
         :meth:`refresh_after_step`): only that much is rewritten."""
@@ -424,22 +399,15 @@ class UnitForms:
         copies of the trainable head ``[0, frozen_start)`` only. Frozen parameters sit
         after it (from an aligned offset) and never change, so a LoRA model's frozen base
         on disk is read by fetches and never rewritten by a step."""
-        if self.shards is not None:  # frozen_start is a full-layout offset, not a shard's
-            if self.has_home_only:  # (the compute-only tail never changes: not read again)
-                head = self.master
-                if transfers_only(head):
-                    head = torch.empty(self.master_numel, dtype=torch.float32)
-                    read_into(self.master, head)
-                self._sync_home(head)  # (the master is the head: [0, master_numel))
-            else:
-                self.refresh_from_master()
+        if self.sharded is not None:  # frozen_start is a full-layout offset, not a shard's
+            self.sharded.refresh_after_step()
         else:
-            self._sync_home(self.master[: self.frozen_start])
+            self.sync_home(self.master[: self.frozen_start])
 
     def refresh_from_master(self) -> None:
         """After ``master`` changed: update the compute-dtype copies (a disk ``home`` is
         rewritten whole, atomically)."""
-        self._sync_home(self.master_copy())
+        self.sync_home(self.master_copy())
 
     @property
     def grad(self) -> FlatBuffer | None:
