@@ -360,7 +360,7 @@ def _staged_activation_peak(
 def _fetched_at_once(trace: Trace, choices: list[UnitChoice], depth: int, blocks: int) -> int:
     """Blocks' device copies held at once: the one in use, plus the ``depth`` prefetched
     ahead where a prefetch lands on the device: a host home on CUDA, copied on the side
-    stream (runtime.hooks ``_prefetch``). A disk home's prefetch is a read into host
+    stream (``runtime.prefetch.Prefetch``). A disk home's prefetch is a read into host
     staging, and on a CPU device nothing is copied ahead. Without a machine probe, the
     device is not known: every prefetch is counted there."""
     machine = trace.machine
@@ -580,7 +580,7 @@ def _steps_in_forward(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
 
 def _memory_in_forward(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
     """``step_in_forward`` on a GPU finishes this host-memory unit's ordinary step in
-    place during the next forward (optim.step_ahead's ``_InPlace``): its parameters are
+    place during the next forward (``optim.in_forward``, ``Target.IN_PLACE``): its parameters are
     fetched from a home in host memory, its states are fp32 in host memory."""
     m = trace.machine
     return (
