@@ -107,12 +107,12 @@ def manual_floor(
             add(optimizer, "optimizer states", u.state_bytes)
         if trainable and not is_consumed:
             add(grad, "gradients", stored(grad, u.grad_bytes))
-        if trainable and grad is Tier.DISK:
+        if trainable and not grad.addressable:  # (staged: disk)
             disk_grads.append(u.grad_bytes)
         # the parameters between uses, and their working copy on the device
         if not aliased:
             add(param, "parameters", stored(param, u.param_bytes))
-        if param is Tier.DISK:
+        if not param.addressable:
             largest_home = max(largest_home, u.param_bytes)
             root_on_disk = root_on_disk or u.is_root
         if param is not Tier.DEVICE:
@@ -120,7 +120,7 @@ def manual_floor(
                 root_params = u.param_bytes
             else:
                 blocks.append(u.param_bytes)
-        if trainable and optimizer is Tier.DISK:
+        if trainable and not optimizer.addressable:  # the streamed step
             steps.append(_chunk_sets(u, chunk, param, aliased, states, grad, is_consumed))
             shadows.append(paged(master_bytes(u, choice)) + (u.state_bytes if states else 0))
     add(Tier.DEVICE, "the root unit's working copy", root_params)
@@ -129,14 +129,15 @@ def manual_floor(
         # certain: the root's read while the first ``depth`` blocks are prefetched (a
         # model without a root unit on disk may turn one slot over)
         slots = min(depth, len(blocks)) + 1 if root_on_disk else 1
-        add(Tier.HOST, f"{PARAM_STAGING} ({slots} slots)", slots * paged(largest_home))
+        add(param.staging, f"{PARAM_STAGING} ({slots} slots)", slots * paged(largest_home))
     if disk_grads:
         # each unit's buffer is written out while the next fills; a step in backward
         # may give one back early
         slots = 1 if trace.step_in_backward else min(GRAD_STAGING_SLOTS, len(disk_grads))
-        add(Tier.HOST, f"gradient staging ({slots} slots)", slots * paged(max(disk_grads)))
-    add(Tier.HOST, STEP_CHUNKS, max(steps, default=0))
-    add(Tier.DISK, STEP_SHADOW, max(shadows, default=0))
+        add(grad.staging, f"gradient staging ({slots} slots)", slots * paged(max(disk_grads)))
+    if steps:  # (beside the optimizer's tier, staged where it is staged)
+        add(optimizer.staging, STEP_CHUNKS, max(steps))
+        add(optimizer, STEP_SHADOW, max(shadows))
     return Floor({t: list(p.items()) for t, p in parts.items() if p})
 
 
@@ -153,15 +154,15 @@ def _chunk_sets(u, chunk: int, param, aliased, states, grad, is_consumed) -> int
     sets = min(STREAMED_STEP_SLOT_SETS, u.chunks(chunk))
     per_state = 4 if u.per_state_itemsize >= 4 else 4 + int(u.per_state_itemsize)
     per_element = 4 + (u.state_count * per_state if states else 0)
-    per_element += 4 if grad is Tier.DISK and not is_consumed else 0
-    if param is Tier.DISK and not aliased and not u.frozen_compute_numel:
+    per_element += 4 if not grad.addressable and not is_consumed else 0
+    if not param.addressable and not aliased and not u.frozen_compute_numel:
         per_element += u.compute_itemsize
     return sets * numel * per_element
 
 
 def _remedy(tier: Tier, what: str, config) -> str | None:
     """The setting that moves part ``what`` off ``tier`` or shrinks it, if one does."""
-    further = {Tier.DEVICE: "cpu", Tier.HOST: "disk"}.get(tier)
+    further = tier.farther.value if tier.farther is not None else None  # (its config value)
     if what == "parameters" and further:
         return f"offload_param='{further}' moves"
     if what in ("master weights", "optimizer states") and further:
@@ -216,13 +217,14 @@ def check_manual_floor(
         if tier not in machine:
             given = f"{key} is {format_size(capacity)}"
             advice = [f"raise {key} to at least {format_size(need)}"]
-        elif tier is Tier.DISK:
+        elif tier.path_key is not None:  # sized by the free space of a directory
+            path = tier.path_key
             given = (
-                f"only {format_size(capacity)} is free at offload_path {config.offload_path!r} "
+                f"only {format_size(capacity)} is free at {path} {getattr(config, path)!r} "
                 f"({key} is not set)"
             )
             advice = [
-                f"free space there, or point offload_path at a disk with at least "
+                f"free space there, or point {path} at a disk with at least "
                 f"{format_size(need)} free"
             ]
         else:
