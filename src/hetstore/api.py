@@ -507,7 +507,7 @@ def _stage_grads(unit: Unit, units: list[Unit], tiers: Tiers, runtime: OffloadRu
 
 def _share_grad_stager(staged: list[Unit], tiers: Tiers) -> GradStager:
     """One gradient stager for ``staged`` units, its slots sized for the largest."""
-    stager = GradStager(tiers.host, max(u.trainable_numel * 4 for u in staged))
+    stager = GradStager(tiers.host, max(u.trainable_numel * 4 for u in staged), staged[0].events)
     for unit in staged:
         unit.grad_stager = stager
     return stager
@@ -659,7 +659,9 @@ def _move_home(unit: Unit, tier: Tier, units: list[Unit], tiers: Tiers, plan: Pl
                 for u, p in zip(units, plan.units, strict=True)
                 if p.choice.param == tier
             )
-            stager = ParamStager(tiers.host, largest, param_staging_slots(plan.prefetch_depth))
+            stager = ParamStager(
+                tiers.host, largest, param_staging_slots(plan.prefetch_depth), unit.events
+            )
         unit.param_stager = stager
     unit.move_home(tier)
 
@@ -669,7 +671,10 @@ def _attach_stagers(units: list[Unit], tiers: Tiers, prefetch_depth: int) -> Gra
     disk_home = [u for u in units if transfers_only(u.home)]
     if disk_home:
         stager = ParamStager(
-            tiers.host, max(u.home_bytes for u in disk_home), param_staging_slots(prefetch_depth)
+            tiers.host,
+            max(u.home_bytes for u in disk_home),
+            param_staging_slots(prefetch_depth),
+            disk_home[0].events,
         )
         for unit in disk_home:
             unit.param_stager = stager

@@ -267,13 +267,13 @@ def test_a_unit_without_a_step_pending_finds_a_staging_buffer_without_waiting(
     the worker out of order); training stays bitwise."""
     data = batches(4, vocab=64)
     reclaims = []
-    reclaim = borrowed.ParamLending._reclaim
+    reclaim = borrowed.ParamLending.give_one_back
 
     def counting(self):
         reclaims.append(1)
         return reclaim(self)
 
-    monkeypatch.setattr(borrowed.ParamLending, "_reclaim", counting)
+    monkeypatch.setattr(borrowed.ParamLending, "give_one_back", counting)
     results = []
     for in_forward in (True, False):
         torch.manual_seed(0)

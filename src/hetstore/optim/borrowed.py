@@ -218,19 +218,11 @@ class ParamLending:
     the next forward in the order the worker runs them (the order forward uses their
     units), and whose ``finish_unit_in_forward(unit)`` lands one."""
 
-    def __init__(self, worker: StepWorker, stagers: list, ahead):
+    def __init__(self, worker: StepWorker, ahead):
         self._worker = worker
-        self._stagers = stagers
         self._ahead = weakref.proxy(ahead)  # (the owner: a cycle would wait for the gc)
         self._forward_running = False  # a fetch gave a buffer back since the last handover
         self.fetches_from_disk = False  # (set at the handover; see _to_keep)
-        for stager in stagers:
-            stager.on_give_back = self._fetch_gave_back
-            stager.reclaim_lent = self._reclaim
-
-    def close(self) -> None:
-        for stager in self._stagers:
-            stager.on_give_back = stager.reclaim_lent = None
 
     def handed_over(self, used: list[Unit], deferred: set[int]) -> None:
         """``optimizer.step()`` handed steps to the next forward: forward has not run yet;
@@ -291,8 +283,9 @@ class ParamLending:
                 return 1
         return 0
 
-    def _fetch_gave_back(self) -> None:
-        """A fetch gave its buffer back: forward runs; lend it on."""
+    def buffer_free(self) -> None:
+        """A fetch gave its buffer back (``Event.PARAM_BUFFER_FREE``): forward runs; lend
+        it on."""
         with self._worker.claims:
             self._forward_running = True
         self.lend()
@@ -315,8 +308,9 @@ class ParamLending:
                     continue
             stager.unlend(slot)  # started meanwhile: it reads from disk; the next one
 
-    def _reclaim(self) -> bool:
-        """A fetch found every buffer lent: land the first step holding one (its buffer
+    def give_one_back(self) -> bool:
+        """A fetch found every buffer lent (``Event.PARAM_BUFFERS_LENT``): land the first
+        step holding one (its buffer
         is then staged, for its fetch, or returned). A step that fails here stays pending
         and raises at its own unit's use (its buffer was returned before the retry): not
         at this fetch of another unit."""

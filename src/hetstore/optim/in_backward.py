@@ -47,10 +47,6 @@ class BackwardSteps:
         self._policy = ahead.policy
         self._loss_scaler = loss_scaler  # fp16: gradients are unscaled before the step
         self.consume = consume
-        if consume:
-            for stager in ahead.stagers:
-                if isinstance(stager, GradStager):
-                    stager.reclaim = self._reclaim_oldest
 
     # ------------------------------------------------------------------ starting
     def start(self, unit: Unit) -> StepJob | None:
@@ -284,9 +280,10 @@ class BackwardSteps:
                 "longer hold. Call optimizer.zero_grad() after optimizer.step()"
             )
 
-    def _reclaim_oldest(self) -> bool:
-        """The gradient stager needs a buffer: wait for the oldest step in backward that
-        holds one. False when none does."""
+    def give_grad_buffer_back(self) -> bool:
+        """The gradient stager needs a buffer and every free one is lent
+        (``Event.GRAD_BUFFERS_LENT``): wait for the oldest step in backward that holds one.
+        False when none does."""
         for job in self._ahead.pending().values():
             if job.lent_grads:
                 self.finished(job, keep_failed_grads=True)

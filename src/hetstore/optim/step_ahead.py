@@ -80,7 +80,7 @@ from hetstore.optim.step_job import JobState, StepJob, Target, When
 from hetstore.optim.step_worker import StepWorker
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.events import Event
-from hetstore.runtime.staging import ParamStager, stagers_of
+from hetstore.runtime.staging import stagers_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -178,8 +178,7 @@ class StepAhead:
         self.read_aheads = ReadAheads(self._host, self.worker, self.stats)
         self.lending: ParamLending | None = None
         if in_forward:
-            param_stagers = [s for s in self.stagers if isinstance(s, ParamStager)]
-            self.lending = ParamLending(self.worker, param_stagers, self)
+            self.lending = ParamLending(self.worker, self)
         self.backward = BackwardSteps(self, loss_scaler, consume)
         self.forward = ForwardSteps(self, list(in_place)) if in_forward else None
         self.suspended = 0  # depth of hetstore.no_sync
@@ -292,7 +291,7 @@ class StepAhead:
         """What it listens to. Made on each call, not kept: bound methods kept on the
         object would be a reference cycle, and a released model's step machinery (its
         unit steps, their buffers) would then wait for the garbage collector."""
-        return [
+        subscriptions = [
             (Event.BACKWARD_STARTED, self.backward_started),
             (Event.GRADS_GATHERED, self.consume_grads),
             (Event.GRADS_FINAL, self.grads_final),
@@ -300,6 +299,12 @@ class StepAhead:
             (Event.UNIT_READ, self.finish_unit_in_forward),
             (Event.STATE_CHANGE, self._state_change),
         ]
+        if self.consume:  # (the stager's buffers it takes over in backward)
+            subscriptions.append((Event.GRAD_BUFFERS_LENT, self.backward.give_grad_buffer_back))
+        if self.lending is not None:  # (the parameter buffers it borrows)
+            subscriptions.append((Event.PARAM_BUFFER_FREE, self.lending.buffer_free))
+            subscriptions.append((Event.PARAM_BUFFERS_LENT, self.lending.give_one_back))
+        return subscriptions
 
     def backward_started(self) -> None:
         self.finish_in_forward()  # the gradients they read are about to be written
@@ -463,8 +468,6 @@ class StepAhead:
             self.stop_worker_if_idle(closing=True)
         if self._reclaim_host in self._host.reclaimers:
             self._host.reclaimers.remove(self._reclaim_host)
-        if self.lending is not None:
-            self.lending.close()
         for event, handler in self._subscriptions():
             self._events.unsubscribe(event, handler)
 

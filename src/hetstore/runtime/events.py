@@ -13,6 +13,9 @@ layer works the same with no subscriber at all (a model offloaded without an opt
 | ``BACKWARD_ENDED`` | runtime.hooks | | autograd's end-of-backward callback |
 | ``UNIT_READ`` | ``Unit.barrier`` | unit | something is about to read or change the unit while work on it is pending (``Unit.work_pending``): that work lands first |
 | ``STATE_CHANGE`` | ``Unit.before_state_change`` | unit | the master or the optimizer states are about to be rewritten outside a step |
+| ``PARAM_BUFFER_FREE`` | ``ParamStager.give_back`` | | a fetch gave its parameter staging buffer back (a subscriber may lend it on) |
+| ``PARAM_BUFFERS_LENT`` | ``ParamStager`` | | a fetch found every parameter staging buffer lent: a subscriber that gives one back returns True |
+| ``GRAD_BUFFERS_LENT`` | ``GradStager.buffer_for`` | | a unit needs a gradient staging buffer and every free one is lent: a subscriber that gives one back returns True |
 
 Subscribers run on the publishing thread, in the order they subscribed.
 """
@@ -32,6 +35,9 @@ class Event(Enum):
     BACKWARD_ENDED = auto()
     UNIT_READ = auto()
     STATE_CHANGE = auto()
+    PARAM_BUFFER_FREE = auto()
+    PARAM_BUFFERS_LENT = auto()
+    GRAD_BUFFERS_LENT = auto()
 
 
 class Events:

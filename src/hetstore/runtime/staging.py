@@ -21,19 +21,23 @@ tier, so the host memory a disk placement needs does not grow with the model:
   later (accumulation makes that exact), so any model order works. With
   ``step_in_backward`` a unit's full buffer is handed to the optimizer's step in
   backward instead of being written (:meth:`GradStager.hand_over`); a unit needing a
-  buffer then may wait for such a step to finish (``reclaim``).
+  buffer then may wait for such a step to finish (``Event.GRAD_BUFFERS_LENT``).
+
+Neither knows who borrows its buffers: it publishes on the model's event bus
+(:mod:`hetstore.runtime.events`) when a buffer comes free and when it finds every one
+lent, and the borrower (the optimizer's step ahead) subscribes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from hetstore.errors import OutOfTierMemory
 from hetstore.footprints import GRAD_STAGING_SLOTS
+from hetstore.runtime.events import Event, Events
 from hetstore.tiers import HostBuffer, HostTier
 from hetstore.tiers.hostmem import PAGE_SIZE, round_up
 from hetstore.tiers.store import Done
@@ -103,19 +107,15 @@ class _Slots:
 class ParamStager:
     """Staging buffers for reading compute-dtype parameters from disk (see module doc)."""
 
-    def __init__(self, host: HostTier, nbytes: int, count: int):
+    def __init__(self, host: HostTier, nbytes: int, count: int, events: Events):
         self._slots = _Slots(host, nbytes, count, "param staging")
+        self._events = events  # (the model's: buffers come free, or all are lent)
         self._staged: OrderedDict[Unit, tuple[torch.Tensor, object]] = OrderedDict()
         self._uploading: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         # fetches that found their read already started (prefetched) / had to start it
         self.prefetched = 0
         self.unprefetched = 0
         self.lent = 0  # buffers a step in the next forward is filling (lend)
-        # set by the optimizer's step ahead while it may borrow buffers: told when a
-        # fetch gives one back (it lends it on to the next unit's step), and asked to
-        # turn a lent buffer into a staged one when a fetch finds none free
-        self.on_give_back: Callable[[], None] | None = None
-        self.reclaim_lent: Callable[[], bool] | None = None
 
     @property
     def unmade_bytes(self) -> int:
@@ -142,8 +142,9 @@ class ParamStager:
         if slot is None and self._uploading and block:
             self._reclaim_uploads(block=True)
             slot = self._slots.take()
-        if slot is None and not self._staged and block and self.lent and self.reclaim_lent:
-            self.reclaim_lent()  # a step finished in forward stages (or returns) its buffer
+        if slot is None and not self._staged and block and self.lent:
+            # a step finished in forward stages (or returns) the buffer it borrowed
+            self._events.publish(Event.PARAM_BUFFERS_LENT)
             slot = self._slots.take()
         if slot is None and self._staged and block:
             _, (slot, handle) = self._staged.popitem(last=False)  # drop the oldest prefetch
@@ -189,8 +190,7 @@ class ParamStager:
         """Return a buffer from :meth:`take`; with ``event``, once that copy has finished."""
         if event is None:
             self._slots.give(slot)
-            if self.on_give_back is not None:
-                self.on_give_back()
+            self._events.publish(Event.PARAM_BUFFER_FREE)  # (a borrower may lend it on)
         else:
             self._uploading.append((slot, event))
 
@@ -203,8 +203,8 @@ class ParamStager:
     def lend(self) -> torch.Tensor | None:
         """A free buffer for another thread to fill with a unit's new parameters (a step
         in the next forward); never waits, never drops a prefetch. Comes back through
-        :meth:`stage` or :meth:`unlend`; until then a fetch finding no buffer asks
-        ``reclaim_lent``."""
+        :meth:`stage` or :meth:`unlend`; until then a fetch finding no buffer publishes
+        ``Event.PARAM_BUFFERS_LENT``."""
         self._reclaim_uploads(block=False)
         try:
             slot = self._slots.take()
@@ -247,16 +247,17 @@ class ParamStager:
 class GradStager:
     """Host buffers gathering fp32 gradients of disk-gradient units (see module doc)."""
 
-    def __init__(self, host: HostTier, nbytes: int, count: int = GRAD_STAGING_SLOTS):
+    def __init__(
+        self, host: HostTier, nbytes: int, events: Events, count: int = GRAD_STAGING_SLOTS
+    ):
         self._slots = _Slots(host, nbytes, count, "grad staging")
+        self._events = events  # (the model's: asks a borrower for a buffer back)
         # unit -> (gradient view, the whole buffer it is a prefix of)
         self._holders: OrderedDict[Unit, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._writing: list[tuple[Unit, torch.Tensor]] = []  # (unit, whole buffer)
         # buffers lent to the optimizer's step ahead, which steps their unit from them
         # (no read back from disk): unit -> whole buffer; they come back by give_back()
         self._lent: dict[Unit, torch.Tensor] = {}
-        # step_in_backward: waits for the oldest step in backward to give its buffer back
-        self.reclaim: Callable[[], bool] | None = None
 
     @property
     def slot_bytes(self) -> int:
@@ -271,7 +272,8 @@ class GradStager:
         while slot is None:
             if self._writing:
                 self._finish_oldest_write()
-            elif not (self._lent and self.reclaim is not None and self.reclaim()):
+            # (step_in_backward: the oldest step in backward gives its buffer back)
+            elif not (self._lent and self._events.publish(Event.GRAD_BUFFERS_LENT)):
                 self.flush(next(iter(self._holders)))  # (never all lent: see lend)
             slot = self._slots.take()
         view = _grads_in(slot, unit)
