@@ -228,3 +228,59 @@ def test_rejects_non_contiguous_and_non_cpu_buffers(engine, dfile):
     with pytest.raises(ValueError, match=">= 0"):
         engine.submit_write(dfile, -1, torch.zeros(4))
     assert dfile.pending == 0
+
+
+def test_background_threads_transfers_wait_behind_the_compute_paths(tmp_path, monkeypatch):
+    """Two lanes (``background_io``): requests a background thread (the optimizer's step
+    worker) queued are served only once the other threads' queued requests are. The one
+    worker thread is held inside the first background request until the compute path's
+    read is queued behind eight more background ones: it is served next, and the bytes
+    of every transfer are still right."""
+    import threading
+
+    from hetstore.tiers import aio
+
+    served, gate, first, armed = [], threading.Event(), threading.Event(), threading.Event()
+    run = aio._run
+
+    def recording(req, bounces):
+        if armed.is_set() and not served:
+            first.set()
+            assert gate.wait(30), "the test never let the worker go"
+        served.append("bg" if req.transfer.write else "fg")
+        run(req, bounces)
+
+    monkeypatch.setattr(aio, "_run", recording)
+    block = 64 * 1024
+    data = aligned_empty(9 * block)
+    data.copy_(random_bytes(9 * block, seed=3))
+    other = aligned_empty(block)
+    other.copy_(random_bytes(block, seed=4))
+    with AsyncIOEngine(block_size=block, threads=1) as eng:
+        f = DiskFile(tmp_path / "lanes.bin")
+        g = DiskFile(tmp_path / "other.bin")
+        eng.submit_write(g, 0, other).wait()  # (the compute path's file)
+        served.clear()
+        armed.set()
+        handles = []
+
+        def step_worker():
+            aio.background_io()
+            handles.append(eng.submit_write(f, 0, data))
+
+        thread = threading.Thread(target=step_worker)
+        thread.start()
+        thread.join()
+        assert first.wait(30)
+        into = aligned_empty(block)
+        read = eng.submit_read(g, 0, into)
+        gate.set()
+        read.wait()
+        handles[0].wait()
+        assert torch.equal(into, other)
+        back = aligned_empty(9 * block)
+        eng.submit_read(f, 0, back).wait()
+        f.close()
+        g.close()
+    assert served[:3] == ["bg", "fg", "bg"] and served.count("bg") == 9, served
+    assert torch.equal(back, data)

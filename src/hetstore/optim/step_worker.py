@@ -28,6 +28,7 @@ import torch
 from hetstore.errors import OutOfTierMemory
 from hetstore.optim.step_job import StepJob
 from hetstore.runtime.rewrite import chunk_buffers
+from hetstore.tiers.aio import background_io
 from hetstore.tiers.hostmem import PAGE_SIZE, round_up
 
 if TYPE_CHECKING:
@@ -202,3 +203,6 @@ def outcome(future: Future) -> bool:
 
 def _mark_thread(box: list) -> None:
     box[0] = threading.get_ident()
+    # its disk IO (a step's master and states, read-ahead) waits behind the compute
+    # path's (the parameter fetches forward and backward wait for)
+    background_io()

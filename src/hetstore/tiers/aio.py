@@ -20,6 +20,14 @@ Alignment (O_DIRECT needs 4096-aligned memory address, file offset and length):
 * Consequently two transfers in flight at once must not touch the same 4096-byte page of a
   file (distinct disk-tier regions never do).
 
+Two lanes: requests submitted from a thread marked as background (``background_io()``:
+the optimizer's step worker, whose steps run beside forward and backward) are served
+after every request of the other threads that is queued (FIFO within each lane). The
+compute path's reads (a parameter fetch or prefetch a unit's forward or backward waits
+for) then never queue behind a step's megabytes of state IO. The order requests are
+served in was never a guarantee of the order they finish in (several threads serve
+them), so no caller relies on it.
+
 Files whose file system refuses O_DIRECT (``open`` fails with EINVAL) use buffered IO, with
 one warning per directory; no alignment is needed there.
 
@@ -48,7 +56,20 @@ from hetstore._safefs import create_private_file
 from hetstore.errors import ConfigError, DiskIOError
 from hetstore.tiers.hostmem import aligned_empty
 
-__all__ = ["ALIGNMENT", "AsyncIOEngine", "DiskFile", "IOHandle", "DEFAULT_THREADS"]
+__all__ = ["ALIGNMENT", "AsyncIOEngine", "DiskFile", "IOHandle", "DEFAULT_THREADS", "background_io"]
+
+_THREAD = threading.local()
+
+
+def background_io() -> None:
+    """Mark the calling thread's transfers as background: served after the queued
+    requests of every other thread (see the module doc). For the life of the thread."""
+    _THREAD.background = True
+
+
+def _is_background() -> bool:
+    return getattr(_THREAD, "background", False)
+
 
 ALIGNMENT = 4096  # O_DIRECT alignment of address, offset and length (logical block size)
 MiB = 2**20
@@ -458,13 +479,15 @@ class _WorkerPool:
     def __init__(self, threads: int, bounces: _BouncePool):
         self.nthreads = threads
         self.bounces = bounces
-        self.queue: deque[_Request] = deque()
+        self.queue: deque[_Request] = deque()  # the compute path's lane, served first
+        self.later: deque[_Request] = deque()  # background threads' lane
         self.cond = threading.Condition()
         self.closing = False
         self.threads: list[threading.Thread] = []
 
-    def submit(self, reqs: list[_Request]) -> bool:
-        """Queue requests in order (FIFO across transfers); False if the pool is closing."""
+    def submit(self, reqs: list[_Request], background: bool = False) -> bool:
+        """Queue requests in order (FIFO across transfers of a lane; ``background``: the
+        lane served once the other is empty); False if the pool is closing."""
         with self.cond:
             if self.closing:
                 return False
@@ -473,26 +496,30 @@ class _WorkerPool:
                     th = threading.Thread(target=self._loop, name=f"hetstore-aio-{i}", daemon=True)
                     th.start()
                     self.threads.append(th)
-            self.queue.extend(reqs)
+            (self.later if background else self.queue).extend(reqs)
             self.cond.notify(len(reqs))
         return True
 
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not self.queue and not self.closing:
+                while not self.queue and not self.later and not self.closing:
                     self.cond.wait()
-                if not self.queue:
+                if self.queue:
+                    req = self.queue.popleft()
+                elif self.later:
+                    req = self.later.popleft()
+                else:
                     return
-                req = self.queue.popleft()
             _run(req, self.bounces)
 
     def shutdown(self) -> None:
         """Cancel queued requests, let running ones finish, join the threads (idempotent)."""
         with self.cond:
             self.closing = True
-            cancelled = list(self.queue)
+            cancelled = [*self.queue, *self.later]
             self.queue.clear()
+            self.later.clear()
             self.cond.notify_all()
         for req in cancelled:
             req.transfer.request_done(_cancelled(req, "the AsyncIOEngine was closed"))
@@ -578,7 +605,7 @@ class AsyncIOEngine:
         if reqs:
             why = "the AsyncIOEngine was closed"
             try:
-                queued = self._pool.submit(reqs)
+                queued = self._pool.submit(reqs, background=_is_background())
             except RuntimeError as exc:  # "can't start new thread": fail this transfer only
                 queued, why = False, f"no worker thread could start ({exc}); try enable_aio=False"
             if not queued:
