@@ -121,18 +121,18 @@ def test_a_step_that_fails_on_the_worker_raises_at_the_units_next_use(tmp_path, 
     train(on, on_opt, data[:1])
     on_opt.finish_steps_in_forward()  # (the first step's, before the patch below)
     victim = next(s for s in on_opt.unit_steps if isinstance(s, InMemoryUnitStep))
-    original = victim.optimizer.step
+    original = victim.step
 
     def failing(*args, **kwargs):
         raise RuntimeError("injected: the step failed")
 
-    monkeypatch.setattr(victim.optimizer, "step", failing)
+    monkeypatch.setattr(victim, "step", failing)  # (the unit's whole step, on the worker)
     x, y = data[1]
     on(x, y).backward()
     on_opt.step()  # returns: the failure is on the worker
     with pytest.raises(RuntimeError, match=f"unit {victim.unit.name!r}.*failed part-way") as err:
         on(x, y)
-    monkeypatch.setattr(victim.optimizer, "step", original)
+    monkeypatch.setattr(victim, "step", original)
     assert "injected" in str(err.value.__cause__)
     on_opt.zero_grad()
     losses = train(on, on_opt, data[2:])  # training goes on

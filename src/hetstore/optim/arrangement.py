@@ -165,7 +165,7 @@ class StepArrangement:
                 inner_groups.append({**self._hyper(group_index), "params": views})
                 owners.append(group_index)
         inner = self.optimizer_class(inner_groups)
-        step = InMemoryUnitStep(unit, inner, tensors, owners)
+        step = InMemoryUnitStep(unit, inner, tensors, owners, flat=self._flat)
         if self._flat and self._spec.preallocate_states:
             self._preallocate_states(step)
         return step

@@ -67,11 +67,21 @@ class MemoryShadows:
 class InMemoryUnitStep:
     """The inner optimizer of one unit and the tensors it steps (see module doc)."""
 
-    def __init__(self, unit: Unit, optimizer: Optimizer, tensors: list[torch.Tensor], groups):
+    def __init__(
+        self,
+        unit: Unit,
+        optimizer: Optimizer,
+        tensors: list[torch.Tensor],
+        groups,
+        flat: bool = False,
+    ):
         self.unit = unit
         self.optimizer = optimizer
         self.tensors = tensors  # stepped tensors (segments or per-parameter views)
         self.groups = groups  # outer group index of each inner group
+        # the tensors are the param-group segments, each stepped by one fused call
+        # (streamed.step_flat); else per-parameter views the user's class steps itself
+        self.flat = flat
         self._spec = flat_spec(type(optimizer))
         self._placeholders: list[Optimizer] | None = None  # the worker's, per segment
 
@@ -87,11 +97,61 @@ class InMemoryUnitStep:
     def step(self, hyper: Callable[[int], dict]) -> None:
         """The ordinary step, in place: each inner group takes the values ``hyper`` gives
         for its outer group (the live ones in ``optimizer.step()``; those of that call
-        for a step in the next forward), then the compute-dtype copies are refreshed."""
+        for a step in the next forward), then the compute-dtype copies are refreshed.
+        Flat: the segments go through :meth:`_step_segments`, as a speculation's do."""
+        values = {outer: hyper(outer) for outer in self.groups}
         for inner, outer in zip(self.optimizer.param_groups, self.groups, strict=True):
-            inner.update(hyper(outer))
-        self.optimizer.step()
+            inner.update(values[outer])
+        if not self.flat:
+            self.optimizer.step()
+        else:
+            unit = self.unit
+            live = [self.optimizer.state.setdefault(t, {}) for t in self.tensors]
+            states = [
+                {k: state[k] for k in self._state_keys(i, values) if k in state}
+                for i, state in enumerate(live)
+            ]
+            fresh = [not s and not self._spec.preallocate_states for s in states]
+            grads = [unit.grad[seg.start : seg.end] for seg in unit.segments]
+            stepped = self._step_segments(unit.master, states, grads, values, fresh, live)
+            for state, after in zip(live, stepped, strict=True):
+                counter = state.get("step")
+                if counter is not None and "step" in after:
+                    counter.copy_(after["step"])  # (the live counter, moved in place)
+                    after = {k: v for k, v in after.items() if k != "step"}
+                state.update(after)  # (the states torch made itself, SGD's first)
         self.unit.refresh_after_step()
+
+    def _step_segments(
+        self,
+        master: torch.Tensor,
+        states: list[dict[str, torch.Tensor]],
+        grads: list[torch.Tensor],
+        hyper: dict[int, dict],
+        fresh: list[bool],
+        live: list[dict],
+    ) -> list[dict]:
+        """Step each param-group segment of ``master`` (the live master, or a
+        speculation's shadow) with its ``grads`` and ``states`` (views stepped in place)
+        by one fused call, :func:`step_flat`, the counter taken from ``live`` (the inner
+        optimizer's state, never moved here): the one kernel call of every flat step in
+        memory, ordinary or ahead. Returns the state each call left."""
+        if self._placeholders is None:
+            self._placeholders = placeholder_optimizers(
+                type(self.optimizer), self.optimizer.param_groups
+            )
+        return [
+            step_flat(
+                self._placeholders[i],
+                hyper[self.groups[i]],
+                master[seg.start : seg.end],
+                grads[i],
+                states[i],
+                live[i].get("step"),
+                fresh[i],
+            )
+            for i, seg in enumerate(self.unit.segments)
+        ]
 
     # ------------------------------------------------------------------ step ahead
     def can_speculate(self, flat: bool) -> bool:
@@ -159,16 +219,14 @@ class InMemoryUnitStep:
         unit = self.unit
         master = shadows.master.data
         master.copy_(unit.master)
-        if self._placeholders is None:
-            self._placeholders = placeholder_optimizers(
-                type(self.optimizer), self.optimizer.param_groups
-            )
-        for i, (seg, tensor) in enumerate(zip(unit.segments, self.tensors, strict=True)):
-            live = self.optimizer.state.get(tensor, {})
-            states = {key: a.data for key, a in shadows.states[i].items()}
+        live = [self.optimizer.state.get(t, {}) for t in self.tensors]
+        states, grads = [], []
+        for i, seg in enumerate(unit.segments):
+            per = {key: a.data for key, a in shadows.states[i].items()}
             if not shadows.fresh[i]:
-                for key, value in states.items():
-                    value.copy_(live[key])
+                for key, value in per.items():
+                    value.copy_(live[i][key])
+            states.append(per)
             # the gradients it steps with, in its own buffer (unscaled by fp16's factor):
             # the live ones' version counter stays the user's (torch's fused kernel
             # declares its gradient mutable), and optimizer.step() can tell by value
@@ -179,15 +237,8 @@ class InMemoryUnitStep:
                 torch.mul(live_grad, factor, out=grad)
             else:
                 grad.copy_(live_grad)
-            step_flat(
-                self._placeholders[i],
-                shadows.hyper[self.groups[i]],
-                master[seg.start : seg.end],
-                grad,
-                states,
-                live.get("step"),
-                shadows.fresh[i],
-            )
+            grads.append(grad)
+        self._step_segments(master, states, grads, shadows.hyper, shadows.fresh, live)
 
     def grads_unchanged(self, shadows: MemoryShadows) -> bool:
         """Whether the live gradients are, bit for bit, the ones the speculation stepped

@@ -57,11 +57,14 @@ def step_flat(
     states: dict[str, torch.Tensor],
     step: torch.Tensor | None,
     fresh: bool,
-) -> None:
+) -> dict:
     """One fused step of flat ``param`` with ``grad`` and the fp32 ``states`` (views the
     step updates in place), as ``inner`` (a one-group optimizer of the user's class) would
     step it with the group values ``hyper``; ``step``: the counter before this step (not
-    changed here). ``fresh``: torch makes the states itself (SGD's first momentum)."""
+    changed here). ``fresh``: torch makes the states itself (SGD's first momentum). The
+    one kernel call of every flat step (in memory, compact, streamed; ordinary, ahead or
+    in the next forward). Returns the state torch left: the counter after this step, and
+    the states (those it made itself, when ``fresh``)."""
     group = inner.param_groups[0]
     group.update(hyper)
     group["params"] = [param]
@@ -77,7 +80,9 @@ def step_flat(
         if value is not None and value.data_ptr() != view.data_ptr():
             view.copy_(value)  # a state torch created itself (SGD's first momentum)
     param.grad = None
+    stepped = inner.state.pop(param)
     inner.state.clear()
+    return stepped
 
 
 def placeholder_optimizers(
