@@ -507,7 +507,9 @@ def _stage_grads(unit: Unit, units: list[Unit], tiers: Tiers, runtime: OffloadRu
 
 def _share_grad_stager(staged: list[Unit], tiers: Tiers) -> GradStager:
     """One gradient stager for ``staged`` units, its slots sized for the largest."""
-    stager = GradStager(tiers.host, max(u.trainable_numel * 4 for u in staged), staged[0].events)
+    stager = GradStager(
+        tiers.host, max(u.trainable_numel * 4 for u in staged), events=staged[0].events
+    )
     for unit in staged:
         unit.grad_stager = stager
     return stager

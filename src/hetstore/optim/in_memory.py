@@ -106,7 +106,7 @@ class InMemoryUnitStep:
             self.optimizer.step()
         else:
             unit = self.unit
-            live = [self.optimizer.state.setdefault(t, {}) for t in self.tensors]
+            live = [self.optimizer.state.get(t, {}) for t in self.tensors]
             states = [
                 {k: state[k] for k in self._state_keys(i, values) if k in state}
                 for i, state in enumerate(live)
@@ -114,12 +114,14 @@ class InMemoryUnitStep:
             fresh = [not s and not self._spec.preallocate_states for s in states]
             grads = [unit.grad[seg.start : seg.end] for seg in unit.segments]
             stepped = self._step_segments(unit.master, states, grads, values, fresh, live)
-            for state, after in zip(live, stepped, strict=True):
+            for tensor, state, after in zip(self.tensors, live, stepped, strict=True):
                 counter = state.get("step")
                 if counter is not None and "step" in after:
                     counter.copy_(after["step"])  # (the live counter, moved in place)
                     after = {k: v for k, v in after.items() if k != "step"}
-                state.update(after)  # (the states torch made itself, SGD's first)
+                made = {k: v for k, v in after.items() if k not in state}
+                if made:  # the states torch made itself (SGD's first momentum)
+                    self.optimizer.state[tensor] = {**state, **made}
         self.unit.refresh_after_step()
 
     def _step_segments(

@@ -93,6 +93,20 @@ class Capacities:
         """The capacity of ``tier`` (a ``Tier`` or its report name)."""
         return self.limits[Tier.from_label(tier)]
 
+    def __getattr__(self, name: str) -> int | None:
+        # a tier's report name reads its limit (``c.device``, ``c.host``, ``c.disk``), as
+        # when each was a field
+        limits = self.__dict__.get("limits")
+        if limits is None or name.startswith("_"):
+            raise AttributeError(name)
+        for tier, limit in limits.items():
+            if tier.label == name:
+                return limit
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __hash__(self) -> int:  # (frozen, like the three fields it had: usable as a key)
+        return hash(tuple(self.limits.items()))
+
     def less(self, tier: Tier, nbytes: int) -> Capacities:
         """These capacities with ``nbytes`` less of ``tier`` (which has a limit)."""
         return self.with_limit(tier, self.of(tier) - nbytes)

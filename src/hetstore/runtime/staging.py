@@ -248,7 +248,7 @@ class GradStager:
     """Host buffers gathering fp32 gradients of disk-gradient units (see module doc)."""
 
     def __init__(
-        self, host: HostTier, nbytes: int, events: Events, count: int = GRAD_STAGING_SLOTS
+        self, host: HostTier, nbytes: int, count: int = GRAD_STAGING_SLOTS, *, events: Events
     ):
         self._slots = _Slots(host, nbytes, count, "grad staging")
         self._events = events  # (the model's: asks a borrower for a buffer back)
