@@ -1,4 +1,4 @@
-"""Keep freed working memory from staying resident on a CPU device.
+"""Keep freed working memory from staying resident on a CPU device, at no cost per tensor.
 
 On a CPU device the "device" is host RAM allocated by torch through the C allocator,
 and every budget hetstore keeps is a share of the process's resident set. glibc serves
@@ -7,42 +7,59 @@ a request below its mmap threshold from the heap, and raises that threshold (up 
 gradients and the units' temporaries (a few MiB to tens of MiB each) come from the heap,
 and what they free stays resident in holes between live blocks. Measured on a 277M GPT
 trained from disk under a 256 MiB device and 512 MiB host budget: the process peaked
-328 MiB above its budgets' peaks and its start-up size; with the threshold fixed at
-1 MiB, 107 MiB (and no measurable change in step time on that disk-bound run).
+328 MiB above its budgets' peaks and its start-up size.
 
-So :func:`bound_heap_retention` fixes the threshold once per process, on glibc only
-(elsewhere it does nothing): requests of 1 MiB or more are mapped on their own and
-unmapped when freed. It is process-wide, as any allocator setting is. It costs time
-where compute dominates: every large temporary is mapped and faulted in afresh (a 100M
-GPT with its states in host memory: 1.22x plain PyTorch with it, 1.04x without,
-benchmarks/results/train_step_2026-11-27_malloc_epyc.txt). So it is applied when a
-model is offloaded onto a CPU device with a host budget set (``offload_cpu_size``) or
-anything on disk, where the process's memory is what the user bounds.
+The first remedy fixed glibc's mmap threshold at 1 MiB for the whole process, so every
+large temporary was mapped on its own and unmapped when freed (107 MiB over on that
+run). It cost every such temporary a fresh mapping and its page faults: a 100M GPT with
+its states in host memory ran at 1.22x plain PyTorch with it, 1.04x without; a 77M GPT
+trained from disk with a clip that bites, 1.45x with it, 1.12x without
+(benchmarks/results/disk_offload_heap_bound_2026-11-27_epyc.txt).
+
+So :class:`HeapBound` leaves the allocator alone and watches the resident set instead:
+after each unit's forward and backward the runtime asks it (``check``), and when the
+process holds more than it did before ``offload()``, plus what the tiers hold now, plus
+``slack``, the heap's free pages go back to the OS (``malloc_trim``). A step whose
+temporaries fit the slack never trims, and the heap's freed chunks serve the next step's
+tensors of the same sizes without a fault. It applies where the process's memory is
+what the user bounds: a model offloaded onto a CPU device with a host budget
+(``offload_cpu_size``) or anything on disk.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
+import os
+from collections.abc import Callable
 
-__all__ = ["bound_heap_retention"]
+from hetstore.tiers.hostmem import return_free_heap
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-THRESHOLD = 1 << 20
+__all__ = ["HeapBound", "current_rss"]
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-@functools.cache
-def bound_heap_retention() -> bool:
-    """Fix glibc's mmap threshold at 1 MiB; True when it was set."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
+def current_rss() -> int | None:
+    """This process's resident set in bytes now (/proc/self/statm), None where unknown."""
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD))
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class HeapBound:
+    """Trim the C heap when the resident set outgrows the tiers (see the module doc).
+    ``baseline``: the resident set before ``offload()`` made anything; ``held()``: the
+    bytes the tiers hold now (the device account, the host pool's mapped blocks)."""
+
+    def __init__(self, baseline: int, held: Callable[[], int], slack: int):
+        self._baseline = baseline
+        self._held = held
+        self.slack = slack
+        self.trims = 0  # how often it gave memory back (a busy bound costs page faults)
+
+    def check(self) -> None:
+        rss = current_rss()
+        if rss is not None and rss > self._baseline + self._held() + self.slack:
+            return_free_heap()
+            self.trims += 1

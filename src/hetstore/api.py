@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -9,7 +10,7 @@ from collections.abc import Callable, Sequence
 from torch import nn
 from torch.optim import Optimizer
 
-from hetstore._malloc import bound_heap_retention
+from hetstore._malloc import HeapBound, current_rss
 from hetstore._sizes import format_size
 from hetstore.config import OffloadConfig
 from hetstore.errors import ConfigError
@@ -115,6 +116,10 @@ class _Offloading:
         self.process_group = process_group
         self.events = Events()  # the model's bus: units and runtime publish on it
         self.units: list[Unit] = []  # every unit, in order, once materialize built them
+        # the process's resident set before anything was made, where it is bounded
+        # (_bound_process_memory), and the bound the runtime checks against it
+        self._rss_before: int | None = None
+        self.heap_bound: HeapBound | None = None
 
     # ------------------------------------------------------------------ phases
     def validate(self) -> None:
@@ -179,16 +184,31 @@ class _Offloading:
 
     def _bound_process_memory(self, plan: Plan) -> None:
         """On a CPU device the device's memory is the process's: keep freed memory from
-        staying resident (hetstore._malloc) where the user bounds the process, with a
-        host budget, or with anything on disk (it must stay far below the states' size).
-        Not otherwise: it costs step time (a 100M GPT offloaded to host memory took
-        1.22x plain PyTorch with it, 1.04x without)."""
+        staying resident (hetstore._malloc.HeapBound) where the user bounds the process,
+        with a host budget, or with anything on disk (it must stay far below the states'
+        size). Its baseline is the process before anything was made; the runtime checks
+        it after each unit (``OffloadRuntime.heap_bound``)."""
         on_disk = any(
             Tier.DISK in (u.choice.param, u.choice.optimizer, u.choice.activations)
             for u in plan.units
         )
-        if self.device.type == "cpu" and (self.config.offload_cpu_size is not None or on_disk):
-            bound_heap_retention()
+        bounded = self.config.offload_cpu_size is not None or on_disk
+        if self.device.type != "cpu" or not bounded or self._rss_before is not None:
+            return
+        rss = current_rss()
+        if rss is None:
+            return  # (no /proc: nothing to measure against)
+        tiers = getattr(self, "tiers", None)  # (a replan: what they hold is the process's)
+        self._rss_before = rss - (_tiers_hold(tiers) if tiers is not None else 0)
+        if getattr(self, "runtime", None) is not None:
+            self._attach_heap_bound()
+
+    def _attach_heap_bound(self) -> None:
+        if self._rss_before is None:
+            return
+        held = functools.partial(_tiers_hold, self.tiers)
+        self.heap_bound = HeapBound(self._rss_before, held, slack=HEAP_SLACK)
+        self.runtime.heap_bound = self.heap_bound
 
     def materialize(self, init_fn: Callable[[nn.Module], None] | None) -> None:
         """Make the tiers and every unit's buffers in them (a meta model is initialized
@@ -256,6 +276,7 @@ class _Offloading:
             events=self.events,
         )
         self.runtime = runtime
+        self._attach_heap_bound()
         _refuse_untrained_grads(model, unit_list, self.optimizer, runtime)
         runtime.adopt(install_state_dict_hooks(model, unit_list, lambda: runtime.refusal))
         self.grad_contract = GradContract(unit_list)  # p.grad reads hetstore's buffers
@@ -513,6 +534,17 @@ def _share_grad_stager(staged: list[Unit], tiers: Tiers) -> GradStager:
     for unit in staged:
         unit.grad_stager = stager
     return stager
+
+
+# what the process may hold beyond what it held before offload() and what the tiers hold
+# now before the heap is trimmed (hetstore._malloc): a unit's temporaries, allocator slack
+HEAP_SLACK = 96 * 2**20
+
+
+def _tiers_hold(tiers: Tiers) -> int:
+    """Bytes the tiers hold in the process's memory: the device account (a CPU device)
+    and the host pool's mapped blocks."""
+    return tiers.device_tier.account.current + tiers.host.reserved
 
 
 def _ranks_on_host() -> int:

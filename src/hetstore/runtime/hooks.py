@@ -96,6 +96,9 @@ class OffloadRuntime:
         if any(u.events is not events for u in units):
             raise ValueError("hetstore internal error: a runtime's units publish on its bus")
         self.events = events
+        # a CPU device whose process memory is bounded: checked after each unit, it
+        # gives the C heap's freed pages back when the process outgrows the tiers
+        self.heap_bound = None  # (hetstore._malloc.HeapBound, set by offload())
         self.units = units
         self.root = root
         self.block_units = [u for u in units if u is not root]
@@ -302,6 +305,8 @@ class OffloadRuntime:
                     hook = _PreBackwardHook(self._weak, unit.index)
                     self.backward_state.await_backward(tensor, hook)
         unit.release()
+        if self.heap_bound is not None:
+            self.heap_bound.check()
 
     # ------------------------------------------------------------------ backward
     def _pre_backward(self, unit: Unit) -> None:
@@ -350,6 +355,8 @@ class OffloadRuntime:
                     self.backward_state.release_later(unit)
                 else:
                     unit.release()
+                if self.heap_bound is not None:
+                    self.heap_bound.check()
                 self._mark((self._root_name, "backward"))
 
     def _ensure_end_of_backward_callback(self) -> None:

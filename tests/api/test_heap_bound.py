@@ -1,0 +1,20 @@
+"""``HeapBound`` (hetstore._malloc): the C heap's freed pages go back to the OS only when
+the process holds more than its baseline, what the tiers hold and the slack. The budget
+it keeps is tested from outside in tests/api/test_rss_budgets.py; here, its trigger."""
+
+from __future__ import annotations
+
+from hetstore._malloc import HeapBound, current_rss
+
+MiB = 2**20
+
+
+def test_it_trims_only_past_baseline_plus_held_plus_slack():
+    rss = current_rss()
+    assert rss is not None and rss > 0
+    roomy = HeapBound(rss, lambda: 64 * MiB, slack=64 * MiB)  # far above the process now
+    roomy.check()
+    assert roomy.trims == 0
+    tight = HeapBound(0, lambda: 0, slack=MiB)  # the process is far above 1 MiB
+    tight.check()
+    assert tight.trims == 1
