@@ -21,7 +21,10 @@ after each unit's forward and backward the runtime asks it (``check``), and when
 process holds more than it did before ``offload()``, plus what the tiers hold now, plus
 ``slack``, the heap's free pages go back to the OS (``malloc_trim``). A step whose
 temporaries fit the slack never trims, and the heap's freed chunks serve the next step's
-tensors of the same sizes without a fault. It applies where the process's memory is
+tensors of the same sizes without a fault. What a trim cannot give back is live memory
+the process holds outside hetstore (a second model, a dataset, a rollout engine's cache):
+the bound takes it as the process's own from then on, so it does not trim after every
+unit for memory no trim can return. It applies where the process's memory is
 what the user bounds: a model offloaded onto a CPU device with a host budget
 (``offload_cpu_size``) or anything on disk.
 """
@@ -60,6 +63,15 @@ class HeapBound:
 
     def check(self) -> None:
         rss = current_rss()
-        if rss is not None and rss > self._baseline + self._held() + self.slack:
-            return_free_heap()
-            self.trims += 1
+        if rss is None:
+            return
+        limit = self._baseline + self._held() + self.slack
+        if rss <= limit:
+            return
+        return_free_heap()
+        self.trims += 1
+        after = current_rss()
+        if after is not None and after > limit:
+            # live memory no trim returns: the process's own from here on, with the
+            # slack above it again (no trim for the next page it grows by)
+            self._baseline += after - limit + self.slack

@@ -18,3 +18,13 @@ def test_it_trims_only_past_baseline_plus_held_plus_slack():
     tight = HeapBound(0, lambda: 0, slack=MiB)  # the process is far above 1 MiB
     tight.check()
     assert tight.trims == 1
+
+
+def test_memory_a_trim_cannot_return_becomes_the_baseline():
+    """Live memory outside hetstore (a second model, a dataset) is above the bound for
+    good: one trim finds that out, and the bound stops trimming after every unit for it."""
+    bound = HeapBound(0, lambda: 0, slack=MiB)  # everything the process holds is "over"
+    bound.check()
+    bound.check()
+    bound.check()
+    assert bound.trims == 1

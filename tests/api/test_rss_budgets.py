@@ -10,8 +10,8 @@ stay within them plus a stated overhead:
                inside a unit, gradients flowing between units in backward, the IO
                engine's threads, allocator slack)
 
-WORKING is 192 MiB: measured 100 MiB (cpu), 129 MiB (disk), 141 MiB (auto) on a 51M GPT
-and 150 MiB on a 277M one (4.1 GiB of training states, on disk) at batch 2 x 64, with
+WORKING is 192 MiB: measured 84-100 MiB (cpu), 129-132 MiB (disk), 139-141 MiB (auto) on
+a 51M GPT and 150-158 MiB on a 277M one (4.1 GiB of training states, on disk) at batch 2 x 64, with
 hetstore's heap bound (hetstore._malloc.HeapBound, 96 MiB of slack: 328 MiB on the 277M
 one without any bound; 61, 82, 124 and 104 MiB with the 1 MiB mmap threshold it
 replaced, which cost up to 1.45x plain PyTorch's step where the bound costs none
