@@ -120,6 +120,8 @@ class _Offloading:
         # (_bound_process_memory), and the bound the runtime checks against it
         self._rss_before: int | None = None
         self.heap_bound: HeapBound | None = None
+        self.tiers: Tiers | None = None  # made by materialize
+        self.runtime: OffloadRuntime | None = None  # made by wire_hooks
 
     # ------------------------------------------------------------------ phases
     def validate(self) -> None:
@@ -198,9 +200,9 @@ class _Offloading:
         rss = current_rss()
         if rss is None:
             return  # (no /proc: nothing to measure against)
-        tiers = getattr(self, "tiers", None)  # (a replan: what they hold is the process's)
-        self._rss_before = rss - (_tiers_hold(tiers) if tiers is not None else 0)
-        if getattr(self, "runtime", None) is not None:
+        # (a replan: what the tiers hold is the process's already)
+        self._rss_before = rss - (_tiers_hold(self.tiers) if self.tiers is not None else 0)
+        if self.runtime is not None:
             self._attach_heap_bound()
 
     def _attach_heap_bound(self) -> None:

@@ -107,8 +107,7 @@ _CAPACITY_KEYS = {
 _SHARE_KEYS = {Tier.DEVICE: "hbm_ratio", Tier.HOST: "cpu_ratio", Tier.DISK: None}
 _COLORS = {Tier.DEVICE: "#d62728", Tier.HOST: "#1f77b4", Tier.DISK: "#2ca02c"}
 _CLOSER = {Tier.DEVICE: None, Tier.HOST: Tier.DEVICE, Tier.DISK: Tier.HOST}
-_FARTHER = {closer: tier for tier, closer in _CLOSER.items() if closer is not None}
-_FARTHER.update({tier: None for tier in Tier if tier not in _FARTHER})
+_FARTHER = {t: next((f for f, c in _CLOSER.items() if c is t), None) for t in Tier}
 _STAGING = {Tier.DEVICE: None, Tier.HOST: None, Tier.DISK: Tier.HOST}
 _PATH_KEYS = {Tier.DEVICE: None, Tier.HOST: None, Tier.DISK: "offload_path"}
 _LINK_RATES = {
@@ -116,6 +115,17 @@ _LINK_RATES = {
     Tier.HOST: ("to_device", "from_device"),
     Tier.DISK: ("disk_read", "disk_write"),
 }
+
+
+def by_label(owner: object, table: dict | None, name: str):
+    """``table[tier]`` for the tier whose report name is ``name``: the ``__getattr__`` of
+    an object keyed by ``Tier`` that reads ``x.device``, ``x.host``, ``x.disk``."""
+    if table is not None and not name.startswith("_"):
+        for tier, value in table.items():
+            if tier.label == name:
+                return value
+    raise AttributeError(f"{type(owner).__name__!r} object has no attribute {name!r}")
+
 
 # report names, nearest first: the keys of memory_stats() and of the planner's peaks
 TIER_LABELS = tuple(t.label for t in Tier)

@@ -242,8 +242,9 @@ class ParamLending:
             job.params = job.unit.param_stager.lend()
 
     def forward_runs(self) -> None:
-        """A unit is used: forward runs (on CUDA a fetch gives its buffer back only once
-        its upload is done); lend to the units after it, before the worker reaches them."""
+        """A unit is used, or a fetch gave its buffer back (``Event.PARAM_BUFFER_FREE``):
+        forward runs (on CUDA a fetch gives its buffer back only once its upload is done);
+        lend to the units after it, before the worker reaches them."""
         with self._worker.claims:
             self._forward_running = True
         self.lend()
@@ -282,13 +283,6 @@ class ParamLending:
             if job.params is None and job.wants_params:
                 return 1
         return 0
-
-    def buffer_free(self) -> None:
-        """A fetch gave its buffer back (``Event.PARAM_BUFFER_FREE``): forward runs; lend
-        it on."""
-        with self._worker.claims:
-            self._forward_running = True
-        self.lend()
 
     def lend(self) -> None:
         """A buffer came free: lend it to the first step the worker has not started and

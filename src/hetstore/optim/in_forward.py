@@ -166,8 +166,9 @@ class ForwardSteps:
 
     # ------------------------------------------------------------------ landing
     def land_all(self) -> None:
-        """Land every step running in the next forward (waiting for the worker)."""
-        for job in self._ahead.in_forward_jobs():
+        """Land every step running in the next forward (waiting for the worker): those
+        into shadows, then those in place."""
+        for job in [*self._ahead.in_forward_jobs(), *self._ahead.in_place()]:
             self.land(job.unit)
 
     def land(self, unit: Unit) -> None:

@@ -302,7 +302,7 @@ class StepAhead:
         if self.consume:  # (the stager's buffers it takes over in backward)
             subscriptions.append((Event.GRAD_BUFFERS_LENT, self.backward.give_grad_buffer_back))
         if self.lending is not None:  # (the parameter buffers it borrows)
-            subscriptions.append((Event.PARAM_BUFFER_FREE, self.lending.buffer_free))
+            subscriptions.append((Event.PARAM_BUFFER_FREE, self.lending.forward_runs))
             subscriptions.append((Event.PARAM_BUFFERS_LENT, self.lending.give_one_back))
         return subscriptions
 
@@ -423,8 +423,6 @@ class StepAhead:
         """Land every step running in the next forward (waiting for the worker)."""
         if self.forward is not None:
             self.forward.land_all()
-            for job in self.in_place():
-                self.forward.land(job.unit)
 
     def finish_unit_in_forward(self, unit: Unit) -> None:
         """The one landing point of a step in the next forward: before any use of

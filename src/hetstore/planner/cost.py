@@ -63,7 +63,7 @@ from hetstore.footprints import (
     streamed_step_bytes,
 )
 from hetstore.planner.trace import MachineRates, Trace, UnitTrace
-from hetstore.tier import Tier
+from hetstore.tier import Tier, by_label
 from hetstore.tiers.hostmem import PAGE_SIZE, round_up
 
 __all__ = ["UnitChoice", "Estimate", "estimate", "optimizer_bytes", "TIERS"]
@@ -148,13 +148,7 @@ class Estimate:
 
     def __getattr__(self, name: str) -> int:
         # a tier's report name reads its peak (``e.device``, ``e.host``, ``e.disk``)
-        peaks = self.__dict__.get("peaks")
-        if peaks is None or name.startswith("_"):
-            raise AttributeError(name)
-        for tier, peak in peaks.items():
-            if tier.label == name:
-                return peak
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return by_label(self, self.__dict__.get("peaks"), name)
 
 
 def aliases_master(u: UnitTrace, c: UnitChoice) -> bool:

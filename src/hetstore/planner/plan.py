@@ -11,7 +11,7 @@ from pathlib import Path
 from hetstore._sizes import format_duration, format_size
 from hetstore.planner.cost import Estimate, UnitChoice, consumed, estimate, optimizer_bytes
 from hetstore.planner.trace import Trace
-from hetstore.tier import TIER_LABELS, Tier
+from hetstore.tier import TIER_LABELS, Tier, by_label
 
 __all__ = ["Capacities", "Plan", "UnitPlan", "confidence", "spread_line"]
 
@@ -96,13 +96,7 @@ class Capacities:
     def __getattr__(self, name: str) -> int | None:
         # a tier's report name reads its limit (``c.device``, ``c.host``, ``c.disk``), as
         # when each was a field
-        limits = self.__dict__.get("limits")
-        if limits is None or name.startswith("_"):
-            raise AttributeError(name)
-        for tier, limit in limits.items():
-            if tier.label == name:
-                return limit
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return by_label(self, self.__dict__.get("limits"), name)
 
     def __hash__(self) -> int:  # (frozen, like the three fields it had: usable as a key)
         return hash(tuple(self.limits.items()))
