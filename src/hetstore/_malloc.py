@@ -16,17 +16,27 @@ its states in host memory ran at 1.22x plain PyTorch with it, 1.04x without; a 7
 trained from disk with a clip that bites, 1.45x with it, 1.12x without
 (benchmarks/results/disk_offload_heap_bound_2026-11-27_epyc.txt).
 
-So :class:`HeapBound` leaves the allocator alone and watches the resident set instead:
-after each unit's forward and backward the runtime asks it (``check``), and when the
-process holds more than it did before ``offload()``, plus what the tiers hold now, plus
-``slack``, the heap's free pages go back to the OS (``malloc_trim``). A step whose
-temporaries fit the slack never trims, and the heap's freed chunks serve the next step's
-tensors of the same sizes without a fault. What a trim cannot give back is live memory
-the process holds outside hetstore (a second model, a dataset, a rollout engine's cache):
+So :class:`HeapBound` watches the resident set instead: after each unit's forward and
+backward the runtime asks it (``check``), and when the process holds more than it did
+before ``offload()``, plus what the tiers hold now, plus ``slack``, the heap's free pages
+go back to the OS (``malloc_trim``). What a trim cannot give back is live memory the
+process holds outside hetstore (a second model, a dataset, a rollout engine's cache):
 the bound takes it as the process's own from then on, so it does not trim after every
-unit for memory no trim can return. It applies where the process's memory is
-what the user bounds: a model offloaded onto a CPU device with a host budget
-(``offload_cpu_size``) or anything on disk.
+unit for memory no trim can return.
+
+While a bound lives it is the heap's only trim (``tiers.hostmem.keep_heap``): glibc's
+own gives the heap's free top back whenever more than twice its (rising) mmap threshold
+is free there, and a thread's heap likewise, so a unit's ~30 MiB device copy freed at
+its release was faulted in afresh at its next fetch: about 10,000 page faults a step on
+that 77M GPT, each costly on a VM whose memory the host backs lazily (first touch
+measured at ~1.4 ms a MiB). With glibc's trim threshold out of reach and its mmap
+threshold at its 32 MiB ceiling, freed chunks serve the next tensors of their size: the
+faults went to ~1,000 a step and that run's forward from 0.81-0.84 s to 0.71-0.74 s
+(benchmarks/results/disk_offload_keep_heap_2026-11-27_epyc.txt). When the last bound
+goes, glibc's trim threshold is its default again.
+
+It applies where the process's memory is what the user bounds: a model offloaded onto a
+CPU device with a host budget (``offload_cpu_size``) or anything on disk.
 """
 
 from __future__ import annotations
@@ -34,7 +44,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from hetstore.tiers.hostmem import return_free_heap
+import threading
+import weakref
+
+from hetstore.tiers.hostmem import keep_heap, return_free_heap
 
 __all__ = ["HeapBound", "current_rss"]
 
@@ -56,6 +69,8 @@ class HeapBound:
     bytes the tiers hold now (the device account, the host pool's mapped blocks)."""
 
     def __init__(self, baseline: int, held: Callable[[], int], slack: int):
+        _hold_heap()
+        weakref.finalize(self, _let_go_of_heap)
         self._baseline = baseline
         self._held = held
         self.slack = slack
@@ -75,3 +90,24 @@ class HeapBound:
             # live memory no trim returns: the process's own from here on, with the
             # slack above it again (no trim for the next page it grows by)
             self._baseline += after - limit + self.slack
+
+
+# live HeapBounds: while there is one, glibc keeps the heap (tiers.hostmem.keep_heap)
+_bounds = 0
+_bounds_lock = threading.Lock()
+
+
+def _hold_heap() -> None:
+    global _bounds
+    with _bounds_lock:
+        _bounds += 1
+        if _bounds == 1:
+            keep_heap(True)
+
+
+def _let_go_of_heap() -> None:
+    global _bounds
+    with _bounds_lock:
+        _bounds -= 1
+        if _bounds == 0:
+            keep_heap(False)

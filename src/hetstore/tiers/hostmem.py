@@ -25,6 +25,7 @@ __all__ = [
     "aligned_empty",
     "round_up",
     "return_free_heap",
+    "keep_heap",
 ]
 
 PAGE_SIZE = mmap.PAGESIZE
@@ -42,6 +43,29 @@ def return_free_heap() -> None:
     trim = getattr(_libc, "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+# glibc's mallopt parameters (malloc.h) and values
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_CEILING = 32 * 2**20  # the most glibc takes on 64 bits (HEAP_MAX_SIZE / 2)
+_TRIM_THRESHOLD_DEFAULT = 128 * 1024
+_NEVER = 2**31 - 1
+
+
+def keep_heap(on: bool) -> bool:
+    """``on``: glibc stops giving the heap's free top back by itself (its trim threshold
+    out of reach) and serves every request up to its mmap ceiling (32 MiB) from the heap,
+    so freed chunks serve the next request of their size without fresh pages; only
+    :func:`return_free_heap` gives memory back. Off: glibc's default trim threshold
+    again (the mmap threshold stays at the ceiling: setting either ends glibc's own
+    raising of it). False where there is no ``mallopt`` (not glibc)."""
+    mallopt = getattr(_libc, "mallopt", None)
+    if mallopt is None:
+        return False
+    if on:
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_CEILING)
+    return bool(mallopt(_M_TRIM_THRESHOLD, _NEVER if on else _TRIM_THRESHOLD_DEFAULT))
 
 
 def round_up(n: int, multiple: int) -> int:
