@@ -42,10 +42,9 @@ CPU device with a host budget (``offload_cpu_size``) or anything on disk.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-
 import threading
 import weakref
+from collections.abc import Callable
 
 from hetstore.tiers.hostmem import keep_heap, return_free_heap
 

@@ -34,6 +34,7 @@ import torch
 from hetstore.errors import OutOfTierMemory
 from hetstore.footprints import LENT_MASTERS, READ_AHEAD_UNITS
 from hetstore.optim.in_backward import eligible
+from hetstore.optim.step_worker import AT_STEP, in_forward
 from hetstore.tiers.hostmem import PAGE_SIZE, round_up
 from hetstore.tiers.store import Store, transfers_only, wait_all
 
@@ -126,19 +127,20 @@ class ReadAheads:
     def __bool__(self) -> bool:
         return bool(self._records)
 
-    def fill(self, order: list[Unit], step_of: Callable[[Unit], object]) -> None:
+    def fill(self, order: list[Unit], step_of: Callable[[Unit], object], for_forward: bool) -> None:
         """Read ahead the first units of ``order`` that can be, up to ``READ_AHEAD_UNITS``,
-        while the host has room."""
-        for unit in order:
+        while the host has room: for their steps in the next forward (``for_forward``:
+        ``order`` is its), else in ``optimizer.step()``."""
+        for position, unit in enumerate(order):
             if len(self._records) >= READ_AHEAD_UNITS:
                 return
             unit_step = step_of(unit)
             if id(unit) in self._records or not reads_ahead(unit_step, unit):
                 continue
-            if not self._read(unit_step):
+            if not self._read(unit_step, in_forward(position) if for_forward else AT_STEP):
                 return
 
-    def _read(self, unit_step: StreamedUnitStep) -> bool:
+    def _read(self, unit_step: StreamedUnitStep, next_use: tuple[int, int]) -> bool:
         """Allocate the unit's master and states in host memory and have the worker read
         them; False when the host has no room for them."""
         unit = unit_step.unit
@@ -164,7 +166,9 @@ class ReadAheads:
         except OutOfTierMemory:  # the pool could not grow (fragmentation): not now
             self.give_back(record)
             return False
-        record.future = self._worker.submit(_read_into, dict(arrays), record.arrays)
+        record.future = self._worker.submit(
+            _read_into, dict(arrays), record.arrays, next_use=next_use
+        )
         self._records[id(unit)] = record
         return True
 

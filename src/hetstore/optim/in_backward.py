@@ -24,6 +24,7 @@ import torch
 from hetstore.errors import OutOfTierMemory
 from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
 from hetstore.optim.step_job import JobState, StepJob, Target, When
+from hetstore.optim.step_worker import AT_STEP
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.rewrite import ChunkedRewrite
 from hetstore.runtime.staging import GradStager
@@ -95,7 +96,14 @@ class BackwardSteps:
             master = self._lend_master(job)
             job.submitted(
                 self._worker.submit(
-                    unit_step.run_speculation, rewrite, slots, job.hyper, grads, job.factor, master
+                    unit_step.run_speculation,
+                    rewrite,
+                    slots,
+                    job.hyper,
+                    grads,
+                    job.factor,
+                    master,
+                    next_use=AT_STEP,  # (settled there)
                 )
             )
         except BaseException:
@@ -153,7 +161,9 @@ class BackwardSteps:
             job = self._job(unit_step, shadows, hyper)
             copies = unit.grads.copies_event()
             job.submitted(
-                self._worker.submit(self._run_in_memory, unit_step, shadows, job.factor, copies)
+                self._worker.submit(
+                    self._run_in_memory, unit_step, shadows, job.factor, copies, next_use=AT_STEP
+                )
             )
         except BaseException:
             shadows.discard()

@@ -25,6 +25,7 @@ from hetstore.errors import OutOfTierMemory
 from hetstore.optim.in_backward import eligible
 from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.step_job import JobState, StepJob, Target, When
+from hetstore.optim.step_worker import in_forward
 from hetstore.tiers.store import transfers_only
 
 if TYPE_CHECKING:
@@ -64,9 +65,10 @@ class ForwardSteps:
         ahead.lending.handed_over(used, {id(s.unit) for s in candidates})
         with ahead.own_allocations():
             for unit_step in candidates:
+                next_use = in_forward(order.get(id(unit_step.unit), len(order)))
                 if isinstance(unit_step, InMemoryUnitStep):
-                    self._start_in_place(unit_step)
-                elif not self._start_into_shadows(unit_step, multipliers(unit_step.unit)):
+                    self._start_in_place(unit_step, next_use)
+                elif not self._start_into_shadows(unit_step, multipliers(unit_step.unit), next_use):
                     continue
                 started.add(id(unit_step.unit))
         # (what was read ahead for a unit not handed over is for optimizer.step()'s own
@@ -97,19 +99,21 @@ class ForwardSteps:
             and unit.grads.any()
         )
 
-    def _start_in_place(self, unit_step: InMemoryUnitStep) -> None:
+    def _start_in_place(self, unit_step: InMemoryUnitStep, next_use: tuple[int, int]) -> None:
         """Hand ``unit_step``'s ordinary step to the worker, as ``optimizer.step()`` would
         run it now: the same group values, the missing gradients zeroed here."""
         unit = unit_step.unit
         unit.grads.fill_missing()
         job = StepJob(unit_step, When.IN_FORWARD, Target.IN_PLACE, self._ahead.hyper_now(unit))
         unit.param_version += 1  # as the ordinary step moves it before stepping
-        job.submitted(self._worker.submit(step_in_place, job))
+        job.submitted(self._worker.submit(step_in_place, job, next_use=next_use))
         self._ahead.add_job(unit, job)
         unit.work_pending = True
         self._stats.in_forward += 1
 
-    def _start_into_shadows(self, unit_step: StreamedUnitStep, multipliers: list) -> bool:
+    def _start_into_shadows(
+        self, unit_step: StreamedUnitStep, multipliers: list, next_use: tuple[int, int]
+    ) -> bool:
         ahead = self._ahead
         unit = unit_step.unit
         if not ahead.disk_room(unit_step):
@@ -137,7 +141,7 @@ class ForwardSteps:
         try:
             ahead.lending.offer(job)
             job.read_ahead = ahead.read_aheads.take(unit)
-            job.submitted(self._worker.submit(self._run, job, slots))
+            job.submitted(self._worker.submit(self._run, job, slots, next_use=next_use))
         except BaseException:
             rewrite.discard()
             self._give_back_borrowed(job)

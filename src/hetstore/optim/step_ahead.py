@@ -167,8 +167,9 @@ class StepAhead:
         # kept free on disk while speculations hold their shadows: one ordinary step's
         self.disk_reserve = max((s.shadow_bytes for s in streamed), default=0)
         # every unit's step job, one per unit at a time, in the order they were made
-        # (so the worker's order): steps in backward until settled (and, taken in
-        # backward, until optimizer.step()), steps handed to the next forward until used
+        # (the worker's too: by next use, and the steps in the next forward are made in
+        # its order): steps in backward until settled (and, taken in backward, until
+        # optimizer.step()), steps handed to the next forward until used
         self.jobs: dict[int, StepJob] = {}
         self.stats = SpeculationStats()
         # (the thread lasts across steps where host-memory units are paced: a GPU)
@@ -362,7 +363,7 @@ class StepAhead:
         # the order they will be stepped: the next forward's, or optimizer.step()'s
         order = self.use_order() if self.in_forward else [s.unit for s in self._steps.values()]
         with self.own_allocations():
-            self.read_aheads.fill(order, self.step_of)
+            self.read_aheads.fill(order, self.step_of, for_forward=self.in_forward)
 
     def _state_change(self, unit: Unit) -> None:
         """The unit's master or states are about to be rewritten outside a step."""

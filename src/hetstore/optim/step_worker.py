@@ -1,9 +1,10 @@
 """``StepWorker``: the one thread that runs unit steps away from ``optimizer.step()``, and
 the chunk buffers those steps stream through.
 
-Every step job (:mod:`hetstore.optim.step_job`) runs here, one at a time, in the order it
-was submitted; the step ahead (:mod:`hetstore.optim.step_ahead`) decides what to submit
-and when. The worker only submits disk IO (the AIO engine is thread-safe) and runs a
+Every step job (:mod:`hetstore.optim.step_job`) runs here, one at a time, the one whose
+result is needed soonest first (its *next use*, :data:`AT_STEP` or :func:`in_forward`;
+in the order submitted between equals); the step ahead
+(:mod:`hetstore.optim.step_ahead`) decides what to submit and when. The worker only submits disk IO (the AIO engine is thread-safe) and runs a
 step's arithmetic on buffers it was given; every allocation, commit and discard happens
 on the caller's thread.
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import heapq
+import itertools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -36,7 +39,16 @@ if TYPE_CHECKING:
 
     from hetstore.optim.streamed import StreamedUnitStep
 
-__all__ = ["StepWorker", "outcome"]
+__all__ = ["AT_STEP", "StepWorker", "in_forward", "outcome"]
+
+# When a job's result is next used, its place in the worker's queue: at
+# optimizer.step() (a step in backward, settled there; what its own steps read), or at
+# a unit's use in the next forward (its position in that forward's order)
+AT_STEP = (0, 0)
+
+
+def in_forward(position: int) -> tuple[int, int]:
+    return (1, position)
 
 
 class StepWorker:
@@ -49,6 +61,10 @@ class StepWorker:
         # the thread lasts across steps (host-memory units paced on a GPU; see stop)
         self._keep_thread = keep_thread
         self._executor: ThreadPoolExecutor | None = None
+        # (next use, order submitted, the call, its future): the thread runs the first
+        self._queue: list[tuple] = []
+        self._submitted = itertools.count()
+        self._queue_lock = threading.Lock()
         # the thread's ident, set by the thread itself: a box, not this object, so the
         # thread does not keep it alive (a model dropped without release())
         self._box: list[int | None] = [None]
@@ -63,7 +79,8 @@ class StepWorker:
         self._waiting = 0
 
     # ------------------------------------------------------------------ the thread
-    def submit(self, fn: Callable, *args) -> Future:
+    def submit(self, fn: Callable, *args, next_use: tuple[int, int] = AT_STEP) -> Future:
+        """Queue ``fn(*args)``, run before every queued call used later than ``next_use``."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 1,
@@ -71,7 +88,13 @@ class StepWorker:
                 initializer=_mark_thread,
                 initargs=(self._box,),
             )
-        return self._executor.submit(fn, *args)
+        future: Future = Future()
+        with self._queue_lock:
+            heapq.heappush(self._queue, (next_use, next(self._submitted), fn, args, future))
+        # one run of the queue's first per call queued: each call runs once, the thread
+        # taking whichever is first when it is free
+        self._executor.submit(_run_first, self._queue, self._queue_lock)
+        return future
 
     @property
     def running(self) -> bool:
@@ -199,6 +222,19 @@ def outcome(future: Future) -> bool:
         return True
     except Exception:  # noqa: BLE001
         return False
+
+
+def _run_first(queue: list, lock: threading.Lock) -> None:
+    with lock:
+        _, _, fn, args, future = heapq.heappop(queue)
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - the caller's to see (outcome)
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 def _mark_thread(box: list) -> None:
