@@ -15,7 +15,7 @@ import torch
 
 import hetstore
 from hetstore.errors import ConfigError
-from hetstore.optim import borrowed
+from hetstore.optim import borrowed, policy
 from hetstore.optim.step_worker import StepWorker
 from hetstore.optim.streamed import StreamedUnitStep
 from hetstore.runtime.staging import ParamStager
@@ -301,7 +301,7 @@ def _train_reading_ahead(
     ahead = opt.step_ahead
     losses, in_backward, in_forward = [], [], []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(borrowed, "READ_AHEAD_UNITS", units)
+        patch.setattr(policy, "READ_AHEAD_UNITS", units)
         # (staged parameters, which depend on the worker's pace, would blur the count)
         patch.setattr(borrowed, "stages_params", lambda unit: False)
         x, y = data[0]
@@ -386,7 +386,7 @@ def test_read_ahead_states_are_stepped_where_they_were_read(tmp_path, monkeypatc
     monkeypatch.setattr(StreamedUnitStep, "_views_of", counted)
     results = []
     for units in (2, 0):
-        monkeypatch.setattr(borrowed, "READ_AHEAD_UNITS", units)
+        monkeypatch.setattr(policy, "READ_AHEAD_UNITS", units)
         model, opt = fresh()
         cfg = config(tmp_path / f"ra{units}", True, "disk")
         model, opt = hetstore.offload(model, opt, cfg)

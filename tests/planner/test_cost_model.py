@@ -443,9 +443,9 @@ def test_steps_left_after_backward_hide_behind_the_next_forward_except_the_roots
     blocks' and the forward nothing more. On a CPU device the worker's arithmetic counts
     against it. (Without reading ahead during backward: that takes the root's reads
     off the forward's path too, tested below.)"""
-    from hetstore.planner import cost
+    from hetstore.optim import policy
 
-    monkeypatch.setattr(cost, "READ_AHEAD_UNITS", 0)
+    monkeypatch.setattr(policy, "READ_AHEAD_UNITS", 0)
     choices = [ON_DISK] * 5
     forward_only = replace(disk_trace(forward_s=10.0), step_overlap=False, step_in_forward=True)
     serial = estimate(forward_only, choices, 1, overlap=False)
@@ -498,7 +498,7 @@ def test_the_plan_predicts_a_clip_that_bites_and_what_step_in_forward_saves_then
     predicts it, less the first units' reads, read ahead during backward) and with
     step_in_forward (as a trace without overlap_step but with it predicts it), and the
     plan says so. Nothing when no unit is stepped on disk."""
-    from hetstore.planner import cost
+    from hetstore.optim import policy
 
     choices = [ON_DISK] * 5
     trace = disk_trace(forward_s=0.05)
@@ -511,7 +511,7 @@ def test_the_plan_predicts_a_clip_that_bites_and_what_step_in_forward_saves_then
         u.master_bytes + u.state_bytes for u in first
     )
     with monkeypatch.context() as patch:
-        patch.setattr(cost, "READ_AHEAD_UNITS", 0)
+        patch.setattr(policy, "READ_AHEAD_UNITS", 0)
         assert estimate(trace, choices, 1).clip_bites_s[0] == pytest.approx(serial)
     forward_only = replace(trace, step_overlap=False, step_in_forward=True)
     assert in_forward == pytest.approx(estimate(forward_only, choices, 1).step_s)
@@ -537,7 +537,7 @@ def test_the_first_units_read_ahead_during_backward_shorten_a_disk_bound_forward
     forward waits for the worker, and reading the first READ_AHEAD_UNITS units' masters
     and states during backward takes those reads off its path. The plan reports the
     host memory it takes; none without step_in_forward or with compact states."""
-    from hetstore.planner import cost
+    from hetstore.optim import policy
 
     choices = [ON_DISK] * 5
     # a host step far faster than the disk: each step is its reads plus its writes
@@ -546,7 +546,7 @@ def test_the_first_units_read_ahead_during_backward_shorten_a_disk_bound_forward
         disk_trace(forward_s=1e-4, machine=fast_host), step_overlap=False, step_in_forward=True
     )
     with_ahead = estimate(trace, choices, 1)
-    monkeypatch.setattr(cost, "READ_AHEAD_UNITS", 0)
+    monkeypatch.setattr(policy, "READ_AHEAD_UNITS", 0)
     without = estimate(trace, choices, 1)
     monkeypatch.undo()
     first = [trace.units[-1], *trace.units[:3]]  # the root, then the first blocks

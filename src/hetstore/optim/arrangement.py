@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from hetstore.optim import policy
 from hetstore.optim.compact import CompactUnitStep
 from hetstore.optim.grad_norms import RecordedNorms
-from hetstore.optim.in_backward import eligible
+from hetstore.optim.in_backward import site_of
 from hetstore.optim.in_memory import InMemoryUnitStep
+from hetstore.optim.policy import StepModes
 from hetstore.optim.registry import FLAT_NAMES
 from hetstore.optim.step_ahead import StepAhead
 from hetstore.optim.streamed import StreamedUnitStep, UnitStates
@@ -43,30 +45,22 @@ class StepArrangement:
             self.grad_norms.close()
         streamed = [s for s in self._unit_steps if isinstance(s, StreamedUnitStep)]
         self.grad_norms = RecordedNorms(streamed) if self.shards is None and streamed else None
-        # units stepped speculatively during backward (optim.step_ahead): disk units and
-        # memory units, sharded too (a rank steps its own shard, with nothing collective
-        # in it)
-        ahead = []
-        if overlap_step or self.step_in_backward or step_in_forward:
-            ahead += [s for s in self._unit_steps if eligible(s, s.unit)]
-        if overlap_memory_step and not self.step_in_backward:
-            # the root's gradients are final when backward ends: nothing would hide it
-            ahead += [
-                s
-                for s in self._unit_steps
-                if isinstance(s, InMemoryUnitStep)
-                and s.unit is not self._root
-                and s.can_speculate(self._flat)
-            ]
-        # host units whose ordinary step runs on, in place, during the next forward
-        # (step_in_forward on a GPU): not sharded (a fetch gathers every rank's shard)
-        in_place = []
-        if step_in_forward and self._step_in_forward_memory and self.shards is None:
-            in_place = [
-                s
-                for s in self._unit_steps
-                if isinstance(s, InMemoryUnitStep) and s.can_speculate(self._flat)
-            ]
+        # where each unit's step may run is the step policy's (optim.policy), which the
+        # planner asks too: disk units and memory units stepped ahead (sharded too: a
+        # rank steps its own shard, with nothing collective in it), and host units whose
+        # ordinary step runs on in place during the next forward (a GPU)
+        modes = StepModes(
+            overlap_disk=overlap_step,
+            overlap_memory=overlap_memory_step,
+            in_backward=self.step_in_backward,
+            in_forward=step_in_forward,
+            in_forward_memory=self._step_in_forward_memory,
+            sharded=self.shards is not None,
+        )
+        sites = [(s, site_of(s, self._flat, self._root)) for s in self._unit_steps]
+        ahead = [s for s, site in sites if policy.disk_ahead(site, modes)]
+        ahead += [s for s, site in sites if policy.memory_in_backward(site, modes)]
+        in_place = [s for s, site in sites if policy.memory_in_forward(site, modes)]
         self.step_ahead = None
         if ahead or in_place:
             self.step_ahead = StepAhead(

@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetstore.errors import OutOfTierMemory
-from hetstore.footprints import LENT_MASTERS, READ_AHEAD_UNITS
-from hetstore.optim.in_backward import eligible
+from hetstore.footprints import LENT_MASTERS
+from hetstore.optim import policy
+from hetstore.optim.in_backward import site_of
 from hetstore.optim.step_worker import AT_STEP, in_forward
 from hetstore.tiers.hostmem import PAGE_SIZE, round_up
 from hetstore.tiers.store import Store, transfers_only, wait_all
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from hetstore.optim.streamed import StreamedUnitStep
     from hetstore.runtime.unit import Unit
 
-__all__ = ["LentMasters", "ParamLending", "ReadAhead", "ReadAheads", "reads_ahead"]
+__all__ = ["LentMasters", "ParamLending", "ReadAhead", "ReadAheads"]
 
 
 # ---------------------------------------------------------------------- lent masters
@@ -99,18 +100,6 @@ class ReadAhead:
     ok: bool | None = None
 
 
-def reads_ahead(unit_step, unit: Unit) -> bool:
-    """A unit whose step can read its master and states from host memory read during
-    backward: streamed, in the fp32 format (the compact ones carry block scales
-    besides), its home not behind its master."""
-    return (
-        eligible(unit_step, unit)
-        and unit_step.format.exact
-        and not unit_step.scales
-        and not unit.home_stale
-    )
-
-
 class ReadAheads:
     """The units' masters and states read ahead, by unit (see the module doc)."""
 
@@ -131,11 +120,14 @@ class ReadAheads:
         """Read ahead the first units of ``order`` that can be, up to ``READ_AHEAD_UNITS``,
         while the host has room: for their steps in the next forward (``for_forward``:
         ``order`` is its), else in ``optimizer.step()``."""
-        for position, unit in enumerate(order):
-            if len(self._records) >= READ_AHEAD_UNITS:
-                return
-            unit_step = step_of(unit)
-            if id(unit) in self._records or not reads_ahead(unit_step, unit):
+        # which: the step policy's rule, the planner's too (policy.read_ahead); whether
+        # now: the unit's home is not behind its master, and the host has room
+        steps = [(k, unit, step_of(unit)) for k, unit in enumerate(order)]
+        steps = [(k, unit, s) for k, unit, s in steps if s is not None]
+        # (flat and root decide nothing of a read ahead)
+        chosen = policy.read_ahead([site_of(s, flat=False, root=None) for _, _, s in steps])
+        for position, unit, unit_step in (steps[i] for i in chosen):
+            if id(unit) in self._records or unit.home_stale:
                 continue
             if not self._read(unit_step, in_forward(position) if for_forward else AT_STEP):
                 return

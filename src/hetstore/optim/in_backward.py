@@ -23,17 +23,19 @@ import torch
 
 from hetstore.errors import OutOfTierMemory
 from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
+from hetstore.optim.policy import StepSite
 from hetstore.optim.step_job import JobState, StepJob, Target, When
 from hetstore.optim.step_worker import AT_STEP
-from hetstore.optim.streamed import StreamedUnitStep
+from hetstore.optim.streamed import StreamedUnitStep, UnitStates
 from hetstore.runtime.rewrite import ChunkedRewrite
 from hetstore.runtime.staging import GradStager
+from hetstore.tier import Tier
 
 if TYPE_CHECKING:
     from hetstore.optim.step_ahead import StepAhead
     from hetstore.runtime.unit import Unit
 
-__all__ = ["BackwardSteps", "changed_keys", "eligible"]
+__all__ = ["BackwardSteps", "changed_keys", "eligible", "site_of"]
 
 
 class BackwardSteps:
@@ -386,6 +388,22 @@ def eligible(unit_step, unit: Unit) -> bool:
         isinstance(unit_step, StreamedUnitStep)
         and (isinstance(unit.grad, torch.Tensor) or unit.grad_stager is not None)
         and ChunkedRewrite.can_speculate(unit)
+    )
+
+
+def site_of(unit_step, flat: bool, root: Unit | None) -> StepSite:
+    """What the step policy (:mod:`hetstore.optim.policy`) asks of ``unit_step``'s unit,
+    as the planner asks it of a traced unit: a disk unit is one :func:`eligible` says;
+    a host-memory one, :meth:`InMemoryUnitStep.can_speculate` (``flat``: the user's
+    optimizer is stepped flat); ``root``: the model's own unit."""
+    unit = unit_step.unit
+    return StepSite(
+        disk=eligible(unit_step, unit),
+        host=isinstance(unit_step, InMemoryUnitStep) and unit_step.can_speculate(flat),
+        params_in_host=unit.placement.param is Tier.HOST,
+        exact=not isinstance(unit_step, UnitStates) or unit_step.format.exact,
+        root=unit is root,
+        trainable=unit.trainable_numel > 0,
     )
 
 

@@ -1,4 +1,27 @@
-"""``StepPolicy``: when each unit's step runs, decided in one place from what it measured.
+"""When each unit's step runs, decided in one place: which units' steps may run away from
+``optimizer.step()`` (:class:`StepSite`, :class:`StepModes` and the rules below them,
+asked by the runtime's :mod:`hetstore.optim.arrangement` and by the planner's
+:mod:`hetstore.planner.cost` alike), and ``StepPolicy``, what the running steps measured.
+
+Where a step may run, from the facts of its unit (:class:`StepSite`) and the configured
+modes (:class:`StepModes`):
+
+- **a disk unit** (master and states on disk, every copy of its parameters written
+  through shadows) is stepped in backward into shadows with ``overlap_step`` (not the
+  root: its gradients are final when backward ends), taking the gradients with
+  ``step_in_backward``, and what backward left of it runs in the next forward with
+  ``step_in_forward``;
+- **a host-memory unit** (master and torch's fp32 states in host memory, stepped flat)
+  is stepped in backward into host shadows with ``overlap_step`` for memory units (not
+  the root), and on a GPU its ordinary step runs in place in the next forward with
+  ``step_in_forward`` when its parameters are fetched from host memory;
+- **read ahead** during backward (when no step is taken in it): the first
+  ``READ_AHEAD_UNITS`` disk units in fp32 in the order their steps run.
+
+Each rule names a place a unit's step *may* run; the runtime finds at run time whether it
+does (room, a clip that bit, a rollback), the planner predicts it.
+
+And, at run time:
 
 A unit's step runs ahead, during backward (speculatively, into shadows), or at
 ``optimizer.step()``, or during the next forward; :mod:`hetstore.optim.step_ahead`
@@ -45,8 +68,111 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
-__all__ = ["StepPace", "StepPolicy"]
+from hetstore.footprints import READ_AHEAD_UNITS
+
+__all__ = [
+    "StepModes",
+    "StepPace",
+    "StepPolicy",
+    "StepSite",
+    "disk_ahead",
+    "disk_in_backward",
+    "disk_in_forward",
+    "memory_in_backward",
+    "memory_in_forward",
+    "read_ahead",
+]
+
+
+# ---------------------------------------------------------------------- where a step may run
+@dataclass(frozen=True)
+class StepSite:
+    """The facts of one unit that decide where its step may run, as the runtime knows
+    them (a unit and its step) and as the planner does (a traced unit and a placement)."""
+
+    disk: bool  # master and states on disk, every parameter copy written through shadows
+    host: bool  # master and torch's fp32 states in host memory, stepped flat
+    params_in_host: bool  # its parameters' home is in host memory
+    exact: bool  # fp32 states (a compact format's carry block scales)
+    root: bool  # the model's own parameters: their gradients are final last
+    trainable: bool  # the optimizer steps some of its elements
+
+
+@dataclass(frozen=True)
+class StepModes:
+    """The configuration's step keys, resolved for the compute device."""
+
+    overlap_disk: bool  # overlap_step, for disk units
+    overlap_memory: bool  # overlap_step, for host-memory units ('auto': on a GPU)
+    in_backward: bool  # step_in_backward
+    in_forward: bool  # step_in_forward, for disk units
+    in_forward_memory: bool  # step_in_forward=True, for host-memory units (a GPU)
+    sharded: bool = False
+
+
+def disk_in_backward(site: StepSite, modes: StepModes) -> bool:
+    """A disk unit stepped during backward: into shadows (``overlap_step``), or taking
+    its gradients (``step_in_backward``)."""
+    return site.disk and site.trainable and (modes.overlap_disk or modes.in_backward)
+
+
+def disk_in_forward(site: StepSite, modes: StepModes) -> bool:
+    """A disk unit whose step backward leaves to the next forward (``step_in_forward``):
+    all of them without ``overlap_step``, else the root's (its gradients come last)."""
+    return (
+        site.disk
+        and site.trainable
+        and modes.in_forward
+        and not modes.in_backward
+        and (site.root or not modes.overlap_disk)
+    )
+
+
+def memory_in_backward(site: StepSite, modes: StepModes) -> bool:
+    """A host-memory unit stepped during backward into host shadows (``overlap_step``
+    for memory units): not the root, whose gradients are final when backward ends."""
+    return (
+        site.host
+        and site.trainable
+        and not site.root
+        and modes.overlap_memory
+        and not modes.in_backward
+    )
+
+
+def memory_in_forward(site: StepSite, modes: StepModes) -> bool:
+    """A host-memory unit whose ordinary step runs in place in the next forward
+    (``step_in_forward=True`` on a GPU): its parameters fetched from host memory, one
+    process (a sharded fetch gathers every rank's shard)."""
+    return (
+        site.host
+        and site.trainable
+        and site.params_in_host
+        and modes.in_forward_memory
+        and not modes.sharded
+    )
+
+
+def disk_ahead(site: StepSite, modes: StepModes) -> bool:
+    """A disk unit whose step the step ahead manages: in backward, or in the next forward
+    (the runtime's, whichever it turns out to be; the planner's: the two rules above)."""
+    return (
+        site.disk
+        and site.trainable
+        and (modes.overlap_disk or modes.in_backward or modes.in_forward)
+    )
+
+
+def read_ahead(sites: list[StepSite]) -> list[int]:
+    """Of ``sites`` in the order their steps run, those whose masters and states are read
+    ahead during backward: the first ``READ_AHEAD_UNITS`` disk units with fp32 states."""
+    found = [k for k, s in enumerate(sites) if s.disk and s.trainable and s.exact]
+    return found[:READ_AHEAD_UNITS]
+
+
+# ---------------------------------------------------------------------- at run time
 
 
 class StepPace:

@@ -410,7 +410,7 @@ class StreamedUnitStep(UnitStates):
         there: no copy into the slot's buffers and back (24 bytes a parameter)."""
         if read_ahead is None:
             return None
-        # fp32 states only (optim.borrowed.reads_ahead): a compact format's chunk must
+        # fp32 states only (optim.policy.read_ahead): a compact format's chunk must
         # be decoded from its own dtype, and its block scales are read whole
         assert self.format.exact and not self.scales, "read ahead of compact states"
         keys = [k for k in self.states if k in read_ahead and not self.states_absent]

@@ -42,6 +42,9 @@ Time (seconds per step)
   finishes it last). On a CPU device the worker's arithmetic takes cores from backward,
   so it is not counted as hidden. ``optimizer_s`` is what is left; ``optimizer_hidden_s``
   what the overlap took off the step.
+  Which units' steps run in backward, in the next forward or read ahead is the step
+  policy's (:mod:`hetstore.optim.policy`), the rules the runtime arranges its steps by,
+  asked here of each traced unit and its placement (:func:`step_site`, :func:`step_modes`).
   With ``step_in_forward`` what is left of those units' steps (all of them without
   ``overlap_step``, else the root's) runs on beside the next forward, in its order: each
   unit's forward waits for its own step, so the root's (first) hides behind nothing.
@@ -56,17 +59,26 @@ from dataclasses import dataclass, replace
 
 from hetstore.footprints import (
     LENT_MASTERS,
-    READ_AHEAD_UNITS,
     activation_staging_units,
     grad_staging_bytes,
     param_staging_bytes,
     streamed_step_bytes,
 )
+from hetstore.optim import policy
+from hetstore.optim.policy import StepModes, StepSite
 from hetstore.planner.trace import MachineRates, Trace, UnitTrace
 from hetstore.tier import Tier, by_label
 from hetstore.tiers.hostmem import PAGE_SIZE, round_up
 
-__all__ = ["UnitChoice", "Estimate", "estimate", "optimizer_bytes", "TIERS"]
+__all__ = [
+    "UnitChoice",
+    "Estimate",
+    "estimate",
+    "optimizer_bytes",
+    "step_modes",
+    "step_site",
+    "TIERS",
+]
 
 TIERS = tuple(Tier)
 
@@ -186,8 +198,8 @@ def _stored_optimizer_bytes(u: UnitTrace, c: UnitChoice, consumed: bool) -> int:
 
 
 def consumed(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
-    """``step_in_backward`` steps this unit inside backward (see ``_stepped_ahead``)."""
-    return trace.step_in_backward and _stepped_ahead(u, c)
+    """``step_in_backward`` steps this unit inside backward (a disk unit: ``StepSite.disk``)."""
+    return trace.step_in_backward and step_site(u, c).disk
 
 
 def _max(values) -> int:
@@ -300,7 +312,7 @@ def memory(
             )
             step[staging] += chunks
             in_backward = trace.step_overlap or trace.step_in_backward
-            stepped = [i for i, (u, c) in enumerate(units) if _stepped_ahead(u, c)]
+            stepped = [i for i, (u, c) in enumerate(units) if step_site(u, c).disk]
             stepped_ahead = in_backward and bool(stepped)
             if stepped_ahead:  # the step-ahead worker's, during backward, from the first
                 workers[staging] = (stepped[-1], chunks)  # it steps: the last in order
@@ -429,21 +441,29 @@ def _host_step_s(u: UnitTrace, m) -> float:
     return n / m.host_step + codec
 
 
-def _stepped_ahead(u: UnitTrace, c: UnitChoice) -> bool:
-    """What optim.step_ahead steps during backward: states and parameters on disk."""
-    return not c.optimizer.addressable and c.param == c.optimizer
+def step_site(u: UnitTrace, c: UnitChoice) -> StepSite:
+    """What the step policy (optim.policy) asks of a unit, for ``u`` placed as ``c``: a
+    disk unit has its states and its parameters on disk (every copy then goes through
+    shadows); a host-memory one, fp32 states there (stepped flat)."""
+    return StepSite(
+        disk=not c.optimizer.addressable and c.param == c.optimizer,
+        host=_in_memory(c.optimizer) and not u.compact_states,
+        params_in_host=_in_memory(c.param),
+        exact=not u.compact_states,
+        root=u.is_root,
+        trainable=u.trainable_numel > 0,
+    )
 
 
-def _memory_stepped_ahead(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
-    """Units whose states are in host memory, stepped during backward into host shadows
-    (``overlap_step``; optim.in_memory): not the root, whose gradients come last."""
-    return (
-        trace.step_overlap_memory
-        and not trace.step_in_backward
-        and _in_memory(c.optimizer)
-        and not u.is_root
-        and not u.compact_states  # (stepped chunk by chunk: not stepped ahead in memory)
-        and u.trainable_numel > 0
+def step_modes(trace: Trace) -> StepModes:
+    """The trace's step keys as the step policy takes them."""
+    cuda = trace.machine is not None and trace.machine.device == "cuda"
+    return StepModes(
+        overlap_disk=trace.step_overlap,
+        overlap_memory=trace.step_overlap_memory,
+        in_backward=trace.step_in_backward,
+        in_forward=trace.step_in_forward,
+        in_forward_memory=trace.step_in_forward_memory and cuda,
     )
 
 
@@ -474,15 +494,15 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> tuple[
     and hide nothing. Also returns the indices of the host-memory units it steps in
     backward (the others are ``optimizer.step()``'s, or the next forward's)."""
     units, m = trace.units, trace.machine
-    disk_overlap = trace.step_overlap or trace.step_in_backward
+    modes = step_modes(trace)
     saved = [0.0] * len(units)  # what it takes off the step after backward
     work = [0.0] * len(units)  # what the worker spends on it
     copies = arithmetic = 0.0  # the worker's shadow copies, and all it computes
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
-        if disk_overlap and _stepped_ahead(u, c) and u.trainable_numel > 0:
+        if policy.disk_in_backward(step_site(u, c), modes):
             saved[k] = work[k] = steps[k]
             arithmetic += _host_step_s(u, m)
-        elif _memory_stepped_ahead(trace, u, c):
+        elif policy.memory_in_backward(step_site(u, c), step_modes(trace)):
             saved[k] = _host_step_s(u, m)
             copy = shadow_copy_s(u, m)
             work[k] = saved[k] + copy
@@ -499,7 +519,7 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> tuple[
         clock += backward[k]
         if not work[k]:
             continue
-        in_memory = _memory_stepped_ahead(trace, units[k], choices[k])
+        in_memory = policy.memory_in_backward(step_site(units[k], choices[k]), step_modes(trace))
         if paced and in_memory and admitted and max(clock, worker) + work[k] > end:
             copies -= work[k] - saved[k]  # stepped after backward instead
             arithmetic -= work[k]
@@ -533,15 +553,9 @@ def _read_ahead(trace: Trace, choices: list[UnitChoice], bitten: bool = False) -
     ):
         return []
     units = trace.units
-    order = _forward_order(units) if trace.step_in_forward else range(len(units))
-    found = [
-        k
-        for k in order
-        if _stepped_ahead(units[k], choices[k])
-        and units[k].trainable_numel > 0
-        and not units[k].compact_states
-    ]
-    return found[:READ_AHEAD_UNITS]
+    order = _forward_order(units) if trace.step_in_forward else list(range(len(units)))
+    found = policy.read_ahead([step_site(units[k], choices[k]) for k in order])
+    return [order[i] for i in found]
 
 
 def _read_ahead_s(u: UnitTrace, c: UnitChoice, m: MachineRates) -> float:
@@ -559,35 +573,6 @@ def read_ahead_bytes(trace: Trace, choices: list[UnitChoice]) -> int:
     )
 
 
-def _steps_in_forward(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
-    """``step_in_forward`` finishes this unit's step during the next forward: a disk
-    unit's step that backward did not take (all of them without ``overlap_step``, the
-    root's with it)."""
-    return (
-        trace.step_in_forward
-        and not trace.step_in_backward
-        and _stepped_ahead(u, c)
-        and u.trainable_numel > 0
-        and (u.is_root or not trace.step_overlap)
-    )
-
-
-def _memory_in_forward(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
-    """``step_in_forward`` on a GPU finishes this host-memory unit's ordinary step in
-    place during the next forward (``optim.in_forward``, ``Target.IN_PLACE``): its parameters are
-    fetched from a home in host memory, its states are fp32 in host memory."""
-    m = trace.machine
-    return (
-        trace.step_in_forward_memory
-        and m is not None
-        and m.device == "cuda"
-        and _in_memory(c.optimizer)
-        and c.param == c.optimizer
-        and not u.compact_states
-        and u.trainable_numel > 0
-    )
-
-
 def _hidden_behind_forward(
     trace: Trace, choices, steps: list[float], in_backward: set[int] = frozenset()
 ) -> float:
@@ -598,8 +583,10 @@ def _hidden_behind_forward(
     left = [0.0] * len(units)
     arithmetic = 0.0
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
-        in_memory = _memory_in_forward(trace, u, c) and k not in in_backward
-        if in_memory or _steps_in_forward(trace, u, c):
+        in_memory = (
+            policy.memory_in_forward(step_site(u, c), step_modes(trace)) and k not in in_backward
+        )
+        if in_memory or policy.disk_in_forward(step_site(u, c), step_modes(trace)):
             left[k] = steps[k]
             arithmetic += _host_step_s(u, m)
     if not any(left):
@@ -658,7 +645,9 @@ def times(
                 stall += copy
             for hop in _hops_beyond(c.param):  # (a master that is the home is read as well)
                 reads = fetches
-                if u.frozen_compute_numel == 0 and _steps_in_forward(trace, u, c):
+                if u.frozen_compute_numel == 0 and policy.disk_in_forward(
+                    step_site(u, c), step_modes(trace)
+                ):
                     reads -= 1  # forward's fetch takes what the step left in staging
                 read = reads * u.param_bytes / m.inward(hop)
                 if depth > 0 and not u.is_root:
@@ -742,7 +731,7 @@ def estimate(
         shadows = sum(
             paged(master_bytes(u, c)) + paged(u.grad_bytes) + paged(u.state_bytes, u.state_arrays)
             for u, c in zip(trace.units, choices, strict=True)
-            if _memory_stepped_ahead(trace, u, c)
+            if policy.memory_in_backward(step_site(u, c), step_modes(trace))
         )
     clip_bites = None if overlap is False else _when_a_clip_bites(trace, choices, depth)
     spread = trace.machine.spread if trace.machine is not None else ()
@@ -778,7 +767,7 @@ def _when_a_clip_bites(
     if (
         trace.step_in_backward
         or not (trace.step_overlap or trace.step_in_forward)
-        or not any(_stepped_ahead(u, c) and u.trainable_numel for u, c in pairs)
+        or not any(step_site(u, c).disk and u.trainable_numel for u, c in pairs)
     ):
         return None
     bitten = replace(trace, step_overlap=False, step_overlap_memory=False)
@@ -804,7 +793,7 @@ def _more_disk_shadows(trace: Trace, choices: list[UnitChoice]) -> int:
     if not trace.step_overlap or trace.step_in_backward:
         return 0
     shadow = [
-        _stored_optimizer_bytes(u, c, consumed=True) if _stepped_ahead(u, c) else 0
+        _stored_optimizer_bytes(u, c, consumed=True) if step_site(u, c).disk else 0
         for u, c in units
     ]
     if not any(shadow):

@@ -1,0 +1,53 @@
+"""Where each unit's step may run is the step policy's (hetstore.optim.policy), asked by
+the runtime's arrangement and by the planner's cost model alike: for the model as
+placed, the units the planner prices as stepped away from ``optimizer.step()`` are the
+ones the runtime's step ahead takes."""
+
+from __future__ import annotations
+
+import pytest
+
+import hetstore
+from hetstore import OffloadConfig
+from hetstore.optim import policy
+from hetstore.planner import cost
+from tests.models.gpt import GPT
+from tests.parity import adamw
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        dict(offload_param="disk", offload_optimizer="disk"),
+        dict(offload_param="cpu", offload_optimizer="cpu"),
+        dict(offload_param="cpu", offload_optimizer="disk"),
+        dict(auto_offload=True, max_device_memory=250 * 2**10, offload_cpu_size=700 * 2**10),
+    ],
+    ids=["disk", "host", "host params, disk states", "auto"],
+)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_planner_prices_the_steps_the_runtime_takes_ahead(tmp_path, placement, overlap):
+    model = GPT(width=32, depth=6)
+    config = OffloadConfig(
+        device="cpu",
+        enable_pinned_mem=False,
+        offload_path=str(tmp_path),
+        overlap_step=overlap,
+        step_in_forward=False,
+        activation_min_bytes=0,
+        **placement,
+    )
+    model, optimizer = hetstore.offload(model, adamw(model.parameters()), config)
+    runtime = hetstore.state_of(model).runtime
+    trace, plan = runtime.trace, runtime.plan
+    modes = cost.step_modes(trace)
+    priced = set()
+    for u, planned in zip(trace.units, plan.units, strict=True):
+        site = cost.step_site(u, planned.choice)
+        if policy.disk_ahead(site, modes) or policy.memory_in_backward(site, modes):
+            priced.add(u.name)
+    ahead = optimizer.step_ahead
+    taken = set() if ahead is None else {s.unit.name for s in ahead.unit_steps}
+    assert priced == taken
+    if overlap and placement.get("offload_param") == placement.get("offload_optimizer"):
+        assert taken  # (disk units, or host units with overlap_step=True: not two empty sets)
