@@ -78,6 +78,33 @@ def stepped_ahead(name: str, path: str, mine, result: dict) -> None:
         result[f"{key}_weights"] = weights(model)
         result[f"{key}_speculation"] = optimizer.speculation_stats
         hetstore.release(model)
+    if name == "cpu":
+        in_next_forward(path, mine, result)
+
+
+def in_next_forward(path: str, mine, result: dict) -> None:
+    """Host units' ordinary steps run in place in the next forward (``step_in_forward=True``,
+    as on a GPU: the config's rule made to apply on this CPU device), sharded: each rank
+    steps its own shard, landed before the unit's fetch gathers the shards. The test
+    compares bitwise with the sharded run that steps in ``optimizer.step()``."""
+    as_on_a_gpu = hetstore.OffloadConfig.steps_memory_in_forward
+    hetstore.OffloadConfig.steps_memory_in_forward = lambda self, device=None: (
+        self.step_in_forward is True
+    )
+    try:
+        model = make_model()
+        model, optimizer = hetstore.offload(
+            model,
+            adamw(model.parameters()),
+            scenario_config("cpu", path, overlap_step=False, step_in_forward=True),
+        )
+    finally:
+        hetstore.OffloadConfig.steps_memory_in_forward = as_on_a_gpu
+    losses, norms = train(model, optimizer, mine, clip=CLIP, world_mean=True)
+    result["in_forward_losses"], result["in_forward_norms"] = losses, norms
+    result["in_forward_weights"] = weights(model)  # (reading them lands the last steps)
+    result["in_forward_speculation"] = optimizer.speculation_stats
+    hetstore.release(model)
 
 
 def make_model() -> GPT:

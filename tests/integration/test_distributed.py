@@ -104,6 +104,19 @@ def test_two_ranks_step_their_host_shards_during_backward_exactly(results, rank)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
+def test_two_ranks_step_their_host_shards_in_the_next_forward_exactly(results, rank):
+    """``step_in_forward=True`` on host placement (as on a GPU), sharded: each rank's
+    ordinary step of its shard runs in place during the next forward and lands before
+    the unit's fetch gathers the shards. Bitwise the sharded run that steps in
+    ``optimizer.step()``, clip biting every step."""
+    got = results("cpu", rank)
+    assert got["in_forward_losses"] == got["sharded_losses"]
+    assert got["in_forward_norms"] == got["sharded_norms"]
+    assert_same(got["in_forward_weights"], got["sharded_weights"])
+    assert got["in_forward_speculation"]["in_forward"] > 0, got["in_forward_speculation"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
 def test_two_ranks_step_their_disk_shards_ahead_exactly(results, rank):
     """``overlap_step=True`` with everything on disk, sharded: each rank steps its shard
     of a unit into disk shadows as soon as the unit's gradients are reduce-scattered

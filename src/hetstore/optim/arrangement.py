@@ -46,16 +46,15 @@ class StepArrangement:
         streamed = [s for s in self._unit_steps if isinstance(s, StreamedUnitStep)]
         self.grad_norms = RecordedNorms(streamed) if self.shards is None and streamed else None
         # where each unit's step may run is the step policy's (optim.policy), which the
-        # planner asks too: disk units and memory units stepped ahead (sharded too: a
-        # rank steps its own shard, with nothing collective in it), and host units whose
-        # ordinary step runs on in place during the next forward (a GPU)
+        # planner asks too: disk units and memory units stepped ahead, and host units
+        # whose ordinary step runs on in place during the next forward (a GPU); sharded
+        # too: a rank steps its own shard, with nothing collective in it
         modes = StepModes(
             overlap_disk=overlap_step,
             overlap_memory=overlap_memory_step,
             in_backward=self.step_in_backward,
             in_forward=step_in_forward,
             in_forward_memory=self._step_in_forward_memory,
-            sharded=self.shards is not None,
         )
         sites = [(s, site_of(s, self._flat, self._root)) for s in self._unit_steps]
         ahead = [s for s, site in sites if policy.disk_ahead(site, modes)]

@@ -109,7 +109,6 @@ class StepModes:
     in_backward: bool  # step_in_backward
     in_forward: bool  # step_in_forward, for disk units
     in_forward_memory: bool  # step_in_forward=True, for host-memory units (a GPU)
-    sharded: bool = False
 
 
 def disk_in_backward(site: StepSite, modes: StepModes) -> bool:
@@ -144,15 +143,10 @@ def memory_in_backward(site: StepSite, modes: StepModes) -> bool:
 
 def memory_in_forward(site: StepSite, modes: StepModes) -> bool:
     """A host-memory unit whose ordinary step runs in place in the next forward
-    (``step_in_forward=True`` on a GPU): its parameters fetched from host memory, one
-    process (a sharded fetch gathers every rank's shard)."""
-    return (
-        site.host
-        and site.trainable
-        and site.params_in_host
-        and modes.in_forward_memory
-        and not modes.sharded
-    )
+    (``step_in_forward=True`` on a GPU): its parameters fetched from host memory. Sharded
+    too: a rank steps its own shard, and the unit's fetch lands that step before it
+    gathers every rank's shard, on every rank in the same order."""
+    return site.host and site.trainable and site.params_in_host and modes.in_forward_memory
 
 
 def disk_ahead(site: StepSite, modes: StepModes) -> bool:
