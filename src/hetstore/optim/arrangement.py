@@ -57,7 +57,7 @@ class StepArrangement:
             in_forward_memory=self._step_in_forward_memory,
         )
         sites = [(s, site_of(s, self._flat, self._root)) for s in self._unit_steps]
-        ahead = [s for s, site in sites if policy.disk_ahead(site, modes)]
+        ahead = [s for s, site in sites if policy.streamed_ahead(site, modes)]
         ahead += [s for s, site in sites if policy.memory_in_backward(site, modes)]
         in_place = [s for s, site in sites if policy.memory_in_forward(site, modes)]
         self.step_ahead = None

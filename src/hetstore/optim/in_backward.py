@@ -398,9 +398,9 @@ def site_of(unit_step, flat: bool, root: Unit | None) -> StepSite:
     optimizer is stepped flat); ``root``: the model's own unit."""
     unit = unit_step.unit
     return StepSite(
-        disk=eligible(unit_step, unit),
-        host=isinstance(unit_step, InMemoryUnitStep) and unit_step.can_speculate(flat),
-        params_in_host=unit.placement.param is Tier.HOST,
+        streamed=eligible(unit_step, unit),
+        in_memory=isinstance(unit_step, InMemoryUnitStep) and unit_step.can_speculate(flat),
+        params_in_memory=unit.placement.param is Tier.HOST,
         exact=not isinstance(unit_step, UnitStates) or unit_step.format.exact,
         root=unit is root,
         trainable=unit.trainable_numel > 0,

@@ -77,9 +77,9 @@ __all__ = [
     "StepPace",
     "StepPolicy",
     "StepSite",
-    "disk_ahead",
-    "disk_in_backward",
-    "disk_in_forward",
+    "streamed_ahead",
+    "streamed_in_backward",
+    "streamed_in_forward",
     "memory_in_backward",
     "memory_in_forward",
     "read_ahead",
@@ -92,9 +92,11 @@ class StepSite:
     """The facts of one unit that decide where its step may run, as the runtime knows
     them (a unit and its step) and as the planner does (a traced unit and a placement)."""
 
-    disk: bool  # master and states on disk, every parameter copy written through shadows
-    host: bool  # master and torch's fp32 states in host memory, stepped flat
-    params_in_host: bool  # its parameters' home is in host memory
+    # master and states streamed from a tier the step cannot address (disk), every copy
+    # of the parameters written through shadows
+    streamed: bool
+    in_memory: bool  # master and torch's fp32 states in host memory, stepped flat
+    params_in_memory: bool  # its parameters' home is in host memory
     exact: bool  # fp32 states (a compact format's carry block scales)
     root: bool  # the model's own parameters: their gradients are final last
     trainable: bool  # the optimizer steps some of its elements
@@ -111,17 +113,17 @@ class StepModes:
     in_forward_memory: bool  # step_in_forward=True, for host-memory units (a GPU)
 
 
-def disk_in_backward(site: StepSite, modes: StepModes) -> bool:
+def streamed_in_backward(site: StepSite, modes: StepModes) -> bool:
     """A disk unit stepped during backward: into shadows (``overlap_step``), or taking
     its gradients (``step_in_backward``)."""
-    return site.disk and site.trainable and (modes.overlap_disk or modes.in_backward)
+    return site.streamed and site.trainable and (modes.overlap_disk or modes.in_backward)
 
 
-def disk_in_forward(site: StepSite, modes: StepModes) -> bool:
+def streamed_in_forward(site: StepSite, modes: StepModes) -> bool:
     """A disk unit whose step backward leaves to the next forward (``step_in_forward``):
     all of them without ``overlap_step``, else the root's (its gradients come last)."""
     return (
-        site.disk
+        site.streamed
         and site.trainable
         and modes.in_forward
         and not modes.in_backward
@@ -133,7 +135,7 @@ def memory_in_backward(site: StepSite, modes: StepModes) -> bool:
     """A host-memory unit stepped during backward into host shadows (``overlap_step``
     for memory units): not the root, whose gradients are final when backward ends."""
     return (
-        site.host
+        site.in_memory
         and site.trainable
         and not site.root
         and modes.overlap_memory
@@ -146,14 +148,14 @@ def memory_in_forward(site: StepSite, modes: StepModes) -> bool:
     (``step_in_forward=True`` on a GPU): its parameters fetched from host memory. Sharded
     too: a rank steps its own shard, and the unit's fetch lands that step before it
     gathers every rank's shard, on every rank in the same order."""
-    return site.host and site.trainable and site.params_in_host and modes.in_forward_memory
+    return site.in_memory and site.trainable and site.params_in_memory and modes.in_forward_memory
 
 
-def disk_ahead(site: StepSite, modes: StepModes) -> bool:
+def streamed_ahead(site: StepSite, modes: StepModes) -> bool:
     """A disk unit whose step the step ahead manages: in backward, or in the next forward
     (the runtime's, whichever it turns out to be; the planner's: the two rules above)."""
     return (
-        site.disk
+        site.streamed
         and site.trainable
         and (modes.overlap_disk or modes.in_backward or modes.in_forward)
     )
@@ -162,7 +164,7 @@ def disk_ahead(site: StepSite, modes: StepModes) -> bool:
 def read_ahead(sites: list[StepSite]) -> list[int]:
     """Of ``sites`` in the order their steps run, those whose masters and states are read
     ahead during backward: the first ``READ_AHEAD_UNITS`` disk units with fp32 states."""
-    found = [k for k, s in enumerate(sites) if s.disk and s.trainable and s.exact]
+    found = [k for k, s in enumerate(sites) if s.streamed and s.trainable and s.exact]
     return found[:READ_AHEAD_UNITS]
 
 

@@ -198,8 +198,8 @@ def _stored_optimizer_bytes(u: UnitTrace, c: UnitChoice, consumed: bool) -> int:
 
 
 def consumed(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
-    """``step_in_backward`` steps this unit inside backward (a disk unit: ``StepSite.disk``)."""
-    return trace.step_in_backward and step_site(u, c).disk
+    """``step_in_backward`` steps this unit inside backward (``StepSite.streamed``)."""
+    return trace.step_in_backward and step_site(u, c).streamed
 
 
 def _max(values) -> int:
@@ -312,7 +312,7 @@ def memory(
             )
             step[staging] += chunks
             in_backward = trace.step_overlap or trace.step_in_backward
-            stepped = [i for i, (u, c) in enumerate(units) if step_site(u, c).disk]
+            stepped = [i for i, (u, c) in enumerate(units) if step_site(u, c).streamed]
             stepped_ahead = in_backward and bool(stepped)
             if stepped_ahead:  # the step-ahead worker's, during backward, from the first
                 workers[staging] = (stepped[-1], chunks)  # it steps: the last in order
@@ -446,9 +446,9 @@ def step_site(u: UnitTrace, c: UnitChoice) -> StepSite:
     disk unit has its states and its parameters on disk (every copy then goes through
     shadows); a host-memory one, fp32 states there (stepped flat)."""
     return StepSite(
-        disk=not c.optimizer.addressable and c.param == c.optimizer,
-        host=_in_memory(c.optimizer) and not u.compact_states,
-        params_in_host=_in_memory(c.param),
+        streamed=not c.optimizer.addressable and c.param == c.optimizer,
+        in_memory=_in_memory(c.optimizer) and not u.compact_states,
+        params_in_memory=_in_memory(c.param),
         exact=not u.compact_states,
         root=u.is_root,
         trainable=u.trainable_numel > 0,
@@ -499,7 +499,7 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> tuple[
     work = [0.0] * len(units)  # what the worker spends on it
     copies = arithmetic = 0.0  # the worker's shadow copies, and all it computes
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
-        if policy.disk_in_backward(step_site(u, c), modes):
+        if policy.streamed_in_backward(step_site(u, c), modes):
             saved[k] = work[k] = steps[k]
             arithmetic += _host_step_s(u, m)
         elif policy.memory_in_backward(step_site(u, c), step_modes(trace)):
@@ -586,7 +586,7 @@ def _hidden_behind_forward(
         in_memory = (
             policy.memory_in_forward(step_site(u, c), step_modes(trace)) and k not in in_backward
         )
-        if in_memory or policy.disk_in_forward(step_site(u, c), step_modes(trace)):
+        if in_memory or policy.streamed_in_forward(step_site(u, c), step_modes(trace)):
             left[k] = steps[k]
             arithmetic += _host_step_s(u, m)
     if not any(left):
@@ -645,7 +645,7 @@ def times(
                 stall += copy
             for hop in _hops_beyond(c.param):  # (a master that is the home is read as well)
                 reads = fetches
-                if u.frozen_compute_numel == 0 and policy.disk_in_forward(
+                if u.frozen_compute_numel == 0 and policy.streamed_in_forward(
                     step_site(u, c), step_modes(trace)
                 ):
                     reads -= 1  # forward's fetch takes what the step left in staging
@@ -767,7 +767,7 @@ def _when_a_clip_bites(
     if (
         trace.step_in_backward
         or not (trace.step_overlap or trace.step_in_forward)
-        or not any(step_site(u, c).disk and u.trainable_numel for u, c in pairs)
+        or not any(step_site(u, c).streamed and u.trainable_numel for u, c in pairs)
     ):
         return None
     bitten = replace(trace, step_overlap=False, step_overlap_memory=False)
@@ -793,7 +793,7 @@ def _more_disk_shadows(trace: Trace, choices: list[UnitChoice]) -> int:
     if not trace.step_overlap or trace.step_in_backward:
         return 0
     shadow = [
-        _stored_optimizer_bytes(u, c, consumed=True) if step_site(u, c).disk else 0
+        _stored_optimizer_bytes(u, c, consumed=True) if step_site(u, c).streamed else 0
         for u, c in units
     ]
     if not any(shadow):
