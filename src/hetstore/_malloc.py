@@ -33,7 +33,10 @@ measured at ~1.4 ms a MiB). With glibc's trim threshold out of reach and its mma
 threshold at its 32 MiB ceiling, freed chunks serve the next tensors of their size: the
 faults went to ~1,000 a step and that run's forward from 0.81-0.84 s to 0.71-0.74 s
 (benchmarks/results/disk_offload_keep_heap_2026-11-27_epyc.txt). When the last bound
-goes, glibc's trim threshold is its default again.
+goes (its model released, or collected), glibc's trim threshold is its default (128 KiB)
+again; not all of glibc's own state comes back: its mmap threshold stays at 32 MiB, and
+neither threshold rises by itself any more (any setting ends that), so a process that
+goes on after its offloaded models serves requests up to 32 MiB from the heap.
 
 It applies where the process's memory is what the user bounds: a model offloaded onto a
 CPU device with a host budget (``offload_cpu_size``) or anything on disk.
@@ -48,7 +51,7 @@ from collections.abc import Callable
 
 from hetstore.tiers.hostmem import keep_heap, return_free_heap
 
-__all__ = ["HeapBound", "current_rss"]
+__all__ = ["HeapBound", "current_rss", "live_bounds"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -69,11 +72,17 @@ class HeapBound:
 
     def __init__(self, baseline: int, held: Callable[[], int], slack: int):
         _hold_heap()
-        weakref.finalize(self, _let_go_of_heap)
+        # (the heap goes back to glibc with the bound: collected, or closed)
+        self._let_go = weakref.finalize(self, _let_go_of_heap)
         self._baseline = baseline
         self._held = held
         self.slack = slack
         self.trims = 0  # how often it gave memory back (a busy bound costs page faults)
+
+    def close(self) -> None:
+        """The model this bound kept is released: glibc trims its heap again (once the
+        process holds no other bound)."""
+        self._let_go()
 
     def check(self) -> None:
         rss = current_rss()
@@ -110,3 +119,10 @@ def _let_go_of_heap() -> None:
         _bounds -= 1
         if _bounds == 0:
             keep_heap(False)
+
+
+def live_bounds() -> int:
+    """The bounds alive now: while there is one, glibc does not trim its heap by itself
+    (``tiers.hostmem.keep_heap``)."""
+    with _bounds_lock:
+        return _bounds

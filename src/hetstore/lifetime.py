@@ -57,6 +57,9 @@ def release(model: nn.Module) -> None:
         optimizer.release()
     runtime.release()  # hooks off, units' buffers freed, parameters left without bytes
     state.tiers.close()  # stops the IO threads, closes the files, removes the directory
+    if runtime.heap_bound is not None:  # glibc trims its heap again (hetstore._malloc)
+        runtime.heap_bound.close()
+        runtime.heap_bound = None
     return_free_heap()  # freed CPU tensors (device tier on CPU, scratch) leave the RSS too
     mark_released(model)  # the state goes: nothing of the model's tiers is referenced
     model.register_forward_pre_hook(_refuse_released)

@@ -9,6 +9,8 @@ owns ``_unit_steps``, ``step_ahead`` and ``grad_norms``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from hetstore.optim import policy
@@ -59,7 +61,13 @@ class StepArrangement:
         sites = [(s, site_of(s, self._flat, self._root)) for s in self._unit_steps]
         ahead = [s for s, site in sites if policy.streamed_ahead(site, modes)]
         ahead += [s for s, site in sites if policy.memory_in_backward(site, modes)]
-        in_place = [s for s, site in sites if policy.memory_in_forward(site, modes)]
+        # (where the parameters are is asked at each hand-over, ForwardSteps: a later
+        # plan may bring a unit's home from the device into host memory, keeping these)
+        in_place = [
+            s
+            for s, site in sites
+            if policy.memory_in_forward(replace(site, params_in_memory=True), modes)
+        ]
         self.step_ahead = None
         if ahead or in_place:
             self.step_ahead = StepAhead(

@@ -35,7 +35,7 @@ from hetstore.errors import OutOfTierMemory
 from hetstore.footprints import LENT_MASTERS
 from hetstore.optim import policy
 from hetstore.optim.in_backward import site_of
-from hetstore.optim.step_worker import AT_STEP, in_forward
+from hetstore.optim.step_worker import AT_STEP
 from hetstore.tiers.hostmem import PAGE_SIZE, round_up
 from hetstore.tiers.store import Store, transfers_only, wait_all
 
@@ -116,23 +116,24 @@ class ReadAheads:
     def __bool__(self) -> bool:
         return bool(self._records)
 
-    def fill(self, order: list[Unit], step_of: Callable[[Unit], object], for_forward: bool) -> None:
-        """Read ahead the first units of ``order`` that can be, up to ``READ_AHEAD_UNITS``,
-        while the host has room: for their steps in the next forward (``for_forward``:
-        ``order`` is its), else in ``optimizer.step()``."""
-        # which: the step policy's rule, the planner's too (policy.read_ahead); whether
-        # now: the unit's home is not behind its master, and the host has room
-        steps = [(k, unit, step_of(unit)) for k, unit in enumerate(order)]
-        steps = [(k, unit, s) for k, unit, s in steps if s is not None]
-        # (flat and root decide nothing of a read ahead)
-        chosen = policy.read_ahead([site_of(s, flat=False, root=None) for _, _, s in steps])
-        for position, unit, unit_step in (steps[i] for i in chosen):
-            if id(unit) in self._records or unit.home_stale:
+    def fill(self, order: list[Unit], step_of: Callable[[Unit], object]) -> None:
+        """Read ahead the first units of ``order`` that can be, up to
+        ``policy.READ_AHEAD_UNITS``, while the host has room. Which can be is the step
+        policy's rule (``policy.reads_ahead``, the planner's too); whether now, the
+        unit's: its home not behind its master, not read already."""
+        for unit in order:
+            if len(self._records) >= policy.READ_AHEAD_UNITS:
+                return
+            unit_step = step_of(unit)
+            if unit_step is None or id(unit) in self._records or unit.home_stale:
                 continue
-            if not self._read(unit_step, in_forward(position) if for_forward else AT_STEP):
+            # (flat and root decide nothing of a read ahead)
+            if not policy.reads_ahead(site_of(unit_step, flat=False, root=None)):
+                continue
+            if not self._read(unit_step):
                 return
 
-    def _read(self, unit_step: StreamedUnitStep, next_use: tuple[int, int]) -> bool:
+    def _read(self, unit_step: StreamedUnitStep) -> bool:
         """Allocate the unit's master and states in host memory and have the worker read
         them; False when the host has no room for them."""
         unit = unit_step.unit
@@ -158,8 +159,9 @@ class ReadAheads:
         except OutOfTierMemory:  # the pool could not grow (fragmentation): not now
             self.give_back(record)
             return False
+        # (taken by optimizer.step(): its own step, or the hand-over to the next forward)
         record.future = self._worker.submit(
-            _read_into, dict(arrays), record.arrays, next_use=next_use
+            _read_into, dict(arrays), record.arrays, next_use=AT_STEP
         )
         self._records[id(unit)] = record
         return True

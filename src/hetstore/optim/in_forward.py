@@ -95,7 +95,10 @@ class ForwardSteps:
         return (
             id(unit) in self._in_place_steps
             and not unit.materialized  # a device copy would be stale until it lands
-            and isinstance(unit.home, torch.Tensor)  # (a disk home's write allocates)
+            # the policy's params_in_memory, asked now (a plan may have moved the home):
+            # fetched from host memory, not the device's own, nor disk (whose write
+            # allocates)
+            and isinstance(unit.home, torch.Tensor)
             and unit.grads.any()
         )
 

@@ -83,6 +83,7 @@ __all__ = [
     "memory_in_backward",
     "memory_in_forward",
     "read_ahead",
+    "reads_ahead",
 ]
 
 
@@ -161,11 +162,16 @@ def streamed_ahead(site: StepSite, modes: StepModes) -> bool:
     )
 
 
+def reads_ahead(site: StepSite) -> bool:
+    """A unit whose master and states can be read ahead during backward for its step: a
+    disk unit with fp32 states (a compact format's carry block scales besides)."""
+    return site.streamed and site.trainable and site.exact
+
+
 def read_ahead(sites: list[StepSite]) -> list[int]:
     """Of ``sites`` in the order their steps run, those whose masters and states are read
-    ahead during backward: the first ``READ_AHEAD_UNITS`` disk units with fp32 states."""
-    found = [k for k, s in enumerate(sites) if s.streamed and s.trainable and s.exact]
-    return found[:READ_AHEAD_UNITS]
+    ahead during backward: the first ``READ_AHEAD_UNITS`` that :func:`reads_ahead`."""
+    return [k for k, s in enumerate(sites) if reads_ahead(s)][:READ_AHEAD_UNITS]
 
 
 # ---------------------------------------------------------------------- at run time

@@ -363,7 +363,7 @@ class StepAhead:
         # the order they will be stepped: the next forward's, or optimizer.step()'s
         order = self.use_order() if self.in_forward else [s.unit for s in self._steps.values()]
         with self.own_allocations():
-            self.read_aheads.fill(order, self.step_of, for_forward=self.in_forward)
+            self.read_aheads.fill(order, self.step_of)
 
     def _state_change(self, unit: Unit) -> None:
         """The unit's master or states are about to be rewritten outside a step."""

@@ -89,11 +89,18 @@ class StepWorker:
                 initargs=(self._box,),
             )
         future: Future = Future()
+        entry = (next_use, next(self._submitted), fn, args, future)
         with self._queue_lock:
-            heapq.heappush(self._queue, (next_use, next(self._submitted), fn, args, future))
+            heapq.heappush(self._queue, entry)
         # one run of the queue's first per call queued: each call runs once, the thread
         # taking whichever is first when it is free
-        self._executor.submit(_run_first, self._queue, self._queue_lock)
+        try:
+            self._executor.submit(_run_first, self._queue, self._queue_lock)
+        except BaseException:  # (the interpreter is exiting): the call is not queued
+            with self._queue_lock:
+                self._queue.remove(entry)
+                heapq.heapify(self._queue)
+            raise
         return future
 
     @property

@@ -58,8 +58,9 @@ def keep_heap(on: bool) -> bool:
     out of reach) and serves every request up to its mmap ceiling (32 MiB) from the heap,
     so freed chunks serve the next request of their size without fresh pages; only
     :func:`return_free_heap` gives memory back. Off: glibc's default trim threshold
-    again (the mmap threshold stays at the ceiling: setting either ends glibc's own
-    raising of it). False where there is no ``mallopt`` (not glibc)."""
+    again; not glibc's first state: the mmap threshold stays at the ceiling, and
+    neither threshold rises by itself any more (setting either ends that). False where
+    there is no ``mallopt`` (not glibc)."""
     mallopt = getattr(_libc, "mallopt", None)
     if mallopt is None:
         return False
