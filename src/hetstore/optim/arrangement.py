@@ -9,8 +9,6 @@ owns ``_unit_steps``, ``step_ahead`` and ``grad_norms``.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from hetstore.optim import policy
@@ -66,7 +64,7 @@ class StepArrangement:
         in_place = [
             s
             for s, site in sites
-            if policy.memory_in_forward(replace(site, params_in_memory=True), modes)
+            if policy.memory_in_forward(site._replace(params_in_memory=True), modes)
         ]
         self.step_ahead = None
         if ahead or in_place:

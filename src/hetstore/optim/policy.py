@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from hetstore.footprints import READ_AHEAD_UNITS
 
@@ -88,10 +88,10 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------- where a step may run
-@dataclass(frozen=True)
-class StepSite:
+class StepSite(NamedTuple):
     """The facts of one unit that decide where its step may run, as the runtime knows
-    them (a unit and its step) and as the planner does (a traced unit and a placement)."""
+    them (a unit and its step) and as the planner does (a traced unit and a placement).
+    (A tuple: the planner's search makes one per unit for every placement it prices.)"""
 
     # master and states streamed from a tier the step cannot address (disk), every copy
     # of the parameters written through shadows
@@ -103,8 +103,7 @@ class StepSite:
     trainable: bool  # the optimizer steps some of its elements
 
 
-@dataclass(frozen=True)
-class StepModes:
+class StepModes(NamedTuple):
     """The configuration's step keys, resolved for the compute device."""
 
     overlap_disk: bool  # overlap_step, for disk units

@@ -55,6 +55,7 @@ Time (seconds per step)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from hetstore.footprints import (
@@ -445,13 +446,19 @@ def step_site(u: UnitTrace, c: UnitChoice) -> StepSite:
     """What the step policy (optim.policy) asks of a unit, for ``u`` placed as ``c``: a
     disk unit has its states and its parameters on disk (every copy then goes through
     shadows); a host-memory one, fp32 states there (stepped flat)."""
+    return _site(c.param, c.optimizer, u.compact_states, u.is_root, u.trainable_numel > 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _site(param: Tier, optimizer: Tier, compact: bool, root: bool, trainable: bool) -> StepSite:
+    # (a few dozen kinds: the search asks millions of times, once per unit per placement)
     return StepSite(
-        streamed=not c.optimizer.addressable and c.param == c.optimizer,
-        in_memory=_in_memory(c.optimizer) and not u.compact_states,
-        params_in_memory=_in_memory(c.param),
-        exact=not u.compact_states,
-        root=u.is_root,
-        trainable=u.trainable_numel > 0,
+        streamed=not optimizer.addressable and param == optimizer,
+        in_memory=_in_memory(optimizer) and not compact,
+        params_in_memory=_in_memory(param),
+        exact=not compact,
+        root=root,
+        trainable=trainable,
     )
 
 
@@ -498,11 +505,14 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> tuple[
     saved = [0.0] * len(units)  # what it takes off the step after backward
     work = [0.0] * len(units)  # what the worker spends on it
     copies = arithmetic = 0.0  # the worker's shadow copies, and all it computes
+    in_memory = [False] * len(units)  # host-memory units stepped ahead
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
-        if policy.streamed_in_backward(step_site(u, c), modes):
+        site = step_site(u, c)
+        if policy.streamed_in_backward(site, modes):
             saved[k] = work[k] = steps[k]
             arithmetic += _host_step_s(u, m)
-        elif policy.memory_in_backward(step_site(u, c), step_modes(trace)):
+        elif policy.memory_in_backward(site, modes):
+            in_memory[k] = True
             saved[k] = _host_step_s(u, m)
             copy = shadow_copy_s(u, m)
             work[k] = saved[k] + copy
@@ -519,13 +529,12 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> tuple[
         clock += backward[k]
         if not work[k]:
             continue
-        in_memory = policy.memory_in_backward(step_site(units[k], choices[k]), step_modes(trace))
-        if paced and in_memory and admitted and max(clock, worker) + work[k] > end:
+        if paced and in_memory[k] and admitted and max(clock, worker) + work[k] > end:
             copies -= work[k] - saved[k]  # stepped after backward instead
             arithmetic -= work[k]
             saved[k] = work[k] = 0.0
             continue
-        if in_memory:
+        if in_memory[k]:
             admitted.add(k)
         worker = max(clock, worker) + work[k]
     hidden = sum(saved) - max(0.0, worker - clock)
@@ -580,13 +589,13 @@ def _hidden_behind_forward(
     (``step_in_forward``; module doc): disk units', and on a GPU host-memory units' not
     stepped in backward (``in_backward``). May be negative on a CPU device."""
     units, m = trace.units, trace.machine
+    modes = step_modes(trace)
     left = [0.0] * len(units)
     arithmetic = 0.0
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
-        in_memory = (
-            policy.memory_in_forward(step_site(u, c), step_modes(trace)) and k not in in_backward
-        )
-        if in_memory or policy.streamed_in_forward(step_site(u, c), step_modes(trace)):
+        site = step_site(u, c)
+        in_memory = policy.memory_in_forward(site, modes) and k not in in_backward
+        if in_memory or policy.streamed_in_forward(site, modes):
             left[k] = steps[k]
             arithmetic += _host_step_s(u, m)
     if not any(left):
@@ -627,7 +636,7 @@ def times(
             or trace.step_overlap_memory
             or trace.steps_in_next_forward
         )
-    m = trace.machine
+    m, modes = trace.machine, step_modes(trace)
     compute = stall = overlappable = 0.0
     fill = 0.0
     steps: list[float] = []
@@ -646,7 +655,7 @@ def times(
             for hop in _hops_beyond(c.param):  # (a master that is the home is read as well)
                 reads = fetches
                 if u.frozen_compute_numel == 0 and policy.streamed_in_forward(
-                    step_site(u, c), step_modes(trace)
+                    step_site(u, c), modes
                 ):
                     reads -= 1  # forward's fetch takes what the step left in staging
                 read = reads * u.param_bytes / m.inward(hop)
@@ -726,12 +735,13 @@ def estimate(
     peaks = memory(trace, choices, depth, chunk_bytes, timeline=True)
     compute, stall, exposed, optimizer, hidden = times(trace, choices, depth, overlap)
     basis = "measured" if trace.measured else trace.compute_basis
+    modes = step_modes(trace)
     shadows = 0
     if overlap is not False:
         shadows = sum(
             paged(master_bytes(u, c)) + paged(u.grad_bytes) + paged(u.state_bytes, u.state_arrays)
             for u, c in zip(trace.units, choices, strict=True)
-            if policy.memory_in_backward(step_site(u, c), step_modes(trace))
+            if policy.memory_in_backward(step_site(u, c), modes)
         )
     clip_bites = None if overlap is False else _when_a_clip_bites(trace, choices, depth)
     spread = trace.machine.spread if trace.machine is not None else ()
