@@ -117,9 +117,8 @@ class _Offloading:
         self.events = Events()  # the model's bus: units and runtime publish on it
         self.units: list[Unit] = []  # every unit, in order, once materialize built them
         # the process's resident set before anything was made, where it is bounded
-        # (_bound_process_memory), and the bound the runtime checks against it
+        # (_bound_process_memory); the bound against it is the runtime's (heap_bound)
         self._rss_before: int | None = None
-        self.heap_bound: HeapBound | None = None
         self.tiers: Tiers | None = None  # made by materialize
         self.runtime: OffloadRuntime | None = None  # made by wire_hooks
 
@@ -209,8 +208,7 @@ class _Offloading:
         if self._rss_before is None:
             return
         held = functools.partial(_tiers_hold, self.tiers)
-        self.heap_bound = HeapBound(self._rss_before, held, slack=HEAP_SLACK)
-        self.runtime.heap_bound = self.heap_bound
+        self.runtime.heap_bound = HeapBound(self._rss_before, held, slack=HEAP_SLACK)
 
     def materialize(self, init_fn: Callable[[nn.Module], None] | None) -> None:
         """Make the tiers and every unit's buffers in them (a meta model is initialized

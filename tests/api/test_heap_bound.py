@@ -60,18 +60,11 @@ def test_release_gives_the_heap_back_to_glibc_while_the_optimizer_lives_on(tmp_p
     would ever trim for it."""
     import hetstore
     from hetstore._malloc import live_bounds
-    from tests.models.gpt import GPT, batches
-    from tests.parity import adamw
+    from tests.models.gpt import batches
+    from tests.optim.helpers import config, fresh
 
-    model = GPT(width=32, depth=2)
-    config = hetstore.OffloadConfig(
-        offload_param="disk",
-        offload_optimizer="disk",
-        offload_path=str(tmp_path),
-        device="cpu",
-        enable_pinned_mem=False,
-    )
-    model, optimizer = hetstore.offload(model, adamw(model.parameters()), config)
+    model, optimizer = fresh()  # everything on disk: the process's memory is bounded
+    model, optimizer = hetstore.offload(model, optimizer, config(tmp_path, True, "disk"))
     x, y = batches(1)[0]
     model(x, y).backward()
     optimizer.step()

@@ -3,10 +3,10 @@ the chunk buffers those steps stream through.
 
 Every step job (:mod:`hetstore.optim.step_job`) runs here, one at a time, the one whose
 result is needed soonest first (its *next use*, :data:`AT_STEP` or :func:`in_forward`;
-in the order submitted between equals); the step ahead
-(:mod:`hetstore.optim.step_ahead`) decides what to submit and when. The worker only submits disk IO (the AIO engine is thread-safe) and runs a
-step's arithmetic on buffers it was given; every allocation, commit and discard happens
-on the caller's thread.
+in the order submitted between equals); the step ahead (:mod:`hetstore.optim.step_ahead`)
+decides what to submit and when. The worker only submits disk IO (the AIO engine is
+thread-safe) and runs a step's arithmetic on buffers it was given; every allocation,
+commit and discard happens on the caller's thread.
 
 Host memory: the chunk buffers (one set per chunk in flight, as large as the longest
 chunk of any streamed unit step) are made at the first job that needs them and freed
