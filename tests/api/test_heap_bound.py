@@ -30,27 +30,29 @@ def test_memory_a_trim_cannot_return_becomes_the_baseline():
     assert bound.trims == 1
 
 
-def test_while_a_bound_lives_freed_heap_memory_serves_the_next_tensors_without_faults():
+def test_while_a_bound_lives_the_heap_keeps_what_its_tensors_free():
     """The bound is the heap's only trim: glibc's own gives the heap's top back whenever
     more than twice its (rising) mmap threshold is free there, which a few units' freed
     ~30 MiB device copies make, and the next fetches fault them in afresh (about 1.4 ms
-    a MiB on this machine's VM)."""
-    import resource
-
+    a MiB on this machine's VM). Measured as the resident set right after 96 MiB of
+    tensors are freed at the heap's top: kept, not given back. (Counting the next
+    tensors' page faults instead depends on where posix_memalign's padding leaves each
+    freed chunk: now and then one is a few bytes short for the next request of its size
+    and that one comes from fresh pages, kept heap or not.)"""
     import torch
 
-    def faults_of_four_fresh_24_mib_tensors() -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    def resident_after_freeing_four_24_mib_tensors() -> tuple[int, int]:
         tensors = [torch.empty(24 * MiB, dtype=torch.uint8) for _ in range(4)]
         for t in tensors:
             t.fill_(1)  # touched
+        holding = current_rss()
         del tensors, t  # freed together: 96 MiB at the heap's top
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        return holding, current_rss()
 
     bound = HeapBound(current_rss(), lambda: 0, slack=4096 * MiB)
-    faults_of_four_fresh_24_mib_tensors()  # mapped, then (glibc) the threshold rises
-    faults_of_four_fresh_24_mib_tensors()  # the heap grows once
-    assert faults_of_four_fresh_24_mib_tensors() < 4 * 24 * MiB // 4096 // 10  # of 24,576
+    resident_after_freeing_four_24_mib_tensors()  # (the heap grows to hold them once)
+    holding, after = resident_after_freeing_four_24_mib_tensors()
+    assert holding - after < 8 * MiB  # of 96 MiB freed
     del bound
 
 
