@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hetstore
 from hetstore.errors import ConfigError
 from hetstore.optim import borrowed, policy
 from hetstore.optim.step_worker import StepWorker
 from hetstore.optim.streamed import StreamedUnitStep
-from hetstore.runtime.staging import ParamStager
-from tests.models.gpt import GPT, batches
+from hetstore.runtime.staging import GradStager, ParamStager
+from tests.models.gpt import GPT, Block, batches
 from tests.optim.helpers import (
     WIDTH,
     assert_bitwise,
@@ -256,6 +257,81 @@ def test_the_next_forward_takes_the_stepped_parameters_instead_of_reading_them_b
     # at least the first units forward uses: they get the buffers free at the step
     assert len(staged) >= steps * min(depth + 1, units_of(on))
     assert sum(off_reads) - sum(on_reads) == sum(u.home_bytes for u in staged)
+
+
+class _MlpSometimes(Block):
+    """A block whose MLP (ln2, fc, out) is left out while ``skip``: those parameters
+    get no gradient that step."""
+
+    skip = False
+
+    def forward(self, x):
+        if not self.skip:
+            return super().forward(x)
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+def test_the_last_gradients_written_are_stepped_from_the_stagers_buffer(tmp_path, monkeypatch):
+    """The units whose backward ended last (the first the next forward uses) step from
+    the gradient stager's buffer their gradients were written from, not from a read
+    back. Against the same run with that turned off: the same losses, weights and states
+    bit for bit, with a clip that bites and the first block's MLP without gradients
+    every other step (zeroed in the lent buffer as the ordinary step zeroes them in what
+    it reads; the buffer holds another unit's gradients there), and exactly the lent
+    units' gradient bytes fewer read from disk."""
+    data = batches(5, vocab=64)
+
+    def run(name: str):
+        model, _ = fresh()
+        for k, block in enumerate(model.blocks):  # (one class: the blocks are the units)
+            model.blocks[k] = _MlpSometimes(WIDTH, block.heads)
+            model.blocks[k].load_state_dict(block.state_dict())
+        opt = adamw(model.parameters())
+        cfg = config(tmp_path / name, False, "disk", step_in_forward=True)
+        model, opt = hetstore.offload(model, opt, cfg)
+        blocks = model.blocks
+        # (the disk bytes read from each backward to the end of the next forward)
+        disk = hetstore.state_of(model).runtime.units[0].tiers.disk
+        losses, reads = [], 0
+        x, y = data[0]
+        loss = model(x, y)
+        for i, (x, y) in enumerate(data[1:], 1):
+            before = disk.stats()["bytes_read"]
+            loss.backward()
+            losses.append(loss.item())
+            opt.clip_grad_norm_(0.05)
+            opt.step()
+            opt.zero_grad()
+            blocks[0].skip = i % 2 == 1
+            loss = model(x, y)
+            reads += disk.stats()["bytes_read"] - before
+        return model, opt, losses, reads
+
+    lent = []
+    lend_written = GradStager.lend_written
+
+    def recording(self, unit):
+        grads = lend_written(self, unit)
+        lent.extend([unit] if grads is not None else [])
+        return grads
+
+    with monkeypatch.context() as patch:
+        patch.setattr(GradStager, "lend_written", lambda self, unit: None)
+        off, off_opt, off_losses, off_reads = run("off")
+    monkeypatch.setattr(GradStager, "lend_written", recording)
+    on, on_opt, on_losses, on_reads = run("on")
+
+    assert on_losses == off_losses
+    assert_bitwise(on, off)
+    assert_same_optimizer_state(on_opt, off_opt)
+    # the stager's three buffers: the root's, and the two blocks' last written
+    assert {u.name for u in lent} == {"root", "blocks.0", "blocks.1"}
+    assert len(lent) == 3 * (len(data) - 1)
+    assert off_reads - on_reads == sum(u.trainable_numel * 4 for u in lent)
 
 
 def test_a_unit_without_a_step_pending_finds_a_staging_buffer_without_waiting(

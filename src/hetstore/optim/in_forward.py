@@ -144,7 +144,8 @@ class ForwardSteps:
         try:
             ahead.lending.offer(job)
             job.read_ahead = ahead.read_aheads.take(unit)
-            job.submitted(self._worker.submit(self._run, job, slots, next_use=next_use))
+            grads = self._lend_grads(job)
+            job.submitted(self._worker.submit(self._run, job, slots, grads, next_use=next_use))
         except BaseException:
             rewrite.discard()
             self._give_back_borrowed(job)
@@ -154,9 +155,25 @@ class ForwardSteps:
         self._stats.in_forward += 1
         return True
 
-    def _run(self, job: StepJob, slots: list) -> None:
-        """The worker: ``job``'s step, leaving the new parameters in the staging buffer
-        lent to it, if one was by the time it starts."""
+    @staticmethod
+    def _lend_grads(job: StepJob) -> torch.Tensor | None:
+        """Gradients on disk still in the stager's buffer they were written from (the
+        units whose backward ended last: the first this forward uses), lent to ``job``
+        to step from instead of reading them back; the ones it has no gradient for
+        zeroed there, as the ordinary step zeroes them in what it reads."""
+        unit = job.unit
+        if unit.grad_stager is None:
+            return None
+        grads = unit.grad_stager.lend_written(unit)
+        if grads is not None:
+            job.lent_grads = True
+            unit.grads.fill_missing(grads, 0, job.has_grad)
+        return grads
+
+    def _run(self, job: StepJob, slots: list, grads: torch.Tensor | None) -> None:
+        """The worker: ``job``'s step (from ``grads``, lent, else where they are),
+        leaving the new parameters in the staging buffer lent to it, if one was by the
+        time it starts."""
         params = self._ahead.lending.claim(job)
         unit_step = job.unit_step
         out = None if params is None else unit_step.unit.param_stager.view(params, unit_step.unit)
@@ -168,6 +185,7 @@ class ForwardSteps:
             job.has_grad,
             params_out=out,
             read_ahead=None if job.read_ahead is None else job.read_ahead.arrays,
+            grads=grads,
         )
         job.filled = out is not None
 
@@ -243,7 +261,7 @@ class ForwardSteps:
     def forget(self, key: int) -> None:
         """Drop the job of the unit ``key`` (landed, or the model is released)."""
         job = self._ahead.jobs[key]
-        if job.shadows is not None or job.params is not None or job.read_ahead:
+        if job.shadows is not None or job.params is not None or job.read_ahead or job.lent_grads:
             self._worker.wait(job)  # never discard (or give back) under the worker
         del self._ahead.jobs[key]  # (after the wait: interrupted, it is still recorded)
         if job.shadows is not None:
@@ -264,8 +282,11 @@ class ForwardSteps:
 
     def _give_back_borrowed(self, job: StepJob, committed: bool = False) -> None:
         """Give back what ``job`` borrowed, once the worker is done with it: what was read
-        ahead for it, and its lent parameter buffer (staged for the unit's fetch when
-        ``committed`` and filled, else unused)."""
+        ahead for it, its gradients' buffer, and its lent parameter buffer (staged for
+        the unit's fetch when ``committed`` and filled, else unused)."""
+        if job.lent_grads:
+            job.lent_grads = False
+            job.unit.grad_stager.give_back(job.unit)
         read_ahead, job.read_ahead = job.read_ahead, None
         if read_ahead is not None:
             self._ahead.read_aheads.give_back(read_ahead)

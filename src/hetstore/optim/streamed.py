@@ -383,20 +383,22 @@ class StreamedUnitStep(UnitStates):
         has_grad: tuple[bool, ...],
         params_out: torch.Tensor | None = None,
         read_ahead: dict[str, torch.Tensor] | None = None,
+        grads: torch.Tensor | None = None,
     ) -> None:
         """Any thread: the step :meth:`step` would take now, into ``rewrite``'s shadows,
         finished while the next forward runs (:meth:`StepAhead.defer`): the same group
         values ``hyper``, gradient flags ``has_grad`` and ``multipliers`` (clip, unscale)
-        as that step, from the gradients where they are (missing ones in memory were
-        zeroed before, as the ordinary step zeroes them). ``params_out``: see
-        :meth:`ChunkedRewrite.write`. ``read_ahead``: the whole master (``"master"``)
-        and states (by key), read from disk earlier, copied from instead of read."""
-        in_memory = isinstance(self.unit.grad, torch.Tensor)
+        as that step, from the gradients where they are, or in ``grads`` (a host copy of
+        gradients on disk); missing ones in memory were zeroed before, as the ordinary
+        step zeroes them. ``params_out``: see :meth:`ChunkedRewrite.write`.
+        ``read_ahead``: the whole master (``"master"``) and states (by key), read from
+        disk earlier, copied from instead of read."""
         read, fill = self._pipeline(
             multipliers,
             hyper,
             rewrite,
-            live_grads=in_memory,
+            grads,
+            live_grads=grads is not None or isinstance(self.unit.grad, torch.Tensor),
             has_grad=has_grad,
             read_ahead=read_ahead,
         )

@@ -87,6 +87,14 @@ class _Slots:
     def give(self, slot: torch.Tensor) -> None:
         self.free.append(slot)
 
+    def take_back(self, slot: torch.Tensor) -> bool:
+        """Take ``slot`` itself out of the free ones; False when it is not free."""
+        for i, free in enumerate(self.free):
+            if free is slot:
+                del self.free[i]
+                return True
+        return False
+
     @property
     def spare(self) -> int:
         """Buffers :meth:`take` gives without one coming back first."""
@@ -258,6 +266,9 @@ class GradStager:
         # buffers lent to the optimizer's step ahead, which steps their unit from them
         # (no read back from disk): unit -> whole buffer; they come back by give_back()
         self._lent: dict[Unit, torch.Tensor] = {}
+        # unit -> the buffer its gradients were last written from, while it still holds
+        # them (no unit has taken it since): lent after backward (lend_written)
+        self._written: dict[Unit, torch.Tensor] = {}
 
     @property
     def slot_bytes(self) -> int:
@@ -276,6 +287,9 @@ class GradStager:
             elif not (self._lent and self._events.publish(Event.GRAD_BUFFERS_LENT)):
                 self.flush(next(iter(self._holders)))  # (never all lent: see lend)
             slot = self._slots.take()
+        self._written.pop(unit, None)  # (accumulating: its sums on disk are about to move)
+        for other in [u for u, s in self._written.items() if s is slot]:
+            del self._written[other]
         view = _grads_in(slot, unit)
         if unit.grads.any():  # accumulating: earlier micro-batches' sums are on disk
             try:
@@ -314,6 +328,17 @@ class GradStager:
         self._lent[unit] = slot
         return _grads_in(slot, unit)
 
+    def lend_written(self, unit: Unit) -> torch.Tensor | None:
+        """After backward, every write finished (:meth:`finish`): the buffer ``unit``'s
+        gradients were last written from, lent like :meth:`lend` while no other unit has
+        taken it since (the bytes its gradient array holds: a step in the next forward
+        reads them there, not back from disk); None when it is not at hand."""
+        slot = self._written.get(unit)
+        if slot is None or unit in self._lent or self._writing or not self._slots.take_back(slot):
+            return None
+        self._lent[unit] = slot
+        return _grads_in(slot, unit)
+
     def peek(self, unit: Unit) -> torch.Tensor | None:
         """``unit``'s gradients in the buffer just flushed, to read now, before the
         stager may reuse it (it does only when another unit needs a buffer); None when
@@ -343,6 +368,7 @@ class GradStager:
         unit.grads.region().write(_grads_in(slot, unit), 0)
         del self._lent[unit]
         self._writing.append((unit, slot))
+        self._written[unit] = slot
 
     def give_back(self, unit: Unit) -> None:
         slot = self._lent.pop(unit, None)
@@ -359,6 +385,7 @@ class GradStager:
         view, slot = self._holders.pop(unit)
         region.write(view, 0)
         self._writing.append((unit, slot))
+        self._written[unit] = slot
 
     def flush_all(self) -> None:
         for unit in list(self._holders):
@@ -378,6 +405,7 @@ class GradStager:
 
     def close(self) -> None:
         self._holders.clear()
+        self._written.clear()
         try:
             self.finish()
         except BaseException:  # noqa: BLE001 - closing
