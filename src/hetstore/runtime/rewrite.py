@@ -210,6 +210,10 @@ class ChunkedRewrite:
         reads: dict[int, list] = {}
         writes: dict[int, list] = {}
         chunk_slots: dict[int, Slot] = {}
+        # the new parameters are the master's own values (the home is the fp32 master):
+        # a chunk's master is then read, stepped and written in ``params_out`` itself,
+        # not in the slot's buffer and copied there after
+        in_params = params_out is not None and unit.home is unit.master
         try:
 
             def start_reads(i: int) -> None:
@@ -217,6 +221,8 @@ class ChunkedRewrite:
                 slot = slots[i % len(slots)]
                 if views is not None:
                     slot = {**slot, **views(spans[i])}
+                if in_params and slot["master"] is slots[i % len(slots)]["master"]:
+                    slot = {**slot, "master": params_out[spans[i].start : spans[i].end]}
                 chunk_slots[i] = slot
                 reads[i] = read(spans[i], slot) if read is not None else []
 
@@ -240,8 +246,9 @@ class ChunkedRewrite:
                 elif unit.home is not unit.master:
                     self._touched_memory = True
                     unit.home[span.start : span.end].copy_(master)
-                if params_out is not None:
-                    params_out[span.start : span.end].copy_(compute)
+                out = None if params_out is None else params_out[span.start : span.end]
+                if out is not None and out.data_ptr() != compute.data_ptr():
+                    out.copy_(compute)
                 if unit.has_device_copy and not self.speculative:
                     self._touched_memory = True
                     unit.write_device_copy(master, span.start)
