@@ -21,7 +21,11 @@ tier, so the host memory a disk placement needs does not grow with the model:
   later (accumulation makes that exact), so any model order works. With
   ``step_in_backward`` a unit's full buffer is handed to the optimizer's step in
   backward instead of being written (:meth:`GradStager.hand_over`); a unit needing a
-  buffer then may wait for such a step to finish (``Event.GRAD_BUFFERS_LENT``).
+  buffer then may wait for such a step to finish (``Event.GRAD_BUFFERS_LENT``). After
+  backward the buffers still hold the last units' gradients as written (the root's,
+  and the blocks whose backward ended last: the first the next forward uses); a step
+  in the next forward borrows them (:meth:`GradStager.lend_written`) instead of reading
+  those gradients back.
 
 Neither knows who borrows its buffers: it publishes on the model's event bus
 (:mod:`hetstore.runtime.events`) when a buffer comes free and when it finds every one
