@@ -444,8 +444,10 @@ def test_steps_left_after_backward_hide_behind_the_next_forward_except_the_roots
     against it. (Without reading ahead during backward: that takes the root's reads
     off the forward's path too, tested below.)"""
     from hetstore.optim import policy
+    from hetstore.planner import cost
 
     monkeypatch.setattr(policy, "READ_AHEAD_UNITS", 0)
+    monkeypatch.setattr(cost, "GRAD_STAGING_SLOTS", 0)  # (tested below)
     choices = [ON_DISK] * 5
     forward_only = replace(disk_trace(forward_s=10.0), step_overlap=False, step_in_forward=True)
     serial = estimate(forward_only, choices, 1, overlap=False)
@@ -465,6 +467,27 @@ def test_steps_left_after_backward_hide_behind_the_next_forward_except_the_roots
     root = Trace(units=(on_cpu.units[-1],), machine=CPU)
     root_step = estimate(root, [ON_DISK], 1, overlap=False).optimizer_s
     assert cpu.optimizer_hidden_s == pytest.approx(cpu_serial.optimizer_s - root_step - arithmetic)
+
+
+def test_the_next_forward_reads_no_gradient_still_in_the_stagers_buffers(monkeypatch):
+    """``GradStager.lend_written``: the steps in the next forward of the units whose
+    backward ended last (the root, and the first blocks that forward uses, as many as
+    the stager has buffers) borrow their gradients from the stager instead of reading
+    them back. A forward long enough to hide the blocks' steps waits for the root's
+    only: shorter by the root's gradient read."""
+    from hetstore.optim import policy
+    from hetstore.planner import cost
+
+    monkeypatch.setattr(policy, "READ_AHEAD_UNITS", 0)
+    choices = [ON_DISK] * 5
+    forward_only = replace(disk_trace(forward_s=10.0), step_overlap=False, step_in_forward=True)
+    assert cost._grads_kept(forward_only, choices) == [4, 0, 1]  # the root first
+    kept = estimate(forward_only, choices, 1)
+    monkeypatch.setattr(cost, "GRAD_STAGING_SLOTS", 0)
+    read_back = estimate(forward_only, choices, 1)
+    root = forward_only.units[-1]
+    saved = root.grad_bytes / forward_only.machine.inward(Tier.DISK)
+    assert kept.optimizer_s == pytest.approx(read_back.optimizer_s - saved)
 
 
 def test_a_step_in_the_next_forward_saves_that_forwards_parameter_reads():

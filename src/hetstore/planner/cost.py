@@ -59,6 +59,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from hetstore.footprints import (
+    GRAD_STAGING_SLOTS,
     LENT_MASTERS,
     activation_staging_units,
     grad_staging_bytes,
@@ -567,6 +568,21 @@ def _read_ahead(trace: Trace, choices: list[UnitChoice], bitten: bool = False) -
     return [order[i] for i in found]
 
 
+def _grads_kept(trace: Trace, choices: list[UnitChoice]) -> list[int]:
+    """The units whose gradients on disk a step in the next forward borrows from the
+    gradient stager's buffers instead of reading them back (``GradStager.lend_written``):
+    those whose backward ended last, the root's (it holds a buffer through the whole
+    backward) and the first others the next forward uses, as many as the stager has
+    buffers."""
+    units = trace.units
+    on_disk = [
+        k
+        for k in _forward_order(units)
+        if units[k].trainable_numel and not choices[k].optimizer.addressable
+    ]
+    return on_disk[:GRAD_STAGING_SLOTS]
+
+
 def _read_ahead_s(u: UnitTrace, c: UnitChoice, m: MachineRates) -> float:
     """The disk seconds of the master and states a read ahead takes off a step."""
     return (master_bytes(u, c) + u.state_bytes) / m.inward(c.optimizer)
@@ -605,6 +621,10 @@ def _hidden_behind_forward(
     for k in _read_ahead(trace, choices):  # their reads hidden behind backward's idle disk
         u, c = units[k], choices[k]
         work[k] = max(_host_step_s(u, m), left[k] - _read_ahead_s(u, c, m))
+    for k in _grads_kept(trace, choices):  # their gradients still in the stager's buffers
+        u, c = units[k], choices[k]
+        if work[k]:
+            work[k] = max(_host_step_s(u, m), work[k] - u.grad_bytes / m.inward(c.optimizer))
     clock = worker = waited = 0.0
     for k in order:
         if work[k]:
