@@ -275,10 +275,14 @@ class _MlpSometimes(Block):
         return x + self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
-def test_the_last_gradients_written_are_stepped_from_the_stagers_buffer(tmp_path, monkeypatch):
+@pytest.mark.parametrize("in_forward", [True, False], ids=["in-the-next-forward", "in-step"])
+def test_the_last_gradients_written_are_stepped_from_the_stagers_buffer(
+    tmp_path, monkeypatch, in_forward
+):
     """The units whose backward ended last (the first the next forward uses) step from
     the gradient stager's buffer their gradients were written from, not from a read
-    back. Against the same run with that turned off: the same losses, weights and states
+    back: in the next forward, or in ``optimizer.step()``. Against the same run with
+    that turned off: the same losses, weights and states
     bit for bit, with a clip that bites and the first block's MLP without gradients
     every other step (zeroed in the lent buffer as the ordinary step zeroes them in what
     it reads; the buffer holds another unit's gradients there), and exactly the lent
@@ -291,7 +295,7 @@ def test_the_last_gradients_written_are_stepped_from_the_stagers_buffer(tmp_path
             model.blocks[k] = _MlpSometimes(WIDTH, block.heads)
             model.blocks[k].load_state_dict(block.state_dict())
         opt = adamw(model.parameters())
-        cfg = config(tmp_path / name, False, "disk", step_in_forward=True)
+        cfg = config(tmp_path / name, False, "disk", step_in_forward=in_forward)
         model, opt = hetstore.offload(model, opt, cfg)
         blocks = model.blocks
         # (the disk bytes read from each backward to the end of the next forward)
@@ -314,8 +318,8 @@ def test_the_last_gradients_written_are_stepped_from_the_stagers_buffer(tmp_path
     lent = []
     lend_written = GradStager.lend_written
 
-    def recording(self, unit):
-        grads = lend_written(self, unit)
+    def recording(self, unit, has_grad):
+        grads = lend_written(self, unit, has_grad)
         lent.extend([unit] if grads is not None else [])
         return grads
 
@@ -323,7 +327,7 @@ def test_the_last_gradients_written_are_stepped_from_the_stagers_buffer(tmp_path
     # the worker's timing: read back in both runs)
     monkeypatch.setattr(borrowed, "stages_params", lambda unit: False)
     with monkeypatch.context() as patch:
-        patch.setattr(GradStager, "lend_written", lambda self, unit: None)
+        patch.setattr(GradStager, "lend_written", lambda self, unit, has_grad: None)
         off, off_opt, off_losses, off_reads = run("off")
     monkeypatch.setattr(GradStager, "lend_written", recording)
     on, on_opt, on_losses, on_reads = run("on")

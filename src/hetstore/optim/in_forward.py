@@ -159,15 +159,12 @@ class ForwardSteps:
     def _lend_grads(job: StepJob) -> torch.Tensor | None:
         """Gradients on disk still in the stager's buffer they were written from (the
         units whose backward ended last: the first this forward uses), lent to ``job``
-        to step from instead of reading them back; the ones it has no gradient for
-        zeroed there, as the ordinary step zeroes them in what it reads."""
+        to step from instead of reading them back."""
         unit = job.unit
         if unit.grad_stager is None:
             return None
-        grads = unit.grad_stager.lend_written(unit)
-        if grads is not None:
-            job.lent_grads = True
-            unit.grads.fill_missing(grads, 0, job.has_grad)
+        grads = unit.grad_stager.lend_written(unit, job.has_grad)
+        job.lent_grads = grads is not None
         return grads
 
     def _run(self, job: StepJob, slots: list, grads: torch.Tensor | None) -> None:

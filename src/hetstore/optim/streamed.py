@@ -229,9 +229,22 @@ class StreamedUnitStep(UnitStates):
         after ``zero_grad`` or a scheduler may have changed the live ones).
         ``read_ahead``: see :meth:`run_in_forward`."""
         unit = self.unit
-        grad_on_disk = transfers_only(unit.grad)
+        lent = None
         if unit.grad_stager is not None:
             unit.grad_stager.finish()  # backward's gradient writes, and their errors
+            # (the last gradients written, still in the stager's buffer: not read back)
+            lent = unit.grad_stager.lend_written(unit, has_grad)
+        try:
+            self._step(grad_multipliers, hyper, has_grad, read_ahead, lent)
+        finally:
+            if lent is not None:
+                unit.grad_stager.give_back(unit)
+
+    def _step(self, grad_multipliers, hyper, has_grad, read_ahead, lent) -> None:
+        """:meth:`step`, from ``lent`` (the gradients in the stager's buffer, their
+        missing ones zeroed there) where it is not None, else from where they are."""
+        unit = self.unit
+        grad_on_disk = transfers_only(unit.grad)
         rewrite = self.new_rewrite()
         names = self.slot_names() if grad_on_disk else self.state_slot_names(rewrite)
         if read_ahead is not None:  # stepped where it was read (_views_of): no buffers
@@ -246,7 +259,13 @@ class StreamedUnitStep(UnitStates):
             raise
         try:
             read, fill = self._pipeline(
-                grad_multipliers, hyper, rewrite, has_grad=has_grad, read_ahead=read_ahead
+                grad_multipliers,
+                hyper,
+                rewrite,
+                lent,
+                live_grads=lent is not None,
+                has_grad=has_grad,
+                read_ahead=read_ahead,
             )
             rewrite.run(self._chunks, sets, fill, read, views=self._views_of(read_ahead))
         finally:

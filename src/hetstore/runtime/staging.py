@@ -332,16 +332,22 @@ class GradStager:
         self._lent[unit] = slot
         return _grads_in(slot, unit)
 
-    def lend_written(self, unit: Unit) -> torch.Tensor | None:
+    def lend_written(self, unit: Unit, has_grad: tuple[bool, ...] | None) -> torch.Tensor | None:
         """After backward, every write finished (:meth:`finish`): the buffer ``unit``'s
         gradients were last written from, lent like :meth:`lend` while no other unit has
-        taken it since (the bytes its gradient array holds: a step in the next forward
-        reads them there, not back from disk); None when it is not at hand."""
+        taken it since: the bytes its gradient array holds, for a step after backward to
+        read there instead of back from disk; None when it is not at hand. The parameters
+        without a gradient (by ``has_grad``, else the live flags) are zeroed in it, as the
+        step zeroes them in what it reads. Lent once: what the borrower did to it is not
+        the disk's any more."""
         slot = self._written.get(unit)
         if slot is None or unit in self._lent or self._writing or not self._slots.take_back(slot):
             return None
+        del self._written[unit]
         self._lent[unit] = slot
-        return _grads_in(slot, unit)
+        grads = _grads_in(slot, unit)
+        unit.grads.fill_missing(grads, 0, has_grad)
+        return grads
 
     def peek(self, unit: Unit) -> torch.Tensor | None:
         """``unit``'s gradients in the buffer just flushed, to read now, before the
