@@ -452,6 +452,8 @@ def main() -> None:
 
     command = [".venv/bin/python", "benchmarks/disk_offload.py", *model_argv(args)]
     command += ["--disk-size", args.disk_size] + ([] if have_fio else ["--no-fio"])
+    if args.chain > 1:  # (the timed steps differ without it: see --chain)
+        command += ["--chain", str(args.chain)]
     if variants != list(VARIANTS):
         command += ["--variants", ",".join(variants)]
     os.makedirs(args.dir, exist_ok=True)
