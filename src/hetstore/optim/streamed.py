@@ -229,48 +229,37 @@ class StreamedUnitStep(UnitStates):
         after ``zero_grad`` or a scheduler may have changed the live ones).
         ``read_ahead``: see :meth:`run_in_forward`."""
         unit = self.unit
-        lent = None
         if unit.grad_stager is not None:
             unit.grad_stager.finish()  # backward's gradient writes, and their errors
-            # (the last gradients written, still in the stager's buffer: not read back)
-            lent = unit.grad_stager.lend_written(unit, has_grad)
-        try:
-            self._step(grad_multipliers, hyper, has_grad, read_ahead, lent)
-        finally:
-            if lent is not None:
-                unit.grad_stager.give_back(unit)
-
-    def _step(self, grad_multipliers, hyper, has_grad, read_ahead, lent) -> None:
-        """:meth:`step`, from ``lent`` (the gradients in the stager's buffer, their
-        missing ones zeroed there) where it is not None, else from where they are."""
-        unit = self.unit
-        grad_on_disk = transfers_only(unit.grad)
         rewrite = self.new_rewrite()
-        names = self.slot_names() if grad_on_disk else self.state_slot_names(rewrite)
+        names = self.slot_names() if transfers_only(unit.grad) else self.state_slot_names(rewrite)
         if read_ahead is not None:  # stepped where it was read (_views_of): no buffers
             names = [(name, dtype) for name, dtype in names if name not in read_ahead]
-        count = self.slot_sets
         if hyper is None:
             hyper = {s.group: self.hyper(s.group) for s in unit.segments}
         try:
-            sets, buffers = self._slot_sets(count, names, self.longest_chunk)
+            sets, buffers = self._slot_sets(self.slot_sets, names, self.longest_chunk)
         except BaseException:
             rewrite.discard()
             raise
+        # the last gradients written, still in the stager's buffer: not read back
+        lent = unit.grad_stager.lend_written(unit, has_grad) if unit.grad_stager else None
         try:
             read, fill = self._pipeline(
                 grad_multipliers,
                 hyper,
                 rewrite,
                 lent,
-                live_grads=lent is not None,
-                has_grad=has_grad,
+                lent is not None,
+                has_grad,
                 read_ahead=read_ahead,
             )
             rewrite.run(self._chunks, sets, fill, read, views=self._views_of(read_ahead))
         finally:
             for buffer in buffers:
                 unit.tiers.host.free(buffer)
+            if lent is not None:
+                unit.grad_stager.give_back(unit)
         self._count_step()
 
     # ------------------------------------------------------------------ the format
@@ -407,11 +396,10 @@ class StreamedUnitStep(UnitStates):
         """Any thread: the step :meth:`step` would take now, into ``rewrite``'s shadows,
         finished while the next forward runs (:meth:`StepAhead.defer`): the same group
         values ``hyper``, gradient flags ``has_grad`` and ``multipliers`` (clip, unscale)
-        as that step, from the gradients where they are, or in ``grads`` (a host copy of
-        gradients on disk); missing ones in memory were zeroed before, as the ordinary
-        step zeroes them. ``params_out``: see :meth:`ChunkedRewrite.write`.
-        ``read_ahead``: the whole master (``"master"``) and states (by key), read from
-        disk earlier, copied from instead of read."""
+        as that step, from the gradients where they are or in ``grads`` (lent: gradients
+        on disk), missing ones zeroed before. ``params_out``: see
+        :meth:`ChunkedRewrite.write`. ``read_ahead``: the whole master (``"master"``) and
+        states (by key), read from disk earlier, copied from instead of read."""
         read, fill = self._pipeline(
             multipliers,
             hyper,

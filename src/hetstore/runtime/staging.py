@@ -23,9 +23,10 @@ tier, so the host memory a disk placement needs does not grow with the model:
   backward instead of being written (:meth:`GradStager.hand_over`); a unit needing a
   buffer then may wait for such a step to finish (``Event.GRAD_BUFFERS_LENT``). After
   backward the buffers still hold the last units' gradients as written (the root's,
-  and the blocks whose backward ended last: the first the next forward uses); a step
-  in the next forward borrows them (:meth:`GradStager.lend_written`) instead of reading
-  those gradients back.
+  which gathers through the whole backward, and the blocks whose backward ended last:
+  the first the next forward uses); a step after backward, in the next forward or in
+  ``optimizer.step()``, borrows them once (:meth:`GradStager.lend_written`) instead of
+  reading those gradients back (a step run again after a failure reads the disk).
 
 Neither knows who borrows its buffers: it publishes on the model's event bus
 (:mod:`hetstore.runtime.events`) when a buffer comes free and when it finds every one
@@ -289,7 +290,9 @@ class GradStager:
                 self._finish_oldest_write()
             # (step_in_backward: the oldest step in backward gives its buffer back)
             elif not (self._lent and self._events.publish(Event.GRAD_BUFFERS_LENT)):
-                self.flush(next(iter(self._holders)))  # (never all lent: see lend)
+                # (never all lent: see lend; and what lend_written lends after backward
+                # comes back when the next one starts, before its first buffer_for)
+                self.flush(next(iter(self._holders)))
             slot = self._slots.take()
         self._written.pop(unit, None)  # (accumulating: its sums on disk are about to move)
         for other in [u for u, s in self._written.items() if s is slot]:
@@ -315,6 +318,10 @@ class GradStager:
         unit, slot = self._writing.pop(0)
         try:
             unit.grad.wait_writes()
+        except BaseException:
+            if self._written.get(unit) is slot:  # the disk does not hold what it does
+                del self._written[unit]
+            raise
         finally:
             if self._lent.get(unit) is not slot:
                 self._slots.give(slot)
@@ -334,9 +341,10 @@ class GradStager:
 
     def lend_written(self, unit: Unit, has_grad: tuple[bool, ...] | None) -> torch.Tensor | None:
         """After backward, every write finished (:meth:`finish`): the buffer ``unit``'s
-        gradients were last written from, lent like :meth:`lend` while no other unit has
-        taken it since: the bytes its gradient array holds, for a step after backward to
-        read there instead of back from disk; None when it is not at hand. The parameters
+        gradients were last written from, lent while no other unit has taken it since
+        (each may be: none is gathering; the next backward's start lands the steps that
+        hold them first): the bytes its gradient array holds, for a step after backward
+        to read there instead of back from disk; None when it is not at hand. The parameters
         without a gradient (by ``has_grad``, else the live flags) are zeroed in it, as the
         step zeroes them in what it reads. Lent once: what the borrower did to it is not
         the disk's any more."""
