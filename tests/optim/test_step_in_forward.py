@@ -244,7 +244,7 @@ def test_the_next_forward_takes_the_stepped_parameters_instead_of_reading_them_b
 
     with monkeypatch.context() as patch:
         patch.setattr(borrowed, "stages_params", lambda unit: False)
-        off, off_opt, off_losses, off_reads = run("off")
+        off, off_opt, off_losses, (off_reads, steps) = run("off")
     monkeypatch.setattr(ParamStager, "stage", recording)
     on, on_opt, on_losses, on_reads = run("on")
 
@@ -275,18 +275,23 @@ class _MlpSometimes(Block):
         return x + self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
-@pytest.mark.parametrize("in_forward", [True, False], ids=["in-the-next-forward", "in-step"])
+@pytest.mark.parametrize(
+    "in_forward, fp16",
+    [(True, False), (False, False), (True, True)],
+    ids=["in-the-next-forward", "in-step", "fp16-in-the-next-forward"],
+)
 def test_the_last_gradients_written_are_stepped_from_the_stagers_buffer(
-    tmp_path, monkeypatch, in_forward
+    tmp_path, monkeypatch, in_forward, fp16
 ):
     """The units whose backward ended last (the first the next forward uses) step from
     the gradient stager's buffer their gradients were written from, not from a read
     back: in the next forward, or in ``optimizer.step()``. Against the same run with
-    that turned off: the same losses, weights and states
-    bit for bit, with a clip that bites and the first block's MLP without gradients
-    every other step (zeroed in the lent buffer as the ordinary step zeroes them in what
-    it reads; the buffer holds another unit's gradients there), and exactly the lent
-    units' gradient bytes fewer read from disk."""
+    that turned off: the same losses, weights and states bit for bit, with a clip that
+    bites and the first block's MLP without gradients every other step (zeroed in the
+    lent buffer as the ordinary step zeroes them in what it reads; the buffer holds
+    another unit's gradients there), and exactly the lent units' gradient bytes fewer
+    read from disk. fp16: the loss scale's unscale factor and the clip's, both applied
+    as the step reads the lent buffer (into its own), as to what it reads from disk."""
     data = batches(5, vocab=64)
 
     def run(name: str):
@@ -295,25 +300,28 @@ def test_the_last_gradients_written_are_stepped_from_the_stagers_buffer(
             model.blocks[k] = _MlpSometimes(WIDTH, block.heads)
             model.blocks[k].load_state_dict(block.state_dict())
         opt = adamw(model.parameters())
-        cfg = config(tmp_path / name, False, "disk", step_in_forward=in_forward)
+        half = {"compute_dtype": "fp16"} if fp16 else {}
+        cfg = config(tmp_path / name, False, "disk", step_in_forward=in_forward, **half)
         model, opt = hetstore.offload(model, opt, cfg)
         blocks = model.blocks
         # (the disk bytes read from each backward to the end of the next forward)
         disk = hetstore.state_of(model).runtime.units[0].tiers.disk
-        losses, reads = [], 0
+        losses, reads, taken = [], 0, 0
         x, y = data[0]
         loss = model(x, y)
         for i, (x, y) in enumerate(data[1:], 1):
             before = disk.stats()["bytes_read"]
-            loss.backward()
+            (opt.scale_loss(loss) if fp16 else loss).backward()
             losses.append(loss.item())
             opt.clip_grad_norm_(0.05)
+            scale = opt.loss_scaler.scale if fp16 else None
             opt.step()
+            taken += not fp16 or opt.loss_scaler.scale == scale  # (an overflow skips it)
             opt.zero_grad()
             blocks[0].skip = i % 2 == 1
             loss = model(x, y)
             reads += disk.stats()["bytes_read"] - before
-        return model, opt, losses, reads
+        return model, opt, losses, (reads, taken)
 
     lent = []
     lend_written = GradStager.lend_written
@@ -328,16 +336,16 @@ def test_the_last_gradients_written_are_stepped_from_the_stagers_buffer(
     monkeypatch.setattr(borrowed, "stages_params", lambda unit: False)
     with monkeypatch.context() as patch:
         patch.setattr(GradStager, "lend_written", lambda self, unit, has_grad: None)
-        off, off_opt, off_losses, off_reads = run("off")
+        off, off_opt, off_losses, (off_reads, steps) = run("off")
     monkeypatch.setattr(GradStager, "lend_written", recording)
-    on, on_opt, on_losses, on_reads = run("on")
+    on, on_opt, on_losses, (on_reads, _) = run("on")
 
     assert on_losses == off_losses
     assert_bitwise(on, off)
     assert_same_optimizer_state(on_opt, off_opt)
     # the stager's three buffers: the root's, and the two blocks' last written
     assert {u.name for u in lent} == {"root", "blocks.0", "blocks.1"}
-    assert len(lent) == 3 * (len(data) - 1)
+    assert len(lent) == 3 * steps and steps >= len(data) - 2
     assert off_reads - on_reads == sum(u.trainable_numel * 4 for u in lent)
 
 
