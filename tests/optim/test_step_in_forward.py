@@ -244,7 +244,7 @@ def test_the_next_forward_takes_the_stepped_parameters_instead_of_reading_them_b
 
     with monkeypatch.context() as patch:
         patch.setattr(borrowed, "stages_params", lambda unit: False)
-        off, off_opt, off_losses, (off_reads, steps) = run("off")
+        off, off_opt, off_losses, off_reads = run("off")
     monkeypatch.setattr(ParamStager, "stage", recording)
     on, on_opt, on_losses, on_reads = run("on")
 
