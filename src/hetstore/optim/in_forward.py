@@ -144,7 +144,11 @@ class ForwardSteps:
         try:
             ahead.lending.offer(job)
             job.read_ahead = ahead.read_aheads.take(unit)
-            grads = self._lend_grads(job)
+            # gradients on disk still in the stager's buffer they were written from (the
+            # units whose backward ended last, the first this forward uses): not read back
+            stager = unit.grad_stager
+            grads = stager.lend_written(unit, job.has_grad) if stager is not None else None
+            job.lent_grads = grads is not None
             job.submitted(self._worker.submit(self._run, job, slots, grads, next_use=next_use))
         except BaseException:
             rewrite.discard()
@@ -154,18 +158,6 @@ class ForwardSteps:
         self._arm(unit_step, True)
         self._stats.in_forward += 1
         return True
-
-    @staticmethod
-    def _lend_grads(job: StepJob) -> torch.Tensor | None:
-        """Gradients on disk still in the stager's buffer they were written from (the
-        units whose backward ended last: the first this forward uses), lent to ``job``
-        to step from instead of reading them back."""
-        unit = job.unit
-        if unit.grad_stager is None:
-            return None
-        grads = unit.grad_stager.lend_written(unit, job.has_grad)
-        job.lent_grads = grads is not None
-        return grads
 
     def _run(self, job: StepJob, slots: list, grads: torch.Tensor | None) -> None:
         """The worker: ``job``'s step (from ``grads``, lent, else where they are),

@@ -218,10 +218,9 @@ class ChunkedRewrite:
 
             def start_reads(i: int) -> None:
                 wait_all(writes.pop(i % len(slots), []))  # the buffer set is free again
-                slot = slots[i % len(slots)]
-                if views is not None:
-                    slot = {**slot, **views(spans[i])}
-                if in_params and slot["master"] is slots[i % len(slots)]["master"]:
+                own = slots[i % len(slots)]
+                slot = own if views is None else {**own, **views(spans[i])}
+                if in_params and slot["master"] is own["master"]:  # (not a view's)
                     slot = {**slot, "master": params_out[spans[i].start : spans[i].end]}
                 chunk_slots[i] = slot
                 reads[i] = read(spans[i], slot) if read is not None else []

@@ -349,7 +349,7 @@ class GradStager:
         step zeroes them in what it reads. Lent once: what the borrower did to it is not
         the disk's any more."""
         slot = self._written.get(unit)
-        if slot is None or unit in self._lent or self._writing or not self._slots.take_back(slot):
+        if slot is None or not self._slots.take_back(slot):  # (being written, or lent)
             return None
         del self._written[unit]
         self._lent[unit] = slot
