@@ -17,6 +17,12 @@ Every variant trains ``hetstore.demo.gpt.GPT`` from the same seed on the same
 * ``disk (defaults)``: the same placement with every other key at its default (today
   ``overlap_step='auto'`` and ``step_in_forward='auto'``);
 * ``disk (no overlap)``: as ``disk`` with ``overlap_step=False``.
+* ``plain (+ disk traffic)``: ``plain`` while a thread moves, from each step's start, as
+  many bytes through hetstore's ``AsyncIOEngine`` as a disk variant moves in a step
+  (``--traffic``), reads and writes side by side on a scratch file; the step ends when
+  both are done. Nothing of hetstore runs in the step itself, so this is the floor of
+  any design that moves those bytes on this machine with perfect overlap: on a virtual
+  disk the IO takes CPU from the compute (docs/dev/BENCHMARKS.md).
 * ``disk (grad cpu)``: as ``disk`` with ``offload_grad="cpu"``: units are stepped ahead,
   during backward (``overlap_step``, on by default, applies here).
 * ``disk (grad cpu; no overlap)``: the same with ``overlap_step=False``: every unit is
@@ -67,6 +73,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -91,6 +98,7 @@ from _common import (
 from disk_io import MiB, hetstore_pass, host_buffer, layout, machine_summary
 from hetstore._sizes import format_size, parse_size
 from hetstore.demo.gpt import GPT, batches
+from hetstore.tiers.aio import AsyncIOEngine, DiskFile
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1
@@ -104,6 +112,7 @@ VARIANTS: dict[str, tuple[str, str, str | None, bool | str, bool | str] | None] 
     "disk": ("disk", "disk", None, True, False),
     "disk (defaults)": ("disk", "disk", None, "auto", "auto"),
     "disk (no overlap)": ("disk", "disk", None, False, False),
+    "plain (+ disk traffic)": None,
     "disk (in forward)": ("disk", "disk", None, True, True),
     "disk (grad cpu)": ("disk", "disk", "cpu", True, False),
     "disk (grad cpu; no overlap)": ("disk", "disk", "cpu", False, False),
@@ -113,6 +122,65 @@ VARIANTS: dict[str, tuple[str, str, str | None, bool | str, bool | str] | None] 
 FIO_CONFIGS = [("libaio", 1, 16), ("libaio", 2, 8), ("psync", 4, 1)]
 FIO_BS = "8M"
 PHASES = ("fwd", "bwd", "opt")  # forward; backward; optimizer.step() + zero_grad()
+
+
+TRAFFIC_VARIANT = "plain (+ disk traffic)"
+TRAFFIC_CHUNK = 32 * MiB  # the disk tier's default optimizer chunk
+
+
+class DiskTraffic:
+    """The ``plain (+ disk traffic)`` variant's IO: ``read`` and ``written`` bytes a step,
+    in ``TRAFFIC_CHUNK`` requests, a read and a write in flight at once, on a scratch
+    file of ``file_size`` bytes under ``directory`` (offsets wrap around)."""
+
+    def __init__(self, directory: str, read: int, written: int, file_size: int = 512 * MiB):
+        os.makedirs(directory, exist_ok=True)
+        self._path = os.path.join(directory, "traffic.bin")
+        self._size = file_size
+        layout(self._path, file_size)
+        self._file = DiskFile(self._path, create=False)
+        self._engine = AsyncIOEngine()
+        self._bufs = [host_buffer(TRAFFIC_CHUNK, "thp")[0] for _ in range(2)]
+        self._read, self._written = read, written
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._move, daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError("the disk traffic failed") from self._error
+
+    def _move(self) -> None:
+        try:
+            self._move_all()
+        except BaseException as exc:  # raised on the worker's thread by wait()
+            self._error = exc
+
+    def _move_all(self) -> None:
+        left = {"r": self._read, "w": self._written}
+        offset = 0
+        while left["r"] > 0 or left["w"] > 0:
+            handles = []
+            for kind, buf in zip("rw", self._bufs, strict=True):
+                n = min(left[kind], TRAFFIC_CHUNK)
+                if n <= 0:
+                    continue
+                n = -(-n // 4096) * 4096
+                submit = self._engine.submit_read if kind == "r" else self._engine.submit_write
+                handles.append(submit(self._file, offset, buf[:n]))
+                left[kind] -= n
+                offset = (offset + TRAFFIC_CHUNK) % (self._size - TRAFFIC_CHUNK)
+            for h in handles:
+                h.wait()
+
+    def close(self) -> None:
+        self._engine.close()
+        self._file.close()
+        os.unlink(self._path)
 
 
 def on_disk(variant: str) -> bool:
@@ -159,12 +227,18 @@ def worker(variant: str, args: argparse.Namespace) -> None:
     model, optimizer = build(variant, args)
     data = batches(args.warmup + args.steps, vocab=args.vocab, batch=args.batch, ctx=args.ctx)
     params = sum(p.numel() for p in model.parameters())
+    traffic = None
+    if variant == TRAFFIC_VARIANT:
+        read, written = (float(x) * params * 4 for x in args.traffic.split(","))
+        traffic = DiskTraffic(args.offload_path, int(read), int(written))
     reply({"ready": True, "params": params, "build_s": time.perf_counter() - t0})
     for line in sys.stdin:
         command = json.loads(line)
         if command["op"] == "step":
             x, y = data[command["step"]]
             marks = [(time.perf_counter(), *disk_counters(model, variant))]
+            if traffic is not None:
+                traffic.start()
             loss = model(x, y)
             marks.append((time.perf_counter(), *disk_counters(model, variant)))
             loss.backward()
@@ -177,6 +251,8 @@ def worker(variant: str, args: argparse.Namespace) -> None:
                     norm = optimizer.clip_grad_norm_(args.clip)
             optimizer.step()
             optimizer.zero_grad()
+            if traffic is not None:
+                traffic.wait()
             marks.append((time.perf_counter(), *disk_counters(model, variant)))
             out = {"loss": loss.item(), "time": marks[-1][0] - marks[0][0]}
             out["norm"] = None if norm is None else float(norm)
@@ -193,6 +269,8 @@ def worker(variant: str, args: argparse.Namespace) -> None:
             reply({"rss": peak_rss_bytes(), "memory_stats": stats, "speculation": speculation})
         else:
             break
+    if traffic is not None:
+        traffic.close()
 
 
 # ---------------------------------------------------------------------------- driver
@@ -418,6 +496,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also write the disk variants' results as a record for docs/performance.md "
         "(benchmarks/results/*.json; then run tools/perf_page.py)",
     )
+    parser.add_argument(
+        "--traffic",
+        default="4.65,3.97",
+        help=f"READ,WRITTEN: the bytes {TRAFFIC_VARIANT!r} moves a step, in multiples of "
+        "the model's fp32 parameter bytes (the default: what 'disk (defaults)' moves with "
+        "--clip 1.0, 1.34 GiB read and 1.17 GiB written a step on the default GPT)",
+    )
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--offload-path", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -432,6 +517,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def model_argv(args: argparse.Namespace) -> list[str]:
     """The flags that fix the model, data and step counts: passed to every worker."""
     flags = ("width", "depth", "heads", "vocab", "ctx", "batch", "steps", "warmup", "clip")
+    flags += ("traffic",)
     return [x for f in flags for x in (f"--{f}", str(getattr(args, f)))]
 
 
@@ -489,6 +575,12 @@ def main() -> None:
             + f"; offload_path under {workdir}"
         )
         print("# build s: " + ", ".join(f"{w.variant} {w.build_s:.1f}" for w in workers))
+        if TRAFFIC_VARIANT in variants:
+            read, written = (float(x) * params * 4 for x in args.traffic.split(","))
+            print(
+                f"# {TRAFFIC_VARIANT}: {format_size(int(read))} read and "
+                f"{format_size(int(written))} written a step (--traffic {args.traffic})"
+            )
         results = lockstep(
             workers,
             args.warmup + args.steps,

@@ -92,3 +92,13 @@ def test_largest_model_benchmark_trains_a_hugging_face_config(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "LlamaForCausalLM" in done.stdout and "2 layers" in done.stdout
     assert "'not_started': 0" in done.stdout
+
+
+def test_disk_offload_benchmark_prints_its_table_with_the_traffic_floor(tmp_path):
+    variants = "plain (+ disk traffic),disk (defaults)"
+    out = run_tiny("disk_offload.py", tmp_path, "--no-fio", "--clip", "1.0", "--variants", variants)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for row in ("plain", "plain (+ disk traffic)", "disk (defaults)"):
+        assert f"| {row} | " in out.stdout, out.stdout
+    assert "# plain (+ disk traffic): " in out.stdout  # the bytes it moves a step
+    assert not list(tmp_path.iterdir())  # the offload path and the traffic file are removed
