@@ -17,12 +17,14 @@ Every variant trains ``hetstore.demo.gpt.GPT`` from the same seed on the same
 * ``disk (defaults)``: the same placement with every other key at its default (today
   ``overlap_step='auto'`` and ``step_in_forward='auto'``);
 * ``disk (no overlap)``: as ``disk`` with ``overlap_step=False``.
-* ``plain (+ disk traffic)``: ``plain`` while a thread moves, from each step's start, as
-  many bytes through hetstore's ``AsyncIOEngine`` as a disk variant moves in a step
-  (``--traffic``), reads and writes side by side on a scratch file; the step ends when
-  both are done. Nothing of hetstore runs in the step itself, so this is the floor of
-  any design that moves those bytes on this machine with perfect overlap: on a virtual
-  disk the IO takes CPU from the compute (docs/dev/BENCHMARKS.md).
+* ``plain (+ disk traffic)``: ``plain`` while a thread moves, through hetstore's
+  ``AsyncIOEngine`` on a scratch file, the bytes a disk variant moves in each phase
+  (``--traffic``): the forward's from the forward's start, and the forward ends only when
+  they are moved (a step in the next forward must land before its unit is used); the
+  backward's (and the optimizer step's) from the backward's start, and the step ends when
+  they are. Nothing of hetstore runs in the step itself, so this is the floor of any
+  design that moves those bytes in those phases on this machine, with perfect overlap and
+  no CPU of its own (docs/dev/BENCHMARKS.md).
 * ``disk (grad cpu)``: as ``disk`` with ``offload_grad="cpu"``: units are stepped ahead,
   during backward (``overlap_step``, on by default, applies here).
 * ``disk (grad cpu; no overlap)``: the same with ``overlap_step=False``: every unit is
@@ -129,11 +131,12 @@ TRAFFIC_CHUNK = 32 * MiB  # the disk tier's default optimizer chunk
 
 
 class DiskTraffic:
-    """The ``plain (+ disk traffic)`` variant's IO: ``read`` and ``written`` bytes a step,
-    in ``TRAFFIC_CHUNK`` requests, a read and a write in flight at once, on a scratch
-    file of ``file_size`` bytes under ``directory`` (offsets wrap around)."""
+    """The ``plain (+ disk traffic)`` variant's IO: ``start(read, written)`` moves that
+    many bytes on a thread, in ``TRAFFIC_CHUNK`` requests, a read and a write in flight at
+    once, on a scratch file of ``file_size`` bytes under ``directory`` (offsets wrap);
+    ``wait()`` waits for them."""
 
-    def __init__(self, directory: str, read: int, written: int, file_size: int = 512 * MiB):
+    def __init__(self, directory: str, file_size: int = 512 * MiB):
         os.makedirs(directory, exist_ok=True)
         self._path = os.path.join(directory, "traffic.bin")
         self._size = file_size
@@ -141,12 +144,12 @@ class DiskTraffic:
         self._file = DiskFile(self._path, create=False)
         self._engine = AsyncIOEngine()
         self._bufs = [host_buffer(TRAFFIC_CHUNK, "thp")[0] for _ in range(2)]
-        self._read, self._written = read, written
+        self._offset = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._move, daemon=True)
+    def start(self, read: int, written: int) -> None:
+        self._thread = threading.Thread(target=self._move, args=(read, written), daemon=True)
         self._thread.start()
 
     def wait(self) -> None:
@@ -154,15 +157,13 @@ class DiskTraffic:
         if self._error is not None:
             raise RuntimeError("the disk traffic failed") from self._error
 
-    def _move(self) -> None:
+    def _move(self, read: int, written: int) -> None:
         try:
-            self._move_all()
+            self._move_all({"r": read, "w": written})
         except BaseException as exc:  # raised on the worker's thread by wait()
             self._error = exc
 
-    def _move_all(self) -> None:
-        left = {"r": self._read, "w": self._written}
-        offset = 0
+    def _move_all(self, left: dict[str, int]) -> None:
         while left["r"] > 0 or left["w"] > 0:
             handles = []
             for kind, buf in zip("rw", self._bufs, strict=True):
@@ -171,9 +172,9 @@ class DiskTraffic:
                     continue
                 n = -(-n // 4096) * 4096
                 submit = self._engine.submit_read if kind == "r" else self._engine.submit_write
-                handles.append(submit(self._file, offset, buf[:n]))
+                handles.append(submit(self._file, self._offset, buf[:n]))
                 left[kind] -= n
-                offset = (offset + TRAFFIC_CHUNK) % (self._size - TRAFFIC_CHUNK)
+                self._offset = (self._offset + TRAFFIC_CHUNK) % (self._size - TRAFFIC_CHUNK)
             for h in handles:
                 h.wait()
 
@@ -181,6 +182,12 @@ class DiskTraffic:
         self._engine.close()
         self._file.close()
         os.unlink(self._path)
+
+
+def traffic_bytes(spec: str, params: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``--traffic`` in bytes: ((forward read, written), (backward and step read, written))."""
+    phases = [[int(float(x) * params * 4) for x in p.split(",")] for p in spec.split("/")]
+    return tuple(phases[0]), tuple(phases[1])
 
 
 def on_disk(variant: str) -> bool:
@@ -229,8 +236,8 @@ def worker(variant: str, args: argparse.Namespace) -> None:
     params = sum(p.numel() for p in model.parameters())
     traffic = None
     if variant == TRAFFIC_VARIANT:
-        read, written = (float(x) * params * 4 for x in args.traffic.split(","))
-        traffic = DiskTraffic(args.offload_path, int(read), int(written))
+        traffic = DiskTraffic(args.offload_path)
+        forward_bytes, backward_bytes = traffic_bytes(args.traffic, params)
     reply({"ready": True, "params": params, "build_s": time.perf_counter() - t0})
     for line in sys.stdin:
         command = json.loads(line)
@@ -238,8 +245,11 @@ def worker(variant: str, args: argparse.Namespace) -> None:
             x, y = data[command["step"]]
             marks = [(time.perf_counter(), *disk_counters(model, variant))]
             if traffic is not None:
-                traffic.start()
+                traffic.start(*forward_bytes)
             loss = model(x, y)
+            if traffic is not None:
+                traffic.wait()
+                traffic.start(*backward_bytes)
             marks.append((time.perf_counter(), *disk_counters(model, variant)))
             loss.backward()
             marks.append((time.perf_counter(), *disk_counters(model, variant)))
@@ -498,10 +508,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--traffic",
-        default="4.65,3.97",
-        help=f"READ,WRITTEN: the bytes {TRAFFIC_VARIANT!r} moves a step, in multiples of "
+        default="2.75,3.0/1.9,1.06",
+        help=f"FWD_READ,FWD_WRITTEN/BWD_READ,BWD_WRITTEN: the bytes {TRAFFIC_VARIANT!r} "
+        "moves in the forward and in the backward with the optimizer step, in multiples of "
         "the model's fp32 parameter bytes (the default: what 'disk (defaults)' moves with "
-        "--clip 1.0, 1.34 GiB read and 1.17 GiB written a step on the default GPT)",
+        "--clip 1.0 on the default GPT, 811 / 884 MiB and 560 / 313 MiB)",
     )
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--offload-path", help=argparse.SUPPRESS)
@@ -576,10 +587,11 @@ def main() -> None:
         )
         print("# build s: " + ", ".join(f"{w.variant} {w.build_s:.1f}" for w in workers))
         if TRAFFIC_VARIANT in variants:
-            read, written = (float(x) * params * 4 for x in args.traffic.split(","))
+            (fr, fw), (br, bw) = traffic_bytes(args.traffic, params)
             print(
-                f"# {TRAFFIC_VARIANT}: {format_size(int(read))} read and "
-                f"{format_size(int(written))} written a step (--traffic {args.traffic})"
+                f"# {TRAFFIC_VARIANT} (--traffic {args.traffic}): {format_size(fr)} read and "
+                f"{format_size(fw)} written from the forward's start, {format_size(br)} and "
+                f"{format_size(bw)} from the backward's"
             )
         results = lockstep(
             workers,
