@@ -100,7 +100,8 @@ from _common import (
 from disk_io import MiB, hetstore_pass, host_buffer, layout, machine_summary
 from hetstore._sizes import format_size, parse_size
 from hetstore.demo.gpt import GPT, batches
-from hetstore.tiers.aio import AsyncIOEngine, DiskFile
+from hetstore.tiers.aio import ALIGNMENT, AsyncIOEngine, DiskFile
+from hetstore.tiers.hostmem import round_up
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1
@@ -170,7 +171,7 @@ class DiskTraffic:
                 n = min(left[kind], TRAFFIC_CHUNK)
                 if n <= 0:
                     continue
-                n = -(-n // 4096) * 4096
+                n = round_up(n, ALIGNMENT)  # (O_DIRECT lengths)
                 submit = self._engine.submit_read if kind == "r" else self._engine.submit_write
                 handles.append(submit(self._file, self._offset, buf[:n]))
                 left[kind] -= n

@@ -242,16 +242,19 @@ class StreamedUnitStep(UnitStates):
         except BaseException:
             rewrite.discard()
             raise
-        # the last gradients written, still in the stager's buffer: not read back
-        lent = unit.grad_stager.lend_written(unit, has_grad) if unit.grad_stager else None
+        lent = None
         try:
+            if unit.grad_stager is not None:
+                # the last gradients written, still in the stager's buffer: not read back
+                # (taken inside: the chunk buffers above are freed whatever it raises)
+                lent = unit.grad_stager.lend_written(unit, has_grad)
             read, fill = self._pipeline(
                 grad_multipliers,
                 hyper,
                 rewrite,
-                lent,
-                lent is not None,
-                has_grad,
+                grads=lent,
+                live_grads=lent is not None,
+                has_grad=has_grad,
                 read_ahead=read_ahead,
             )
             rewrite.run(self._chunks, sets, fill, read, views=self._views_of(read_ahead))
