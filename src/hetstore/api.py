@@ -313,6 +313,10 @@ class _Offloading:
             overlap_memory_step=config.overlaps_memory_steps(self.device),
             # 'auto': only the units the worker can finish before optimizer.step()
             pace_memory_steps=config.overlap_step == "auto",
+            # 'auto' with no step placement forced: whether to overlap at all, measured
+            trial_overlap=config.overlap_step == "auto"
+            and config.step_in_forward is not True
+            and not config.step_in_backward,
             step_in_forward_memory=config.steps_memory_in_forward(self.device),
             root=self.root,
             step_in_backward=config.step_in_backward,

@@ -102,3 +102,14 @@ def test_disk_offload_benchmark_prints_its_table_with_the_traffic_floor(tmp_path
         assert f"| {row} | " in out.stdout, out.stdout
     assert "written from the forward's start" in out.stdout  # the bytes it moves a phase
     assert not list(tmp_path.iterdir())  # the offload path and the traffic file are removed
+
+
+def test_overlap_trial_benchmark_prints_its_table(tmp_path):
+    done = run_tiny("overlap_trial.py", tmp_path, "--cases", "disk (defaults)")
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| disk (defaults) |")]
+    assert [row.split(" | ")[1] for row in rows] == ["no overlap", "overlap, no trial", "auto"]
+    # every way is exact: the same losses as without overlap, step by step
+    assert all(row.rstrip(" |").endswith("| 0.0e+00") for row in rows)
+    assert "'overlap_trials': 1" in done.stdout  # (auto's stats: the tiny trial ran)
+    assert not list(tmp_path.iterdir())  # each run's offload directory is gone

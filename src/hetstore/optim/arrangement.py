@@ -76,6 +76,7 @@ class StepArrangement:
                 speculate=overlap_step or overlap_memory_step,
                 in_forward=step_in_forward,
                 pace=self._pace_memory_steps,
+                trial=self._trial_overlap,
                 in_place=in_place,
             )
 

@@ -59,8 +59,10 @@ class ForwardSteps:
         ahead = self._ahead
         used = ahead.use_order() if ahead.use_order else []
         order = {id(u): i for i, u in enumerate(used)}
-        candidates = [s for s in unit_steps if self._can_shadow(s)]
-        candidates += [s for s in unit_steps if self._can_step_in_place(s)]
+        candidates = []
+        if ahead.policy.overlapping:  # (else the trial's step without overlap)
+            candidates = [s for s in unit_steps if self._can_shadow(s)]
+            candidates += [s for s in unit_steps if self._can_step_in_place(s)]
         candidates.sort(key=lambda s: order.get(id(s.unit), len(order)))
         ahead.lending.handed_over(used, {id(s.unit) for s in candidates})
         with ahead.own_allocations():

@@ -62,17 +62,38 @@ before it a hetstore clip or fp16's unscale), the next backward admits
 less than half a unit costs less than the unit saves: no change); when it was idle for a
 while before that and the limit had turned units away, as many more as that idle time
 held. No limit until a step was late: every unit is stepped ahead.
+
+Whether to overlap at all (``OverlapTrial``, ``overlap_step='auto'``):
+
+Pacing keeps a speculation from being late; it cannot tell whether stepping ahead pays
+at all. On a GPU it did not: the worker's copies and arithmetic share the host's memory
+bandwidth, cores and the interpreter with the thread that feeds the device, and a 185M
+GPT at 4K tokens a step ran 1.47-1.50x plain PyTorch paced against 1.41x without overlap
+(docs/BENCHMARKS.md). No model here predicts that, so it is measured: after
+``TRIAL_AFTER`` steps, the time between the last ``TRIAL_STEPS`` steps (one
+``optimizer.step()`` to the next: forward, backward and step, every micro-batch) is kept,
+the other way (overlap off: no step in backward, no read-ahead, no step in the next
+forward, as ``overlap_step=False, step_in_forward=False``) runs for one step that is not
+counted (it still carries the last way's work: steps landing in its forward) and
+``TRIAL_STEPS`` that are, and the way whose median is lower is kept; again every
+``TRIAL_EVERY`` steps (the batch, the sequence length or the machine's other load may
+have changed). Both ways are exact: the trial only picks which of two exact paths every
+unit takes, never what it computes. It runs under ``overlap_step='auto'`` with
+``step_in_forward`` not forced on and without ``step_in_backward`` (which a user sets for
+its memory, not its speed).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from typing import NamedTuple
 
 from hetstore.footprints import READ_AHEAD_UNITS
 
 __all__ = [
+    "OverlapTrial",
     "StepModes",
     "StepPace",
     "StepPolicy",
@@ -230,13 +251,79 @@ class StepPace:
             self.limit = self._admitted + min(self._refused, math.floor(-late / per_unit))
 
 
+# the trial of overlap against none (OverlapTrial, module doc): steps before the first,
+# steps counted a way, steps between trials
+TRIAL_AFTER = 20
+TRIAL_STEPS = 3
+TRIAL_EVERY = 500
+
+
+class OverlapTrial:
+    """Whether the steps overlap backward and the next forward at all, measured: the
+    faster of the two ways by the time between steps (module doc)."""
+
+    def __init__(
+        self,
+        clock=time.perf_counter,
+        *,
+        after: int | None = None,
+        steps: int | None = None,
+        every: int | None = None,
+    ):
+        self._clock = clock
+        self._after = TRIAL_AFTER if after is None else after
+        self._steps = TRIAL_STEPS if steps is None else steps
+        self._every = TRIAL_EVERY if every is None else every
+        self.overlapping = True  # the way the next step takes
+        self.trials = 0  # trials ended
+        self.without = 0  # steps taken without overlap (a trial's, or its choice)
+        self._last: float | None = None  # when the last step ended
+        self._due = self._after  # steps to go before the next trial
+        self._kept: list[float] = []  # the way kept: its last intervals
+        self._tried: list[float] | None = None  # the other way's, during a trial
+        self._skip = 0  # the step after a switch: not counted
+
+    def step_ended(self) -> None:
+        """A step ended (taken, or skipped by fp16): count its interval, and switch the
+        way the next step takes when a trial starts or ends."""
+        now = self._clock()
+        interval = None if self._last is None else now - self._last
+        self._last = now
+        if not self.overlapping:
+            self.without += 1
+        if self._tried is None:  # not trying: the kept way's last intervals
+            self._due -= 1
+            if interval is not None:
+                self._kept = [*self._kept, interval][-self._steps :]
+            if self._due <= 0 and len(self._kept) == self._steps:
+                self._tried, self._skip = [], 1
+                self.overlapping = not self.overlapping
+            return
+        if self._skip:  # (the way before's steps landed in this one's forward)
+            self._skip -= 1
+            return
+        self._tried.append(interval)
+        if len(self._tried) < self._steps:
+            return
+        if statistics.median(self._tried) >= statistics.median(self._kept):
+            self.overlapping = not self.overlapping  # the kept way was faster: back
+        self.trials += 1
+        self._tried, self._kept, self._due = None, [], self._every
+
+
 class StepPolicy:
     """The decisions of one optimizer's step machinery (see the module doc)."""
 
-    def __init__(self, pace: bool):
+    def __init__(self, pace: bool, trial: bool = False):
         # host-memory units are stepped ahead only as many as the worker finishes
         # before optimizer.step() (overlap_step='auto'); else all of them
         self.pace = StepPace() if pace else None
+        # whether to overlap at all, measured (overlap_step='auto'); else always
+        self.trial = OverlapTrial() if trial else None
+        # whether this step's units may step away from optimizer.step() at all (in
+        # backward, read ahead, in the next forward): the trial's way, taken when the
+        # step's backward starts, so that one step goes one way from backward to its end
+        self.overlapping = True
         self.backwards = 0  # backward passes since the last step
         self.expected = 1  # backward passes the last step had
         # the last step scaled the gradients (a clip that bit): a speculation assumes
@@ -248,6 +335,8 @@ class StepPolicy:
     # ------------------------------------------------------------------ backward
     def backward_started(self) -> None:
         self.backwards += 1
+        if self.trial is not None:
+            self.overlapping = self.trial.overlapping
         if self.pace is not None:
             self.pace.backward_started()
 
@@ -299,3 +388,5 @@ class StepPolicy:
         """A step was taken or skipped (fp16 overflow): count micro-batches anew."""
         self.expected = max(self.backwards, 1)
         self.backwards = 0
+        if self.trial is not None:
+            self.trial.step_ended()

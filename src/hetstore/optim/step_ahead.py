@@ -118,6 +118,10 @@ class SpeculationStats:
     # host-memory units not stepped ahead because the worker would not have finished
     # them before optimizer.step() (overlap_step='auto'; see optim.policy): stepped there
     too_late: int = 0
+    # overlap_step='auto': trials of overlap against none ended (optim.policy's
+    # OverlapTrial), and the steps taken without overlap, trying it or having chosen it
+    overlap_trials: int = 0
+    without_overlap: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -144,6 +148,7 @@ class StepAhead:
         speculate: bool = True,
         in_forward: bool = False,
         pace: bool = False,
+        trial: bool = False,
         in_place: list[InMemoryUnitStep] = (),
     ):
         self._steps = {id(s.unit): s for s in unit_steps}
@@ -154,7 +159,7 @@ class StepAhead:
         self.in_forward = in_forward
         self.consume = consume  # step_in_backward: steps taken in backward
         # when each unit's step runs: micro-batch counting, hold-back, back-off, pacing
-        self.policy = StepPolicy(pace)
+        self.policy = StepPolicy(pace, trial=trial and not consume)
         # the units in the order the next forward uses them (the runtime's), else None
         self.use_order: Callable[[], list[Unit]] | None = None
         self.hyper = hyper  # a param group's current values, by index
@@ -341,6 +346,8 @@ class StepAhead:
         self.backward.cancel(id(unit))  # one from an earlier micro-batch: superseded
         if id(unit) not in self._steps:
             return  # not stepped ahead (e.g. gradients in memory of a unit not on disk)
+        if not self.policy.overlapping:  # (the trial's way without overlap: OverlapTrial)
+            return
         if self.policy.held_back(id(unit)):
             self.stats.held_back += 1
             return
@@ -356,6 +363,7 @@ class StepAhead:
             self.consume
             or self.suspended
             or not self.policy.last_backward  # not the last micro-batch's backward
+            or not self.policy.overlapping  # (the trial's way without overlap)
             or (self.speculate and not self.policy.hold_back)  # steps taken in backward
             or (self.in_forward and self.use_order is None)
         ):
@@ -403,6 +411,9 @@ class StepAhead:
     def step_ended(self) -> None:
         """A step was taken or skipped (fp16 overflow): count micro-batches anew."""
         self.policy.step_ended()
+        trial = self.policy.trial
+        if trial is not None:
+            self.stats.overlap_trials, self.stats.without_overlap = trial.trials, trial.without
 
     def unscaling(self, units: list[Unit]):
         """fp16: :meth:`BackwardSteps.unscaling`."""

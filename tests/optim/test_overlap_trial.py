@@ -1,0 +1,161 @@
+"""overlap_step='auto' measures whether stepping ahead pays at all (optim.policy's
+OverlapTrial): after some steps it runs a few without overlap, keeps the faster way by
+the time between steps, and tries again later. Both ways are exact, so a run that
+switches between them trains bit for bit like one that never overlaps.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import hetstore
+from hetstore.optim.policy import OverlapTrial
+from tests.models.gpt import batches
+from tests.optim.helpers import (
+    assert_bitwise,
+    assert_same_optimizer_state,
+    config,
+    fresh,
+    train,
+)
+
+
+class Steps:
+    """A clock for the trial: each step ended took ``cost(overlapping)`` seconds."""
+
+    def __init__(self, cost):
+        self.cost = cost
+        self.now = 0.0
+        self.trial: OverlapTrial | None = None
+
+    def __call__(self) -> float:
+        if self.trial is not None:  # (None while the trial is being made)
+            self.now += self.cost(self.trial.overlapping)
+        return self.now
+
+
+def run(trial: OverlapTrial, clock: Steps, count: int) -> list[bool]:
+    """The way each of ``count`` steps took."""
+    clock.trial = trial
+    ways = []
+    for _ in range(count):
+        ways.append(trial.overlapping)
+        trial.step_ended()
+    return ways
+
+
+def test_overlap_that_pays_is_kept_after_trying_without():
+    clock = Steps(lambda overlapping: 1.0 if overlapping else 1.3)
+    trial = OverlapTrial(clock, after=5, steps=3, every=10)
+    ways = run(trial, clock, 30)
+    # 5 steps, then 1 + 3 without (the first not counted), back; again 10 steps later
+    assert ways[:5] == [True] * 5
+    assert ways[5:9] == [False] * 4
+    assert ways[9:19] == [True] * 10
+    assert ways[19:23] == [False] * 4
+    assert all(ways[23:])
+    assert trial.trials == 2
+    assert trial.without == 8
+
+
+def test_overlap_slower_than_none_is_dropped_until_a_trial_finds_it_pays_again():
+    """The GPU case of issue 47: stepping ahead made the step slower than none."""
+    costs = {True: 1.5, False: 1.4}
+    clock = Steps(lambda overlapping: costs[overlapping])
+    trial = OverlapTrial(clock, after=5, steps=3, every=10)
+    ways = run(trial, clock, 19)
+    assert ways[5:] == [False] * 14  # chosen at step 9; kept for the 10 after
+    assert trial.trials == 1
+    costs[True] = 1.0  # (a longer sequence: overlap pays now)
+    ways = run(trial, clock, 10)
+    # the next trial: step 19 ends the 10; one step with overlap not counted, 3 counted
+    assert ways[0:4] == [True] * 4
+    assert all(ways[4:])
+    assert trial.trials == 2
+
+
+def test_a_tie_keeps_the_way_it_had():
+    clock = Steps(lambda overlapping: 1.0)
+    trial = OverlapTrial(clock, after=3, steps=2, every=100)
+    ways = run(trial, clock, 20)
+    assert ways[3:6] == [False] * 3
+    assert all(ways[6:])
+
+
+def test_the_step_after_a_switch_is_not_counted():
+    """It still carries the other way's work (steps landing in its forward): made to
+    take 10 s here, it does not decide the trial."""
+    calls = []
+
+    def cost(overlapping):
+        calls.append(overlapping)
+        if len(calls) == 4:  # the first step without overlap
+            return 10.0
+        return 1.0 if overlapping else 0.9
+
+    clock = Steps(cost)
+    trial = OverlapTrial(clock, after=3, steps=2, every=100)
+    ways = run(trial, clock, 12)
+    assert ways[3:] == [False] * 9
+
+
+def training(tmp_path, name, overlap, clip, trial_clock=None):
+    model, opt = fresh()
+    cfg = config(tmp_path / name, overlap, "disk")
+    model, opt = hetstore.offload(model, opt, cfg)
+    if trial_clock is not None:
+        # a trial every few steps, made to choose each way in turn: overlap dropped at
+        # the first (the way without it made faster), taken back at the next
+        trial_clock.trial = opt.step_ahead.policy.trial = OverlapTrial(
+            trial_clock, after=2, steps=1, every=2
+        )
+    return model, opt
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip-bites"])
+def test_switching_ways_between_steps_trains_bitwise_like_no_overlap(tmp_path, clip):
+    """Each switch between steps: steps taken in backward and committed, steps left to
+    the next forward landing in the first step without overlap, read-ahead after a clip
+    that bit; the result is that of the same model without overlap, bit for bit."""
+    ended = []
+
+    def cost(overlapping):
+        ended.append(overlapping)
+        if len(ended) <= 4:
+            return 1.0 if overlapping else 0.5
+        return 1.0 if overlapping else 2.0
+
+    data = batches(12, vocab=64)
+    on, on_opt = training(tmp_path, "on", "auto", clip, Steps(cost))
+    off, off_opt = training(tmp_path, "off", False, clip)
+    losses, taken = [], []  # each step's loss; its steps taken ahead or in forward
+    for batch in data:
+        before = dict(on_opt.speculation_stats)
+        losses += train(on, on_opt, [batch], clip=clip)
+        after = on_opt.speculation_stats
+        taken.append(sum(after[k] - before[k] for k in ("started", "in_forward", "read_ahead")))
+    assert losses == train(off, off_opt, data, clip=clip)
+    assert_bitwise(on, off)
+    assert_same_optimizer_state(on_opt, off_opt)
+    # ways: 2 with; 2 without (a trial: kept), 2 without; 2 with (a trial: back to
+    # overlap, made faster now), 2 with; 2 without (a trial: overlap kept)
+    assert ended == [True] * 2 + [False] * 4 + [True] * 4 + [False] * 2
+    stats = on_opt.speculation_stats
+    assert stats["overlap_trials"] == 3 and stats["without_overlap"] == 6
+    # nothing stepped away from optimizer.step() in a step without overlap; every unit
+    # in one with it (in backward, or handed to the next forward)
+    units = len(on_opt.step_ahead.unit_steps)
+    assert [n for n, way in zip(taken, ended, strict=True) if not way] == [0] * 6
+    assert all(n >= units for n, way in zip(taken, ended, strict=True) if way)
+    assert not on_opt.step_ahead.steps_in_forward
+
+
+def test_auto_measures_overlap_and_a_forced_overlap_does_not(tmp_path):
+    _, auto = hetstore.offload(*fresh(), config(tmp_path / "auto", "auto", "disk"))
+    _, forced = hetstore.offload(*fresh(), config(tmp_path / "on", True, "disk"))
+    _, placed = hetstore.offload(
+        *fresh(), config(tmp_path / "fwd", "auto", "disk", step_in_forward=True)
+    )
+    assert auto.step_ahead.policy.trial is not None
+    assert forced.step_ahead.policy.trial is None
+    assert placed.step_ahead.policy.trial is None
