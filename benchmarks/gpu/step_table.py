@@ -27,7 +27,10 @@ Runners (every one under ``torch.autocast(device, bfloat16)``, fp32 master weigh
 - ``hetstore host``: ``offload_param="cpu", offload_optimizer="cpu"``,
   ``compute_dtype="bf16"`` (bf16 copies on the device, the fp32 master and the states in
   pinned host memory), ``overlap_step="auto"``; ``hetstore host no-overlap`` the same
-  with ``overlap_step=False`` (the overlap must never be slower); ``hetstore disk``:
+  with ``overlap_step=False`` (the overlap must never be slower: in a run of more than
+  24 steps ``'auto'`` keeps whichever of the two its trial measured faster,
+  ``optim.policy.OverlapTrial``; these rows time the steps before any trial, so both
+  ways show); ``hetstore disk``:
   ``offload_param="disk", offload_optimizer="disk"`` under ``--offload-dir``. A hetstore
   step's time includes ``optimizer.finish_steps_in_forward()``: the unit steps that
   ``step_in_forward`` leaves to the next forward are finished inside the step that

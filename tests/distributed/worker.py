@@ -80,6 +80,45 @@ def stepped_ahead(name: str, path: str, mine, result: dict) -> None:
         hetstore.release(model)
     if name == "cpu":
         in_next_forward(path, mine, result)
+    else:
+        overlap_trial(path, mine, result)
+
+
+def overlap_trial(path: str, mine, result: dict) -> None:
+    """``overlap_step='auto'`` on disk, sharded, its overlap trial made to run every step
+    on a clock that differs per rank: rank 0 finds steps without overlap faster, rank 1
+    slower by more. Every rank keeps the way their sums say (the ways each step took, in
+    ``trial_ways``); the test compares them and, bitwise, with the run without overlap
+    (a clip that bites: the overlap's steps run in the next forward)."""
+    rank = dist.get_rank()
+    for key, overlap in (("trial", "auto"), ("trial_reference", False)):
+        model = make_model()
+        model, optimizer = hetstore.offload(
+            model, adamw(model.parameters()), scenario_config("disk", path, overlap_step=overlap)
+        )
+        ways: list[bool] = []
+        after_step = None
+        if overlap == "auto":
+            policy = optimizer.step_ahead.policy
+            trial = policy.trial
+            costs = {True: 1.0, False: 0.5 if rank == 0 else 2.0}
+            now = [0.0]
+
+            def clock(trial=trial, costs=costs, now=now):
+                now[0] += costs[trial.overlapping]  # (the way of the step that ended)
+                return now[0]
+
+            trial.clock, trial.after, trial.steps, trial.every = clock, 1, 1, 1
+
+            def after_step(policy=policy, ways=ways):
+                ways.append(policy.overlapping)  # (this step's: taken at its backward)
+
+        losses, _ = train(
+            model, optimizer, mine + mine, clip=CLIP, world_mean=True, after_step=after_step
+        )
+        result[f"{key}_losses"], result[f"{key}_weights"] = losses, weights(model)
+        result[f"{key}_ways"] = ways
+        hetstore.release(model)
 
 
 def in_next_forward(path: str, mine, result: dict) -> None:

@@ -139,6 +139,18 @@ def test_two_ranks_step_their_disk_shards_ahead_exactly(results, rank):
     assert got["unclipped_speculation"] is None
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_two_ranks_keep_the_same_way_from_the_overlap_trial(results, rank):
+    """``overlap_step='auto'``'s trial (optim.policy.OverlapTrial) decides on the step
+    times summed over the ranks: with clocks that disagree, both ranks take the same
+    way each step (rank 0 alone would drop overlap at step 5), and switching ways trains
+    bitwise like no overlap."""
+    got = results("disk", rank)
+    assert got["trial_ways"] == [True, True, False, False, True, False]
+    assert got["trial_losses"] == got["trial_reference_losses"]
+    assert_same(got["trial_weights"], got["trial_reference_weights"])
+
+
 # A compact format rounds each state element: to 2^-8 of its value in bf16, to at most
 # 2^-3 of it in float8 e4m3 (3 mantissa bits). The two-rank and one-process runs differ
 # in the gradients' reduction order (~1e-7 relative), which can move an element across

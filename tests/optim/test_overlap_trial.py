@@ -34,6 +34,14 @@ class Steps:
         return self.now
 
 
+def scheduled(clock: Steps, after: int, steps: int, every: int, trial=None) -> OverlapTrial:
+    """``trial`` (a new one by default) on ``clock`` and the schedule given."""
+    trial = trial if trial is not None else OverlapTrial()
+    trial.clock, trial.after, trial.steps, trial.every = clock, after, steps, every
+    clock.trial = trial
+    return trial
+
+
 def run(trial: OverlapTrial, clock: Steps, count: int) -> list[bool]:
     """The way each of ``count`` steps took."""
     clock.trial = trial
@@ -46,7 +54,7 @@ def run(trial: OverlapTrial, clock: Steps, count: int) -> list[bool]:
 
 def test_overlap_that_pays_is_kept_after_trying_without():
     clock = Steps(lambda overlapping: 1.0 if overlapping else 1.3)
-    trial = OverlapTrial(clock, after=5, steps=3, every=10)
+    trial = scheduled(clock, after=5, steps=3, every=10)
     ways = run(trial, clock, 30)
     # 5 steps, then 1 + 3 without (the first not counted), back; again 10 steps later
     assert ways[:5] == [True] * 5
@@ -62,7 +70,7 @@ def test_overlap_slower_than_none_is_dropped_until_a_trial_finds_it_pays_again()
     """The GPU case of issue 47: stepping ahead made the step slower than none."""
     costs = {True: 1.5, False: 1.4}
     clock = Steps(lambda overlapping: costs[overlapping])
-    trial = OverlapTrial(clock, after=5, steps=3, every=10)
+    trial = scheduled(clock, after=5, steps=3, every=10)
     ways = run(trial, clock, 19)
     assert ways[5:] == [False] * 14  # chosen at step 9; kept for the 10 after
     assert trial.trials == 1
@@ -76,7 +84,7 @@ def test_overlap_slower_than_none_is_dropped_until_a_trial_finds_it_pays_again()
 
 def test_a_tie_keeps_the_way_it_had():
     clock = Steps(lambda overlapping: 1.0)
-    trial = OverlapTrial(clock, after=3, steps=2, every=100)
+    trial = scheduled(clock, after=3, steps=2, every=100)
     ways = run(trial, clock, 20)
     assert ways[3:6] == [False] * 3
     assert all(ways[6:])
@@ -94,7 +102,7 @@ def test_the_step_after_a_switch_is_not_counted():
         return 1.0 if overlapping else 0.9
 
     clock = Steps(cost)
-    trial = OverlapTrial(clock, after=3, steps=2, every=100)
+    trial = scheduled(clock, after=3, steps=2, every=100)
     ways = run(trial, clock, 12)
     assert ways[3:] == [False] * 9
 
@@ -106,9 +114,7 @@ def training(tmp_path, name, overlap, clip, trial_clock=None):
     if trial_clock is not None:
         # a trial every few steps, made to choose each way in turn: overlap dropped at
         # the first (the way without it made faster), taken back at the next
-        trial_clock.trial = opt.step_ahead.policy.trial = OverlapTrial(
-            trial_clock, after=2, steps=1, every=2
-        )
+        scheduled(trial_clock, after=2, steps=1, every=2, trial=opt.step_ahead.policy.trial)
     return model, opt
 
 

@@ -77,8 +77,16 @@ class StepArrangement:
                 in_forward=step_in_forward,
                 pace=self._pace_memory_steps,
                 trial=self._trial_overlap,
+                agree=None if self.shards is None else self._summed_over_ranks,
                 in_place=in_place,
             )
+
+    def _summed_over_ranks(self, *values: float) -> tuple[float, ...]:
+        """``values`` summed over the ranks (the overlap trial's step times: every rank
+        then keeps the same way)."""
+        summed = torch.tensor(values, dtype=torch.float64, device=self.units[0].device)
+        self.shards.all_reduce(summed, "sum", "the overlap trial's step times")
+        return tuple(summed.tolist())
 
     @property
     def can_move_states(self) -> bool:

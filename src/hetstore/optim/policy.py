@@ -262,23 +262,18 @@ class OverlapTrial:
     """Whether the steps overlap backward and the next forward at all, measured: the
     faster of the two ways by the time between steps (module doc)."""
 
-    def __init__(
-        self,
-        clock=time.perf_counter,
-        *,
-        after: int | None = None,
-        steps: int | None = None,
-        every: int | None = None,
-    ):
-        self._clock = clock
-        self._after = TRIAL_AFTER if after is None else after
-        self._steps = TRIAL_STEPS if steps is None else steps
-        self._every = TRIAL_EVERY if every is None else every
+    def __init__(self, agree=None):
+        # the schedule (module doc), and the clock it reads at the end of each step
+        self.after, self.steps, self.every = TRIAL_AFTER, TRIAL_STEPS, TRIAL_EVERY
+        self.clock = time.perf_counter
+        # sharded over ranks: (tried, kept) -> their sums over the ranks, so that every
+        # rank keeps the same way (a collective; every rank decides at the same step)
+        self._agree = agree
         self.overlapping = True  # the way the next step takes
         self.trials = 0  # trials ended
         self.without = 0  # steps taken without overlap (a trial's, or its choice)
         self._last: float | None = None  # when the last step ended
-        self._due = self._after  # steps to go before the next trial
+        self._since = 0  # steps ended since the start, or the last trial's end
         self._kept: list[float] = []  # the way kept: its last intervals
         self._tried: list[float] | None = None  # the other way's, during a trial
         self._skip = 0  # the step after a switch: not counted
@@ -286,16 +281,17 @@ class OverlapTrial:
     def step_ended(self) -> None:
         """A step ended (taken, or skipped by fp16): count its interval, and switch the
         way the next step takes when a trial starts or ends."""
-        now = self._clock()
+        now = self.clock()
         interval = None if self._last is None else now - self._last
         self._last = now
         if not self.overlapping:
             self.without += 1
         if self._tried is None:  # not trying: the kept way's last intervals
-            self._due -= 1
+            self._since += 1
             if interval is not None:
-                self._kept = [*self._kept, interval][-self._steps :]
-            if self._due <= 0 and len(self._kept) == self._steps:
+                self._kept = [*self._kept, interval][-self.steps :]
+            due = self.every if self.trials else self.after
+            if self._since >= due and len(self._kept) == self.steps:
                 self._tried, self._skip = [], 1
                 self.overlapping = not self.overlapping
             return
@@ -303,23 +299,26 @@ class OverlapTrial:
             self._skip -= 1
             return
         self._tried.append(interval)
-        if len(self._tried) < self._steps:
+        if len(self._tried) < self.steps:
             return
-        if statistics.median(self._tried) >= statistics.median(self._kept):
+        tried, kept = statistics.median(self._tried), statistics.median(self._kept)
+        if self._agree is not None:
+            tried, kept = self._agree(tried, kept)
+        if tried >= kept:
             self.overlapping = not self.overlapping  # the kept way was faster: back
         self.trials += 1
-        self._tried, self._kept, self._due = None, [], self._every
+        self._tried, self._kept, self._since = None, [], 0
 
 
 class StepPolicy:
     """The decisions of one optimizer's step machinery (see the module doc)."""
 
-    def __init__(self, pace: bool, trial: bool = False):
+    def __init__(self, pace: bool, trial: bool = False, agree=None):
         # host-memory units are stepped ahead only as many as the worker finishes
         # before optimizer.step() (overlap_step='auto'); else all of them
         self.pace = StepPace() if pace else None
         # whether to overlap at all, measured (overlap_step='auto'); else always
-        self.trial = OverlapTrial() if trial else None
+        self.trial = OverlapTrial(agree=agree) if trial else None
         # whether this step's units may step away from optimizer.step() at all (in
         # backward, read ahead, in the next forward): the trial's way, taken when the
         # step's backward starts, so that one step goes one way from backward to its end

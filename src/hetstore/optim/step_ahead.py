@@ -149,6 +149,7 @@ class StepAhead:
         in_forward: bool = False,
         pace: bool = False,
         trial: bool = False,
+        agree=None,
         in_place: list[InMemoryUnitStep] = (),
     ):
         self._steps = {id(s.unit): s for s in unit_steps}
@@ -159,7 +160,7 @@ class StepAhead:
         self.in_forward = in_forward
         self.consume = consume  # step_in_backward: steps taken in backward
         # when each unit's step runs: micro-batch counting, hold-back, back-off, pacing
-        self.policy = StepPolicy(pace, trial=trial and not consume)
+        self.policy = StepPolicy(pace, trial=trial and not consume, agree=agree)
         # the units in the order the next forward uses them (the runtime's), else None
         self.use_order: Callable[[], list[Unit]] | None = None
         self.hyper = hyper  # a param group's current values, by index
