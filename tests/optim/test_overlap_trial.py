@@ -90,6 +90,20 @@ def test_a_tie_keeps_the_way_it_had():
     assert all(ways[6:])
 
 
+def test_steps_whose_times_vary_keep_the_way_they_had():
+    """Without overlap faster on its median but not on each step (one long sequence in
+    the trial): overlap is kept. Faster on each step, by less than the spread of
+    either way's times elsewhere: dropped."""
+    # each step's seconds: 4 with overlap, 1 + 3 without (the first not counted), back
+    # to overlap for 3, 1 + 3 without again, then without
+    times = iter([1.0] * 4 + [9.9, 0.8, 0.8, 1.2] + [1.0] * 3 + [9.9, 0.95, 0.97, 0.99])
+    clock = Steps(lambda overlapping: next(times, 0.95))
+    trial = scheduled(clock, after=3, steps=3, every=3)
+    ways = run(trial, clock, 18)
+    assert ways == [True] * 4 + [False] * 4 + [True] * 3 + [False] * 7
+    assert trial.trials == 2
+
+
 def test_the_step_after_a_switch_is_not_counted():
     """It still carries the other way's work (steps landing in its forward): made to
     take 10 s here, it does not decide the trial."""

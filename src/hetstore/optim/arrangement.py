@@ -82,10 +82,10 @@ class StepArrangement:
             )
 
     def _summed_over_ranks(self, *values: float) -> tuple[float, ...]:
-        """``values`` summed over the ranks (the overlap trial's step times: every rank
-        then keeps the same way)."""
+        """``values`` summed over the ranks (the overlap trial's votes: every rank then
+        keeps the same way)."""
         summed = torch.tensor(values, dtype=torch.float64, device=self.units[0].device)
-        self.shards.all_reduce(summed, "sum", "the overlap trial's step times")
+        self.shards.all_reduce(summed, "sum", "the overlap trial's votes")
         return tuple(summed.tolist())
 
     @property

@@ -75,9 +75,12 @@ GPT at 4K tokens a step ran 1.47-1.50x plain PyTorch paced against 1.41x without
 the other way (overlap off: no step in backward, no read-ahead, no step in the next
 forward, as ``overlap_step=False, step_in_forward=False``) runs for one step that is not
 counted (it still carries the last way's work: steps landing in its forward) and
-``TRIAL_STEPS`` that are, and the way whose median is lower is kept; again every
-``TRIAL_EVERY`` steps (the batch, the sequence length or the machine's other load may
-have changed). Both ways are exact: the trial only picks which of two exact paths every
+``TRIAL_STEPS`` that are; the other way is kept only if each of its steps was faster
+than each of the kept way's (by chance 1 time in 20 when the ways do not differ, so
+steps whose times vary keep the way they had), else the kept way is taken back; again
+every ``TRIAL_EVERY`` steps (the batch, the sequence length or the machine's other load
+may have changed). Sharded, every rank must find it faster (the votes are summed over
+the ranks), so every rank takes the same way. Both ways are exact: the trial only picks which of two exact paths every
 unit takes, never what it computes. It runs under ``overlap_step='auto'`` with
 ``step_in_forward`` not forced on and without ``step_in_backward`` (which a user sets for
 its memory, not its speed).
@@ -86,7 +89,6 @@ its memory, not its speed).
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from typing import NamedTuple
 
@@ -266,8 +268,9 @@ class OverlapTrial:
         # the schedule (module doc), and the clock it reads at the end of each step
         self.after, self.steps, self.every = TRIAL_AFTER, TRIAL_STEPS, TRIAL_EVERY
         self.clock = time.perf_counter
-        # sharded over ranks: (tried, kept) -> their sums over the ranks, so that every
-        # rank keeps the same way (a collective; every rank decides at the same step)
+        # sharded over ranks: values -> their sums over the ranks (a collective, at the
+        # same step on every rank): the votes for the tried way, so every rank keeps the
+        # same way
         self._agree = agree
         self.overlapping = True  # the way the next step takes
         self.trials = 0  # trials ended
@@ -301,11 +304,17 @@ class OverlapTrial:
         self._tried.append(interval)
         if len(self._tried) < self.steps:
             return
-        tried, kept = statistics.median(self._tried), statistics.median(self._kept)
-        if self._agree is not None:
-            tried, kept = self._agree(tried, kept)
-        if tried >= kept:
-            self.overlapping = not self.overlapping  # the kept way was faster: back
+        # the tried way is kept only if each of its steps was faster than each of the
+        # kept way's: with no difference between the ways that happens by chance 1 time
+        # in 20 (3 and 3 steps), so steps whose times vary (lengths of sequences, a
+        # pause) keep the way the step had, and a way slower by more than that noise
+        # is left
+        faster = max(self._tried) < min(self._kept)
+        if self._agree is not None:  # every rank must find it faster
+            votes, ranks = self._agree(float(faster), 1.0)
+            faster = votes == ranks
+        if not faster:
+            self.overlapping = not self.overlapping  # back to the way kept
         self.trials += 1
         self._tried, self._kept, self._since = None, [], 0
 
