@@ -100,7 +100,7 @@ def overlap_trial(path: str, mine, result: dict) -> None:
         after_step = None
         if overlap == "auto":
             policy = optimizer.step_ahead.policy
-            trial = policy.trial
+            trial = optimizer.overlap_trial
             costs = {True: 1.0, False: 0.5 if rank == 0 else 2.0}
             now = [0.0]
 
@@ -516,6 +516,42 @@ def run_compact(out: str, path: str) -> None:
     torch.save(result, os.path.join(out, f"compact-rank{rank}.pt"))
 
 
+def run_trial_ranks(out: str, path: str) -> None:
+    """``overlap_step='auto'`` on disk where rank 1's shards hold nothing trainable (frozen
+    weights, trained biases: a unit's trainable elements are laid out first, so they fall
+    to rank 0), so rank 1 steps nothing ahead. The overlap trial (made to run every step
+    here) still ends each step and votes on both ranks: training must neither hang nor
+    differ from no overlap."""
+    rank = dist.get_rank()
+    result: dict = {}
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+    for key, overlap in (("auto", "auto"), ("off", False)):
+        torch.manual_seed(0)
+        blocks = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+        for block in blocks:
+            block.weight.requires_grad_(False)
+        trained = [p for p in blocks.parameters() if p.requires_grad]
+        config = scenario_config("disk", path, overlap_step=overlap)
+        model, optimizer = hetstore.offload(blocks, adamw(trained), config, units=list(blocks))
+        if overlap == "auto":
+            trial = optimizer.overlap_trial
+            trial.after, trial.steps, trial.every = 1, 1, 1
+            result["has_step_ahead"] = optimizer.step_ahead is not None
+        losses = []
+        for _ in range(8):
+            loss = model(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+        result[f"{key}_losses"], result[f"{key}_weights"] = losses, weights(model)
+        if overlap == "auto":
+            result["trials"] = optimizer.overlap_trial.trials
+        hetstore.release(model)
+    dist.barrier()
+    torch.save(result, os.path.join(out, f"trial_ranks-rank{rank}.pt"))
+
+
 def lora_shaped(model: GPT, base_dtype: torch.dtype = torch.bfloat16) -> tuple[GPT, list]:
     """Two linears of each block (fc, proj) as a frozen base outside the optimizer (as
     PEFT leaves a LoRA base), its values rounded to bf16 and kept in ``base_dtype``; the
@@ -575,6 +611,7 @@ def main() -> None:
     parser.add_argument("--unfreeze", action="store_true")
     parser.add_argument("--compact", action="store_true")
     parser.add_argument("--frozen-base", action="store_true")
+    parser.add_argument("--trial-ranks", action="store_true")
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -591,6 +628,8 @@ def main() -> None:
         run_compact(args.out, args.offload_path)
     if args.frozen_base:
         run_frozen_base(args.out, args.offload_path)
+    if args.trial_ranks:
+        run_trial_ranks(args.out, args.offload_path)
     for name in args.scenario:
         run_scenario(name, args.out, args.offload_path)
     # the scenarios' models are unreferenced now; collecting them frees their tiers and

@@ -34,7 +34,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
     offload_path = tmp_path_factory.mktemp("offload")
     args = ["--out", str(out), "--offload-path", str(offload_path), "--refusals", "--checkpoint"]
-    args += ["--unfreeze", "--compact", "--frozen-base"]
+    args += ["--unfreeze", "--compact", "--frozen-base", "--trial-ranks"]
     for name in SCENARIOS:
         args += ["--scenario", name]
     done = torchrun(2, args, timeout=600)
@@ -149,6 +149,18 @@ def test_two_ranks_keep_the_same_way_from_the_overlap_trial(results, rank):
     assert got["trial_ways"] == [True, True, False, False, True, False]
     assert got["trial_losses"] == got["trial_reference_losses"]
     assert_same(got["trial_weights"], got["trial_reference_weights"])
+
+
+def test_the_overlap_trial_votes_on_a_rank_that_steps_nothing_ahead(results):
+    """Rank 1 holds nothing trainable, so nothing of it is stepped ahead; it still ends
+    each step of the trial and votes (no hang in the trial's all-reduce), both ranks
+    end the same trials, and the training is bitwise that without overlap."""
+    rank0, rank1 = results("trial_ranks", 0), results("trial_ranks", 1)
+    assert rank0["has_step_ahead"] and not rank1["has_step_ahead"]
+    assert rank0["trials"] == rank1["trials"] >= 2
+    for got in (rank0, rank1):
+        assert got["auto_losses"] == got["off_losses"]
+        assert_same(got["auto_weights"], got["off_weights"])
 
 
 # A compact format rounds each state element: to 2^-8 of its value in bf16, to at most

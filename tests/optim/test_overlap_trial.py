@@ -128,7 +128,7 @@ def training(tmp_path, name, overlap, clip, trial_clock=None):
     if trial_clock is not None:
         # a trial every few steps, made to choose each way in turn: overlap dropped at
         # the first (the way without it made faster), taken back at the next
-        scheduled(trial_clock, after=2, steps=1, every=2, trial=opt.step_ahead.policy.trial)
+        scheduled(trial_clock, after=2, steps=1, every=2, trial=opt.overlap_trial)
     return model, opt
 
 
@@ -170,12 +170,32 @@ def test_switching_ways_between_steps_trains_bitwise_like_no_overlap(tmp_path, c
     assert not on_opt.step_ahead.steps_in_forward
 
 
-def test_auto_measures_overlap_and_a_forced_overlap_does_not(tmp_path):
-    _, auto = hetstore.offload(*fresh(), config(tmp_path / "auto", "auto", "disk"))
-    _, forced = hetstore.offload(*fresh(), config(tmp_path / "on", True, "disk"))
-    _, placed = hetstore.offload(
-        *fresh(), config(tmp_path / "fwd", "auto", "disk", step_in_forward=True)
-    )
-    assert auto.step_ahead.policy.trial is not None
-    assert forced.step_ahead.policy.trial is None
-    assert placed.step_ahead.policy.trial is None
+def test_auto_measures_overlap_and_a_forced_overlap_or_placement_does_not(tmp_path):
+    def trial_of(name, overlap, **kwargs):
+        _, opt = hetstore.offload(*fresh(), config(tmp_path / name, overlap, "disk", **kwargs))
+        assert opt.step_ahead.policy.trial is opt.overlap_trial  # (what the gates read)
+        return opt.overlap_trial
+
+    assert trial_of("auto", "auto") is not None
+    assert trial_of("no-fwd", "auto", step_in_forward=False) is not None
+    assert trial_of("on", True) is None
+    assert trial_of("fwd", "auto", step_in_forward=True) is None
+    assert trial_of("bwd", "auto", step_in_backward=True) is None
+
+
+def test_a_step_without_a_backward_takes_the_way_the_trial_set(tmp_path):
+    """A second ``optimizer.step()`` on the same gradients (no backward between) after
+    the trial turned overlap off hands nothing to the next forward."""
+    model, opt = hetstore.offload(*fresh(), config(tmp_path, "auto", "cpu"))
+    scheduled(Steps(lambda overlapping: 1.0), after=1, steps=1, every=100, trial=opt.overlap_trial)
+    x, y = batches(1, vocab=64)[0]
+    for _ in range(2):  # the trial starts at the end of the second step
+        opt.zero_grad()
+        model(x, y).backward()
+        opt.step()
+    assert not opt.overlap_trial.overlapping
+    opt.finish_steps_in_forward()
+    handed = opt.speculation_stats["in_forward"]
+    opt.step()  # (the same gradients again, no backward)
+    assert opt.speculation_stats["in_forward"] == handed
+    assert not opt.step_ahead.steps_in_forward

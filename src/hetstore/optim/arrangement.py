@@ -16,7 +16,7 @@ from hetstore.optim.compact import CompactUnitStep
 from hetstore.optim.grad_norms import RecordedNorms
 from hetstore.optim.in_backward import site_of
 from hetstore.optim.in_memory import InMemoryUnitStep
-from hetstore.optim.policy import StepModes
+from hetstore.optim.policy import OverlapTrial, StepModes
 from hetstore.optim.registry import FLAT_NAMES
 from hetstore.optim.step_ahead import StepAhead
 from hetstore.optim.streamed import StreamedUnitStep, UnitStates
@@ -66,6 +66,16 @@ class StepArrangement:
             for s, site in sites
             if policy.memory_in_forward(site._replace(params_in_memory=True), modes)
         ]
+        # whether overlap pays, measured ('auto'): on every rank when sharded, each
+        # ending every step and voting, whether or not it holds a unit stepped ahead (a
+        # rank's shards may have nothing trainable), so that the votes always meet
+        if (
+            self._trial_overlap
+            and self.overlap_trial is None
+            and (ahead or in_place or self.shards is not None)
+        ):
+            agree = None if self.shards is None else self._summed_over_ranks
+            self.overlap_trial = OverlapTrial(agree=agree)
         self.step_ahead = None
         if ahead or in_place:
             self.step_ahead = StepAhead(
@@ -76,8 +86,7 @@ class StepArrangement:
                 speculate=overlap_step or overlap_memory_step,
                 in_forward=step_in_forward,
                 pace=self._pace_memory_steps,
-                trial=self._trial_overlap,
-                agree=None if self.shards is None else self._summed_over_ranks,
+                trial=self.overlap_trial,
                 in_place=in_place,
             )
 

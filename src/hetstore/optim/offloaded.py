@@ -42,6 +42,7 @@ from hetstore.optim.grad_handling import GradHandling
 from hetstore.optim.grad_norms import RecordedNorms
 from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.loss_scaler import DynamicLossScaler
+from hetstore.optim.policy import OverlapTrial
 from hetstore.optim.registry import flat_spec, flat_steppable
 from hetstore.optim.state_format import StateFormat
 from hetstore.optim.state_format import state_format as state_format_named
@@ -123,6 +124,7 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         self._overlap = (overlap_step, overlap_memory_step, step_in_forward)
         self._pace_memory_steps = pace_memory_steps  # see optim.policy
         self._trial_overlap = trial_overlap  # (OverlapTrial: whether overlap pays)
+        self.overlap_trial: OverlapTrial | None = None  # (made by arrange_steps)
         self._step_in_forward_memory = step_in_forward_memory
         self._root = root
         self.step_ahead: StepAhead | None = None
@@ -220,6 +222,7 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
                     self.zero_grad()  # (drops the steps taken ahead too)
                     if self.step_ahead is not None:
                         self.step_ahead.step_ended()
+                    self._trial_step_ended()
                     return None
         # the loss scaler has decided; an interrupted step resumes below, not above
         if self.step_ahead is not None:
@@ -276,9 +279,21 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         if self.step_ahead is not None:
             self.step_ahead.drop_read_ahead()
         self._forget_this_step()
+        self._trial_step_ended()
         if self._on_step is not None:
             self._on_step()
         return None
+
+    def _trial_step_ended(self) -> None:
+        """The overlap trial's clock, at the end of every step (taken or skipped), on
+        every rank (sharded, its decision is a collective)."""
+        if self.overlap_trial is None:
+            return
+        self.overlap_trial.step_ended()
+        if self.step_ahead is not None:
+            stats = self.step_ahead.stats
+            stats.overlap_trials = self.overlap_trial.trials
+            stats.without_overlap = self.overlap_trial.without
 
     def _note_held_shadows(self, exc: OutOfTierMemory) -> None:
         """The disk was full for a step: say what the steps running on into the next

@@ -322,12 +322,13 @@ class OverlapTrial:
 class StepPolicy:
     """The decisions of one optimizer's step machinery (see the module doc)."""
 
-    def __init__(self, pace: bool, trial: bool = False, agree=None):
+    def __init__(self, pace: bool, trial: OverlapTrial | None = None):
         # host-memory units are stepped ahead only as many as the worker finishes
         # before optimizer.step() (overlap_step='auto'); else all of them
         self.pace = StepPace() if pace else None
-        # whether to overlap at all, measured (overlap_step='auto'); else always
-        self.trial = OverlapTrial(agree=agree) if trial else None
+        # whether to overlap at all, measured (overlap_step='auto'; the optimizer's, told
+        # of each step's end there, on every rank); else always
+        self.trial = trial
         # whether this step's units may step away from optimizer.step() at all (in
         # backward, read ahead, in the next forward): the trial's way, taken when the
         # step's backward starts, so that one step goes one way from backward to its end
@@ -364,6 +365,8 @@ class StepPolicy:
 
     # ------------------------------------------------------------------ measurements
     def step_called(self) -> None:
+        if self.trial is not None and not self.backwards:  # (a step with no backward)
+            self.overlapping = self.trial.overlapping
         if self.pace is not None:
             self.pace.step_called()
 
@@ -396,5 +399,3 @@ class StepPolicy:
         """A step was taken or skipped (fp16 overflow): count micro-batches anew."""
         self.expected = max(self.backwards, 1)
         self.backwards = 0
-        if self.trial is not None:
-            self.trial.step_ended()

@@ -75,7 +75,7 @@ from hetstore.optim.borrowed import LentMasters, ParamLending, ReadAhead, ReadAh
 from hetstore.optim.in_backward import BackwardSteps, eligible
 from hetstore.optim.in_forward import ForwardSteps
 from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
-from hetstore.optim.policy import StepPace, StepPolicy
+from hetstore.optim.policy import OverlapTrial, StepPace, StepPolicy
 from hetstore.optim.step_job import JobState, StepJob, Target, When
 from hetstore.optim.step_worker import StepWorker
 from hetstore.optim.streamed import StreamedUnitStep
@@ -148,8 +148,7 @@ class StepAhead:
         speculate: bool = True,
         in_forward: bool = False,
         pace: bool = False,
-        trial: bool = False,
-        agree=None,
+        trial: OverlapTrial | None = None,
         in_place: list[InMemoryUnitStep] = (),
     ):
         self._steps = {id(s.unit): s for s in unit_steps}
@@ -160,7 +159,7 @@ class StepAhead:
         self.in_forward = in_forward
         self.consume = consume  # step_in_backward: steps taken in backward
         # when each unit's step runs: micro-batch counting, hold-back, back-off, pacing
-        self.policy = StepPolicy(pace, trial=trial and not consume, agree=agree)
+        self.policy = StepPolicy(pace, trial=None if consume else trial)
         # the units in the order the next forward uses them (the runtime's), else None
         self.use_order: Callable[[], list[Unit]] | None = None
         self.hyper = hyper  # a param group's current values, by index
@@ -412,9 +411,6 @@ class StepAhead:
     def step_ended(self) -> None:
         """A step was taken or skipped (fp16 overflow): count micro-batches anew."""
         self.policy.step_ended()
-        trial = self.policy.trial
-        if trial is not None:
-            self.stats.overlap_trials, self.stats.without_overlap = trial.trials, trial.without
 
     def unscaling(self, units: list[Unit]):
         """fp16: :meth:`BackwardSteps.unscaling`."""
