@@ -173,6 +173,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
     if args.json:
         _common.record_json(

@@ -120,7 +120,9 @@ def device_busy_fraction(step: Callable[[], T]) -> tuple[float, T]:
     intervals = sorted(
         (e.time_range.start, e.time_range.end)
         for e in prof.events()
+        # (a labelled region's GPU-side span, gpu_user_annotation, covers idle gaps too)
         if e.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
     )
     busy, open_start, open_end = 0.0, None, None
     for s, e in intervals:

@@ -16,8 +16,8 @@ So each row's ratio is to plain PyTorch measured in the same process on the same
 batches, and the loss difference is step by step. ``--budget-s`` bounds the part: rounds
 are dropped (never below one timed round per batch shape) so that every shape gets the
 same number of timed steps where the time allows; the row's ``steps`` says how many ran.
-It writes its rows as JSON after each batch shape, so a part stopped by its ``timeout``
-keeps what it finished; ``table`` merges the parts into one table (a row missing says
+It writes its rows as JSON after each timed round, so a part stopped by its ``timeout``
+keeps what it finished (a shape cut short, the steps it took); ``table`` merges the parts into one table (a row missing says
 so) and, with ``--results-dir``, writes ``gpu_step_engine_<date>_<device>.txt``.
 
 Runners (every one under ``torch.autocast(device, bfloat16)``, fp32 master weights,
@@ -560,6 +560,7 @@ class Part:
 
             estimate = self.round(tokens(), samples, "warm-up")
             say("warm-up round", estimate)
+            finished = list(self.out["rows"])  # the shapes before this one
             timed = 0
             while timed < self.args.steps and self.active():
                 need = estimate * (1 + 1.3 * self.busy_rounds)
@@ -575,14 +576,34 @@ class Part:
                 estimate = self.round(tokens(), samples, "timed")
                 timed += 1
                 say(f"timed round {timed}", estimate)
+                # saved after every round: a part killed by its limit keeps this shape's
+                # steps so far (its rows say how many)
+                self.out["rows"] = finished + self.rows(label, samples)
+                self.save()
             if self.busy_rounds and self.active():
                 if self.fits(1.3 * estimate + self.later_rounds(shapes, index, estimate, 1)):
                     say("profiled round", self.round(tokens(), samples, "busy"))
                 else:
                     self.note(f"{label}: no profiled step (the part's time budget)")
-            self.out["rows"].extend(self.rows(label, samples))
+            self.out["rows"] = finished + self.rows(label, samples)
             self.save()
+            self.drop_slow(label, samples)
             print(format_table(HEADER, [row_cells(r) for r in self.out["rows"]]), flush=True)
+
+    def drop_slow(self, label: str, samples: dict[str, Samples]) -> None:
+        """``--slow-s``: the runners whose median step at ``label`` took longer are not run
+        at the later shapes (their rows there say so); never plain, every row's reference."""
+        limit = self.args.slow_s
+        for runner in self.active():
+            if runner.name == "plain":
+                continue
+            times = samples[runner.name].times
+            if limit and times and statistics.median(times) > limit:
+                runner.drop(
+                    f"not run: its {label} step took {statistics.median(times):.0f} s, "
+                    f"over --slow-s {limit:.0f}"
+                )
+                self.note(f"{runner.name}: {runner.status}")
 
     def rows(self, label: str, samples: dict[str, Samples]) -> list[dict[str, Any]]:
         plain = samples["plain"].times
@@ -787,6 +808,7 @@ def smoke(args) -> int:
             json=str(folder / f"step_{model}.json"),
             offload_dir=args.offload_dir,
             runners=None,
+            slow_s=args.slow_s,
             smoke=True,
         )
         run_part(part_args, device)
@@ -813,6 +835,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="every row, tiny, on the CPU")
     parser.add_argument("--out", default=None, help="--smoke: keep the part files here")
     parser.add_argument("--offload-dir", default=None, help="folder for the disk tier")
+    parser.add_argument("--slow-s", type=float, default=0, help="--smoke: as a part's")
     sub = parser.add_subparsers(dest="command")
     part = sub.add_parser("part", help="one model's rows, written as JSON")
     part.add_argument("--model", choices=MODELS, required=True)
@@ -820,6 +843,13 @@ def main() -> int:
     part.add_argument("--steps", type=int, default=5, help="timed steps per batch shape")
     part.add_argument("--budget-s", type=float, default=0, help="the part's seconds (0: none)")
     part.add_argument("--reserve-s", type=float, default=15, help="kept for clean-up")
+    part.add_argument(
+        "--slow-s",
+        type=float,
+        default=0,
+        help="a runner whose median timed step took longer is not run at the later batch "
+        "shapes (0: no limit), so that one slow row cannot take the others' time",
+    )
     part.add_argument("--json", required=True)
     part.add_argument("--runners", type=lambda s: s.split(","), default=None)
     part.add_argument("--offload-dir", default=None, help="folder for the disk tier")

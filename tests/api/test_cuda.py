@@ -87,6 +87,45 @@ def test_cuda_parity_with_plain_pytorch(tmp_path, param, optim):
 
 
 @pytest.mark.parametrize("placement", ["cpu", "disk"])
+def test_cuda_bf16_compute_matches_a_bf16_model_with_an_fp32_host_master(tmp_path, placement):
+    """``compute_dtype="bf16"`` (what benchmarks/gpu/step_table.py's hetstore rows run):
+    bf16 copies on the GPU, the fp32 master and AdamW on the host. Reference: a bf16
+    model on the GPU whose gradients, in fp32, step an fp32 master on the host, copied
+    back: the same arithmetic, so losses and weights bit for bit."""
+    torch.manual_seed(0)
+    base = GPT(width=64, depth=4)
+    master = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(master.parameters(), lr=1e-3, fused=True)
+    ref_model = copy.deepcopy(base).to("cuda", torch.bfloat16)
+    mine = copy.deepcopy(base)
+    mine, opt = hetstore.offload(
+        mine,
+        torch.optim.AdamW(mine.parameters(), lr=1e-3, fused=True),
+        cuda_config(placement, placement, offload_path=str(tmp_path), compute_dtype="bf16"),
+    )
+    for x, y in batches(4):
+        x, y = x.cuda(), y.cuda()
+        ref_loss = ref_model(x, y)
+        ref_loss.backward()
+        for p_master, p_bf16 in zip(master.parameters(), ref_model.parameters(), strict=True):
+            p_master.grad = p_bf16.grad.float().cpu()
+            p_bf16.grad = None
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            for p_master, p_bf16 in zip(master.parameters(), ref_model.parameters(), strict=True):
+                p_bf16.copy_(p_master.to("cuda", torch.bfloat16))
+        loss = mine(x, y)
+        assert loss.dtype == torch.bfloat16
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert loss.item() == ref_loss.item()
+    for key, value in master.state_dict().items():
+        assert torch.equal(mine.state_dict()[key].cpu(), value), key
+
+
+@pytest.mark.parametrize("placement", ["cpu", "disk"])
 def test_cuda_accumulation_and_clipping_match_the_host_step(tmp_path, placement):
     """Four micro-batches per step, clipped at a norm that bites, the gradients crossing
     to the host while backward goes on: bitwise equal to plain PyTorch stepping on the

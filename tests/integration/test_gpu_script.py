@@ -65,3 +65,35 @@ def test_smoke_run_prints_every_row_against_plain(tmp_path):
     assert torchao.startswith(("needs CUDA", "unavailable:")), torchao
     # the disk tier's files are gone with the run
     assert not list(tmp_path.glob("hetstore-step-table-*"))
+
+
+def test_smoke_run_leaves_a_slow_runner_out_of_the_later_shapes(tmp_path):
+    """``--slow-s``: a runner whose step took longer at the first shape is not run at
+    the next, and its row says why; plain, every row's reference, always runs."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "gpu" / "step_table.py"),
+            "--smoke",
+            "--slow-s",
+            "1e-9",
+            "--offload-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "SMOKE"},
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = done.stdout.split("| model | tokens/step | runner |")[-1]
+    rows = {}
+    for line in table.splitlines():
+        match = ROW.match(line)
+        if match:
+            model, tokens, runner, median, _ = (g.strip() for g in match.groups())
+            rows[model, tokens, runner] = median
+    assert math.isfinite(float(rows["gpt", "4x16", "plain"]))
+    assert math.isfinite(float(rows["gpt", "2x16", "hetstore disk"]))
+    assert rows["gpt", "4x16", "hetstore disk"].startswith("not run: its 2x16 step took")
