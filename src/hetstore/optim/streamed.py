@@ -190,6 +190,39 @@ class UnitStates:
             counter.fill_(float(value))
         self.stepped = True
 
+    # ------------------------------------------------------------------ state arrays
+    def _read_decoded(self, key: str, start: int, numel: int) -> torch.Tensor:
+        """Elements ``[start, start+numel)`` of state ``key`` as fp32 (whole blocks are
+        read and decoded in the 8-bit format)."""
+        array = self.states[key]
+        if self.format.exact:
+            out = torch.empty(numel, dtype=torch.float32)
+            array.read(out, start).wait()
+            return out
+        a, b = covering(start, numel, array.numel)
+        codes = torch.empty(b - a, dtype=array.dtype)
+        array.read(codes, a).wait()
+        scales = None
+        if key in self.scales:
+            scales = torch.empty(blocks(b) - a // BLOCK, dtype=torch.float32)
+            self.scales[key].read(scales, a // BLOCK).wait()
+        out = torch.empty(b - a, dtype=torch.float32)
+        decode(self.format, key, codes, scales, out)
+        return out[start - a : start - a + numel]
+
+    def _write_encoded(self, key: str, flat: torch.Tensor) -> None:
+        """State ``key`` from fp32 ``flat`` (all of it; overwritten in the 8-bit format)."""
+        array = self.states[key]
+        if self.format.exact:
+            array.write_all(flat)
+            return
+        codes = torch.empty(array.numel, dtype=array.dtype)
+        scales = torch.empty(self.scales[key].numel) if key in self.scales else None
+        encode(self.format, key, flat, codes, scales)
+        array.write_all(codes)
+        if scales is not None:
+            self.scales[key].write_all(scales)
+
 
 class StreamedUnitStep(UnitStates):
     """Owns a disk unit's optimizer states and steps them (see module doc)."""
@@ -536,25 +569,6 @@ class StreamedUnitStep(UnitStates):
             return None
         return self._read_decoded(key, start, numel)
 
-    def _read_decoded(self, key: str, start: int, numel: int) -> torch.Tensor:
-        """Elements ``[start, start+numel)`` of state ``key`` as fp32 (whole blocks are
-        read and decoded in the 8-bit format)."""
-        array = self.states[key]
-        if self.format.exact:
-            out = torch.empty(numel, dtype=torch.float32)
-            array.read(out, start).wait()
-            return out
-        a, b = covering(start, numel, array.numel)
-        codes = torch.empty(b - a, dtype=array.dtype)
-        array.read(codes, a).wait()
-        scales = None
-        if key in self.scales:
-            scales = torch.empty(blocks(b) - a // BLOCK, dtype=torch.float32)
-            self.scales[key].read(scales, a // BLOCK).wait()
-        out = torch.empty(b - a, dtype=torch.float32)
-        decode(self.format, key, codes, scales, out)
-        return out[start - a : start - a + numel]
-
     def write_states(self, values: dict[str, list[tuple[int, torch.Tensor]]], step) -> None:
         """Overwrite slices of the states: ``values[key] = [(start, flat tensor), ...]``;
         every segment's step counter becomes ``step`` (torch keeps one per parameter; a
@@ -579,16 +593,3 @@ class StreamedUnitStep(UnitStates):
             for counter in self.steps:
                 counter.fill_(float(step))
         self.stepped = True
-
-    def _write_encoded(self, key: str, flat: torch.Tensor) -> None:
-        """State ``key`` from fp32 ``flat`` (all of it; overwritten in the 8-bit format)."""
-        array = self.states[key]
-        if self.format.exact:
-            array.write_all(flat)
-            return
-        codes = torch.empty(array.numel, dtype=array.dtype)
-        scales = torch.empty(self.scales[key].numel) if key in self.scales else None
-        encode(self.format, key, flat, codes, scales)
-        array.write_all(codes)
-        if scales is not None:
-            self.scales[key].write_all(scales)
