@@ -9,6 +9,8 @@ owns ``_unit_steps``, ``step_ahead`` and ``grad_norms``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hetstore.optim import policy
@@ -74,7 +76,9 @@ class StepArrangement:
             and self.overlap_trial is None
             and (ahead or in_place or self.shards is not None)
         ):
-            agree = None if self.shards is None else self._summed_over_ranks
+            agree = None
+            if self.shards is not None:  # (no bound method: no cycle through the trial)
+                agree = functools.partial(_summed_over_ranks, self.shards, self.units[0].device)
             self.overlap_trial = OverlapTrial(agree=agree)
         self.step_ahead = None
         if ahead or in_place:
@@ -89,13 +93,6 @@ class StepArrangement:
                 trial=self.overlap_trial,
                 in_place=in_place,
             )
-
-    def _summed_over_ranks(self, *values: float) -> tuple[float, ...]:
-        """``values`` summed over the ranks (the overlap trial's votes: every rank then
-        keeps the same way)."""
-        summed = torch.tensor(values, dtype=torch.float64, device=self.units[0].device)
-        self.shards.all_reduce(summed, "sum", "the overlap trial's votes")
-        return tuple(summed.tolist())
 
     @property
     def can_move_states(self) -> bool:
@@ -200,3 +197,11 @@ class StepArrangement:
                 tensor.zero_()
                 state[key] = tensor
             step.optimizer.state[master] = state
+
+
+def _summed_over_ranks(shards, device, *values: float) -> tuple[float, ...]:
+    """``values`` summed over the ranks of ``shards`` (the overlap trial's votes: every
+    rank then keeps the same way)."""
+    summed = torch.tensor(values, dtype=torch.float64, device=device)
+    shards.all_reduce(summed, "sum", "the overlap trial's votes")
+    return tuple(summed.tolist())
