@@ -253,12 +253,11 @@ class OffloadConfig:
             "rest stepped there (measured each step); and whether overlap pays at all is "
             "measured too: after 20 steps, and every 500, a few steps run the other way "
             "(without it, nor step_in_forward='auto'; or with them, after a trial chose "
-            "neither), kept only if each was faster than each of the steps before (speculation_stats: overlap_trials, without_overlap). True: both kinds, "
-            "every unit, on any device, always; False: neither. Sharded units too (each "
-            "rank its shard). A shadow "
-            "holds "
-            "one more copy of a unit's master and states (on disk, or in host memory) "
-            "until the step, within the tier's room."
+            "neither), kept only if each was faster than each of the steps before "
+            "(speculation_stats: overlap_trials, without_overlap). True: both kinds, every "
+            "unit, on any device, always; False: neither. Sharded units too (each rank its "
+            "shard). A shadow holds one more copy of a unit's master and states (on disk, "
+            "or in host memory) until the step, within the tier's room."
         ),
     )
 

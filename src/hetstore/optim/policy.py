@@ -69,7 +69,7 @@ Pacing keeps a speculation from being late; it cannot tell whether stepping ahea
 at all. On a GPU it did not: the worker's copies and arithmetic share the host's memory
 bandwidth, cores and the interpreter with the thread that feeds the device, and a 185M
 GPT at 4K tokens a step ran 1.47-1.50x plain PyTorch paced against 1.41x without overlap
-(docs/BENCHMARKS.md). No model here predicts that, so it is measured: after
+(docs/dev/BENCHMARKS.md). No model here predicts that, so it is measured: after
 ``TRIAL_AFTER`` steps, the time between the last ``TRIAL_STEPS`` steps (one
 ``optimizer.step()`` to the next: forward, backward and step, every micro-batch) is kept,
 the other way (overlap off: no step in backward, no read-ahead, no step in the next
@@ -80,10 +80,10 @@ than each of the kept way's (by chance 1 time in 20 when the ways do not differ,
 steps whose times vary keep the way they had), else the kept way is taken back; again
 every ``TRIAL_EVERY`` steps (the batch, the sequence length or the machine's other load
 may have changed). Sharded, every rank must find it faster (the votes are summed over
-the ranks), so every rank takes the same way. Both ways are exact: the trial only picks which of two exact paths every
-unit takes, never what it computes. It runs under ``overlap_step='auto'`` with
-``step_in_forward`` not forced on and without ``step_in_backward`` (which a user sets for
-its memory, not its speed).
+the ranks), so every rank takes the same way. Both ways are exact: the trial only picks
+which of two exact paths every unit takes, never what it computes. It runs under
+``overlap_step='auto'`` with ``step_in_forward`` not forced on and without
+``step_in_backward`` (which a user sets for its memory, not its speed).
 """
 
 from __future__ import annotations
