@@ -35,7 +35,13 @@ Runners (every one under ``torch.autocast(device, bfloat16)``, fp32 master weigh
   step's time includes ``optimizer.finish_steps_in_forward()``: the unit steps that
   ``step_in_forward`` leaves to the next forward are finished inside the step that
   started them, so none of it runs while another runner is timed (an upper bound: a
-  training loop would overlap them with its next forward).
+  training loop would overlap them with its next forward). Except ``hetstore host
+  in-forward``: the same as ``hetstore host`` with ``step_in_forward=True`` (on a GPU the
+  host units' ordinary steps run in place beside the next forward, each landing before
+  its unit's fetch), timed in steady state: an untimed step before each timed one (whose
+  steps the timed step's forward lands) and the timed step's own finished after the
+  timing, so its time is one period of a training loop. It takes two steps a round, so
+  its losses are not compared with plain's (its exactness is the CUDA tests').
 - ``fsdp2 cpu-offload``: ``fully_shard(block)`` per block and on the root, one rank (a
   process group of 1 on a free port), ``CPUOffloadPolicy()`` (fp32 parameters,
   gradients and AdamW states in pinned host memory, the step on the CPU) and
@@ -100,6 +106,7 @@ RUNNERS = (
     "plain",
     "hetstore host",
     "hetstore host no-overlap",
+    "hetstore host in-forward",
     "hetstore disk",
     "fsdp2 cpu-offload",
     "torchao cpu-offload",
@@ -211,6 +218,9 @@ class Runner:
     model: nn.Module | None = None
     opt: Any = None
     finish: Callable[[], None] | None = None  # called inside the timed step
+    # timed in steady state (steps left to the next forward): an untimed step before each
+    # timed one, whose steps its forward lands, and ``finish`` after the timing
+    steady: bool = False
     release: Callable[[], None] | None = None
     note: str = ""
     built_bytes: int = 0
@@ -263,7 +273,7 @@ def build_plain(runner: Runner, make: Callable[[], nn.Module], ctx: Context) -> 
     runner.opt = torch.optim.AdamW(runner.model.parameters(), lr=LR, fused=True)
 
 
-def hetstore_builder(param: str, optim: str, overlap: bool):
+def hetstore_builder(param: str, optim: str, overlap: bool, in_forward: bool = False):
     def build(runner: Runner, make: Callable[[], nn.Module], ctx: Context) -> None:
         model = make()
         config = hetstore.OffloadConfig(
@@ -273,10 +283,12 @@ def hetstore_builder(param: str, optim: str, overlap: bool):
             compute_dtype="bf16",
             offload_path=ctx.offload_dir,
             overlap_step="auto" if overlap else False,
+            step_in_forward=True if in_forward else "auto",
         )
         opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
         runner.model, runner.opt = hetstore.offload(model, opt, config, process_group=False)
         runner.finish = runner.opt.finish_steps_in_forward
+        runner.steady = in_forward
         runner.release = lambda: hetstore.release(runner.model)
 
     return build
@@ -362,6 +374,7 @@ BUILDERS = {
     "plain": build_plain,
     "hetstore host": hetstore_builder("cpu", "cpu", overlap=True),
     "hetstore host no-overlap": hetstore_builder("cpu", "cpu", overlap=False),
+    "hetstore host in-forward": hetstore_builder("cpu", "cpu", overlap=True, in_forward=True),
     "hetstore disk": hetstore_builder("disk", "disk", overlap=True),
     "fsdp2 cpu-offload": build_fsdp2,
     "torchao cpu-offload": build_torchao,
@@ -389,8 +402,11 @@ def settled_allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def train_step(runner: Runner, spec: ModelSpec, idx: torch.Tensor, device) -> tuple[float, float]:
-    """One training step, synchronized at both ends: (seconds, loss)."""
+def train_step(
+    runner: Runner, spec: ModelSpec, idx: torch.Tensor, device, finish: bool = True
+) -> tuple[float, float]:
+    """One training step, synchronized at both ends: (seconds, loss); ``finish``: the
+    steps it leaves to the next forward finished inside it."""
     sync(device)
     start = time.perf_counter()
     with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -398,10 +414,23 @@ def train_step(runner: Runner, spec: ModelSpec, idx: torch.Tensor, device) -> tu
     loss.backward()
     runner.opt.step()
     runner.opt.zero_grad()
-    if runner.finish is not None:
+    if finish and runner.finish is not None:
         runner.finish()
     sync(device)
     return time.perf_counter() - start, loss.item()
+
+
+@contextlib.contextmanager
+def steady_state(runner: Runner, spec: ModelSpec, idx: torch.Tensor, device):
+    """Around a measured step of a ``steady`` runner: an untimed step before it (the
+    steps it leaves land in the measured step's forward, as in a training loop), and
+    what the measured step leaves finished after it, before another runner runs."""
+    if runner.steady:
+        train_step(runner, spec, idx, device, finish=False)
+    yield not runner.steady  # (whether the measured step finishes its own)
+    if runner.steady and runner.finish is not None:
+        runner.finish()
+        sync(device)
 
 
 @dataclass
@@ -498,9 +527,10 @@ class Part:
             got = samples[runner.name]
             try:
                 if kind == "busy":
-                    busy, (_, loss) = device_busy_fraction(
-                        lambda r=runner: train_step(r, self.spec, idx, self.device)
-                    )
+                    with steady_state(runner, self.spec, idx, self.device) as finish:
+                        busy, (_, loss) = device_busy_fraction(
+                            lambda r=runner, f=finish: train_step(r, self.spec, idx, self.device, f)
+                        )
                     got.busy = busy
                 elif kind == "warm-up" and runner.resident is None:
                     before = settled_allocated(self.device)
@@ -510,7 +540,8 @@ class Part:
                     start = settled_allocated(self.device)
                     if cuda:
                         torch.cuda.reset_peak_memory_stats(self.device)
-                    seconds, loss = train_step(runner, self.spec, idx, self.device)
+                    with steady_state(runner, self.spec, idx, self.device) as finish:
+                        seconds, loss = train_step(runner, self.spec, idx, self.device, finish)
                     got.times.append(seconds)
                     if cuda:
                         above = torch.cuda.max_memory_allocated(self.device) - start
@@ -523,8 +554,9 @@ class Part:
                 runner.drop(f"failed: {one_line(exc)}")
                 self.note(f"{runner.name}: {runner.status} (in a {kind} step)")
         plain = losses.get("plain")
+        steady = {r.name for r in self.runners if r.steady}  # (more steps than plain's)
         for name, loss in losses.items():
-            if plain is not None and name != "plain":
+            if plain is not None and name != "plain" and name not in steady:
                 samples[name].diffs.append(abs(loss - plain))
             if not math.isfinite(loss):
                 samples[name].diffs.append(math.inf)
