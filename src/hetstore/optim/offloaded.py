@@ -146,8 +146,16 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
     @property
     def speculation_stats(self) -> dict[str, int] | None:
         """Speculative steps started, committed, rolled back, cancelled (None when no
-        unit is stepped ahead; see ``overlap_step``)."""
-        return self.step_ahead.stats.as_dict() if self.step_ahead is not None else None
+        unit is stepped ahead; see ``overlap_step``), and the overlap trial's counts:
+        trials ended and steps taken without overlap (0 without a trial)."""
+        if self.step_ahead is None:
+            return None
+        trial = self.overlap_trial
+        return {
+            **self.step_ahead.stats.as_dict(),
+            "overlap_trials": trial.trials if trial is not None else 0,
+            "without_overlap": trial.without if trial is not None else 0,
+        }
 
     # ------------------------------------------------------------------ lifetime
     def release(self) -> None:
@@ -287,13 +295,8 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
     def _trial_step_ended(self) -> None:
         """The overlap trial's clock, at the end of every step (taken or skipped), on
         every rank (sharded, its decision is a collective)."""
-        if self.overlap_trial is None:
-            return
-        self.overlap_trial.step_ended()
-        if self.step_ahead is not None:
-            stats = self.step_ahead.stats
-            stats.overlap_trials = self.overlap_trial.trials
-            stats.without_overlap = self.overlap_trial.without
+        if self.overlap_trial is not None:
+            self.overlap_trial.step_ended()
 
     def _note_held_shadows(self, exc: OutOfTierMemory) -> None:
         """The disk was full for a step: say what the steps running on into the next

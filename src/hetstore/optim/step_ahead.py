@@ -118,10 +118,6 @@ class SpeculationStats:
     # host-memory units not stepped ahead because the worker would not have finished
     # them before optimizer.step() (overlap_step='auto'; see optim.policy): stepped there
     too_late: int = 0
-    # overlap_step='auto': trials of overlap against none ended (optim.policy's
-    # OverlapTrial), and the steps taken without overlap, trying it or having chosen it
-    overlap_trials: int = 0
-    without_overlap: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -159,7 +155,7 @@ class StepAhead:
         self.in_forward = in_forward
         self.consume = consume  # step_in_backward: steps taken in backward
         # when each unit's step runs: micro-batch counting, hold-back, back-off, pacing
-        self.policy = StepPolicy(pace, trial=None if consume else trial)
+        self.policy = StepPolicy(pace, trial=trial)
         # the units in the order the next forward uses them (the runtime's), else None
         self.use_order: Callable[[], list[Unit]] | None = None
         self.hyper = hyper  # a param group's current values, by index
