@@ -819,8 +819,9 @@ def make_table(args) -> int:
             path = results / f"{stem}_run{run}.txt"
         path.write_text(text)
         print(f"# written to {path}", flush=True)
-        if args.copy_to:
-            shutil.copy(path, Path(args.copy_to) / path.name)
+        copy = Path(args.copy_to) / path.name if args.copy_to else None
+        if copy is not None and not (copy.exists() and copy.samefile(path)):
+            shutil.copy(path, copy)
     return 0
 
 

@@ -6,6 +6,7 @@ Skipped without CUDA; run on a lent GPU (``pytest -m cuda``).
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -333,6 +334,22 @@ def test_cuda_steps_in_the_next_forward_match_the_ordinary_step(tmp_path, clip, 
         assert stats["in_forward"] >= len(data), stats
 
 
+def _live_cuda_tensors(most: int = 5) -> str:
+    """What still holds CUDA memory, for a failure's message: the largest live CUDA
+    tensors and what refers to each (two levels of referrers' types)."""
+    held = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+    held.sort(key=lambda t: t.nelement() * t.element_size(), reverse=True)
+    lines = []
+    for t in held[:most]:
+        owners = [
+            f"{type(r).__name__}<-{[type(rr).__name__ for rr in gc.get_referrers(r)][:4]}"
+            for r in gc.get_referrers(t)
+            if r is not held
+        ]
+        lines.append(f"{tuple(t.shape)} {t.dtype}: {owners[:4]}")
+    return f"{len(held)} live CUDA tensors; largest: " + "; ".join(lines)
+
+
 @pytest.mark.parametrize("param, optim", [("none", "none"), ("none", "cpu"), ("cpu", "cpu")])
 def test_cuda_evict_gives_back_every_byte_and_restore_trains_bitwise(tmp_path, param, optim):
     """After evict the allocator holds what it held before offload() (every byte hetstore
@@ -340,6 +357,7 @@ def test_cuda_evict_gives_back_every_byte_and_restore_trains_bitwise(tmp_path, p
     losses and weights are bitwise those of the run without."""
     results = []
     for cycles in (False, True):
+        gc.collect()  # (the last round's model is gone: release() must have freed it)
         torch.cuda.synchronize()
         baseline = torch.cuda.memory_allocated()
         torch.manual_seed(0)
@@ -363,6 +381,10 @@ def test_cuda_evict_gives_back_every_byte_and_restore_trains_bitwise(tmp_path, p
                 hetstore.restore(model, opt)
         results.append((losses, {k: v.cpu() for k, v in model.state_dict().items()}))
         hetstore.release(model)
+        torch.cuda.synchronize()
+        # release() gives back every byte at once, before the model is collected
+        assert torch.cuda.memory_allocated() == baseline, _live_cuda_tensors()
+        del model, opt
     (plain_losses, plain), (losses, weights) = results
     assert losses == plain_losses
     for key, value in weights.items():
