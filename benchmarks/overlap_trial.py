@@ -8,15 +8,20 @@ Two cases, each trained ``--steps`` steps from the same seed on the same batches
 (``hetstore.demo.gpt``, fused AdamW, fp32):
 
 * ``host (stepped ahead as on a GPU)``: master and states in host memory, the units
-  stepped ahead during backward into host shadows as ``'auto'`` does on a GPU (here made
-  to, by patching ``OffloadConfig.overlaps_memory_steps``): on this CPU device the
-  worker's copies and arithmetic take the cores backward computes on, the nearest this
+  stepped ahead during backward into host shadows, as ``'auto'`` did on a GPU until
+  2026-11-28 (here made to, by patching ``OffloadConfig.overlaps_memory_steps``): on
+  this CPU device the worker's copies and arithmetic take the cores backward computes on, the nearest this
   machine comes to the H100 case where overlap lost (docs/BENCHMARKS.md); no clip (a
   clip that bites holds host units' speculations back: there would be no overlap to try);
 * ``disk (defaults)``: parameters, gradients and states on disk, every key at its
   default: the overlap (steps in backward, read ahead, steps in the next forward) hides
   disk traffic and should be kept. Clip 1.0 through the optimizer (it bites every step
   here: the steps run in the next forward), issue 47's case.
+
+* ``host (defaults)``: master and states in host memory, every key at its default: on a
+  GPU (``--device cuda``: bf16 copies on the device, the forward under bf16 autocast,
+  pinned host memory, each step synchronized) the host units' ordinary steps run in
+  place beside the next forward; on a CPU device nothing overlaps (no trial).
 
 Runners per case, each in its own process, one after the other in the order A B C C B A
 (drift of the shared machine hits all alike):
@@ -55,15 +60,19 @@ from hetstore.optim import policy
 CASES = {
     "host (stepped ahead as on a GPU)": ("cpu", "cpu", None),
     "disk (defaults)": ("disk", "disk", 1.0),
+    "host (defaults)": ("cpu", "cpu", None),
 }
+CPU_CASES = ("host (stepped ahead as on a GPU)", "disk (defaults)")
 RUNNERS = ("no overlap", "overlap, no trial", "auto")
 
 
 def run(case: str, runner: str, args: argparse.Namespace) -> dict:
     """One runner's training: each step's seconds and loss, and the ways it took."""
     param, opt, clip = CASES[case]
-    if case.startswith("host"):  # (as 'auto' does on a GPU)
-        hetstore.OffloadConfig.overlaps_memory_steps = lambda self, device=None: True
+    if case == "host (stepped ahead as on a GPU)":
+        hetstore.OffloadConfig.overlaps_memory_steps = property(lambda self: True)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
     model = GPT(
         vocab=args.vocab, width=args.width, depth=args.depth, heads=args.heads, ctx=args.ctx
@@ -77,23 +86,29 @@ def run(case: str, runner: str, args: argparse.Namespace) -> dict:
             overlap_step=False if off else "auto",
             step_in_forward=False if off else "auto",
             offload_path=where,
-            enable_pinned_mem=False,
-            device="cpu",
+            enable_pinned_mem=cuda,
+            device=device.type,
+            compute_dtype="bf16" if cuda else "fp32",
         )
         model, optimizer = hetstore.offload(model, optimizer, config)
         ahead = optimizer.step_ahead
-        if runner == "overlap, no trial":  # (none in this run: its first is far away)
-            optimizer.overlap_trial.after = 10**9
+        trial = optimizer.overlap_trial  # (None where nothing overlaps: host on a CPU)
+        if runner == "overlap, no trial" and trial is not None:  # (its first: far away)
+            trial.after = 10**9
         times, losses, ways = [], [], []
         for x, y in batches(args.steps, vocab=args.vocab, batch=args.batch, ctx=args.ctx):
+            x, y = x.to(device), y.to(device)
             start = time.perf_counter()
-            loss = model(x, y)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = model(x, y)
             loss.backward()
             if clip is not None:
                 optimizer.clip_grad_norm_(clip)
             ways.append(ahead is not None and ahead.policy.overlapping)
             optimizer.step()
             optimizer.zero_grad()
+            if cuda:
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
         stats = optimizer.speculation_stats
@@ -123,7 +138,8 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=36)
-    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--cases", default=None, help=f"default: {', '.join(CPU_CASES)}")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (bf16 autocast and copies)")
     p.add_argument("--dir", default=str(REPO / "offload"), help="offload directory's parent")
     p.add_argument("--tiny", action="store_true", help="a tiny model and trial: the harness")
     p.add_argument("--json", help="write the rows and every run's figures here too")
@@ -137,7 +153,7 @@ def main() -> None:
         case, runner = args.one.split("|")
         print(json.dumps(run(case, runner, args)))
         return
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    cases = [c.strip() for c in (args.cases or ",".join(CPU_CASES)).split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         raise SystemExit(f"--cases: unknown {unknown}; allowed: {list(CASES)}")

@@ -3,7 +3,7 @@
 # of memory, no network; its python3 holds a CUDA torch and transformers; hetstore runs
 # from src/): the CUDA tests, then one table of training steps (step_table.py): the 185M
 # GPT and a 0.95B Llama, batches 8x512 and 32x512, plain PyTorch, hetstore (host, host
-# without overlap, host with its steps in the next forward, disk), FSDP2 CPU offload and torchao's CPUOffloadOptimizer, every row
+# without overlap, host stepped in backward, disk), FSDP2 CPU offload and torchao's CPUOffloadOptimizer, every row
 # against plain PyTorch in the same process. About 8 minutes in all.
 #
 #   bash benchmarks/gpu/fetch_wheels.sh      # here, once: torchao's wheel into .wheels/
@@ -23,7 +23,7 @@
 #
 # Sizing, assumed from the H100 runs of 2026-11-26 (benchmarks/results/gpu_offload_step_*):
 # the GPT's steps take 0.1-0.5 s (plain, hetstore host) to about 1.5 s (hetstore disk), so
-# a round of its seven runners takes 3-5 s (the host in-forward row takes two steps a
+# a round of its seven runners takes 3-5 s (the host row takes two steps a
 # round: an untimed one before its timed one) and the part (build, warm-up, 5 timed, 1 profiled
 # round per shape) about 80 s. The Llama is 5x the GPT: the host rows' CPU AdamW step on
 # 0.95B fp32 parameters about 1 s, its disk row about 10 s a step (about 34 bytes of disk

@@ -26,22 +26,24 @@ Runners (every one under ``torch.autocast(device, bfloat16)``, fp32 master weigh
 - ``plain``: the model on the GPU in fp32, torch's fused AdamW on the GPU.
 - ``hetstore host``: ``offload_param="cpu", offload_optimizer="cpu"``,
   ``compute_dtype="bf16"`` (bf16 copies on the device, the fp32 master and the states in
-  pinned host memory), ``overlap_step="auto"``; ``hetstore host no-overlap`` the same
-  with ``overlap_step=False`` (the overlap must never be slower: in a run of more than
-  24 steps ``'auto'`` keeps whichever of the two its trial measured faster,
+  pinned host memory), every other key at its default: on a GPU the host units'
+  ordinary steps run in place beside the next forward, each landing before its unit's
+  fetch. It is timed in steady state: an untimed step before each timed one (whose
+  steps the timed step's forward lands) and the timed step's own finished after the
+  timing, so its time is one period of a training loop; it takes two steps a round, so
+  its losses are not compared with plain's (its exactness is the CUDA tests').
+  ``hetstore host no-overlap``: the same with ``overlap_step=False,
+  step_in_forward=False`` (the overlap must never be slower: in a run of more than 24
+  steps ``'auto'`` keeps whichever of the two its trial measured faster,
   ``optim.policy.OverlapTrial``; these rows time the steps before any trial, so both
-  ways show); ``hetstore disk``:
-  ``offload_param="disk", offload_optimizer="disk"`` under ``--offload-dir``. A hetstore
-  step's time includes ``optimizer.finish_steps_in_forward()``: the unit steps that
+  ways show); ``hetstore host in-backward``: ``overlap_step=True,
+  step_in_forward=False``, the host units stepped speculatively into host shadows during
+  backward ('auto''s way on a GPU until 2026-11-28); ``hetstore disk``:
+  ``offload_param="disk", offload_optimizer="disk"`` under ``--offload-dir``, defaults.
+  Its step's time includes ``optimizer.finish_steps_in_forward()``: the unit steps that
   ``step_in_forward`` leaves to the next forward are finished inside the step that
   started them, so none of it runs while another runner is timed (an upper bound: a
-  training loop would overlap them with its next forward). Except ``hetstore host
-  in-forward``: the same as ``hetstore host`` with ``step_in_forward=True`` (on a GPU the
-  host units' ordinary steps run in place beside the next forward, each landing before
-  its unit's fetch), timed in steady state: an untimed step before each timed one (whose
-  steps the timed step's forward lands) and the timed step's own finished after the
-  timing, so its time is one period of a training loop. It takes two steps a round, so
-  its losses are not compared with plain's (its exactness is the CUDA tests').
+  training loop would overlap them with its next forward).
 - ``fsdp2 cpu-offload``: ``fully_shard(block)`` per block and on the root, one rank (a
   process group of 1 on a free port), ``CPUOffloadPolicy()`` (fp32 parameters,
   gradients and AdamW states in pinned host memory, the step on the CPU) and
@@ -106,7 +108,7 @@ RUNNERS = (
     "plain",
     "hetstore host",
     "hetstore host no-overlap",
-    "hetstore host in-forward",
+    "hetstore host in-backward",
     "hetstore disk",
     "fsdp2 cpu-offload",
     "torchao cpu-offload",
@@ -273,7 +275,7 @@ def build_plain(runner: Runner, make: Callable[[], nn.Module], ctx: Context) -> 
     runner.opt = torch.optim.AdamW(runner.model.parameters(), lr=LR, fused=True)
 
 
-def hetstore_builder(param: str, optim: str, overlap: bool, in_forward: bool = False):
+def hetstore_builder(param: str, optim: str, overlap, in_forward="auto", steady: bool = False):
     def build(runner: Runner, make: Callable[[], nn.Module], ctx: Context) -> None:
         model = make()
         config = hetstore.OffloadConfig(
@@ -282,13 +284,13 @@ def hetstore_builder(param: str, optim: str, overlap: bool, in_forward: bool = F
             device=ctx.device.type,
             compute_dtype="bf16",
             offload_path=ctx.offload_dir,
-            overlap_step="auto" if overlap else False,
-            step_in_forward=True if in_forward else "auto",
+            overlap_step=overlap,
+            step_in_forward=in_forward,
         )
         opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
         runner.model, runner.opt = hetstore.offload(model, opt, config, process_group=False)
         runner.finish = runner.opt.finish_steps_in_forward
-        runner.steady = in_forward
+        runner.steady = steady
         runner.release = lambda: hetstore.release(runner.model)
 
     return build
@@ -372,10 +374,11 @@ def build_torchao(runner: Runner, make: Callable[[], nn.Module], ctx: Context) -
 
 BUILDERS = {
     "plain": build_plain,
-    "hetstore host": hetstore_builder("cpu", "cpu", overlap=True),
-    "hetstore host no-overlap": hetstore_builder("cpu", "cpu", overlap=False),
-    "hetstore host in-forward": hetstore_builder("cpu", "cpu", overlap=True, in_forward=True),
-    "hetstore disk": hetstore_builder("disk", "disk", overlap=True),
+    # (the defaults: on a GPU the host units' steps run in the next forward)
+    "hetstore host": hetstore_builder("cpu", "cpu", "auto", steady=True),
+    "hetstore host no-overlap": hetstore_builder("cpu", "cpu", False, False),
+    "hetstore host in-backward": hetstore_builder("cpu", "cpu", True, False),
+    "hetstore disk": hetstore_builder("disk", "disk", "auto"),
     "fsdp2 cpu-offload": build_fsdp2,
     "torchao cpu-offload": build_torchao,
 }

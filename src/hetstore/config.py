@@ -246,18 +246,16 @@ class OffloadConfig:
             "backward, into shadow copies that optimizer.step() commits, or discards and "
             "steps again, when clipping, a changed hyper-parameter or another micro-batch "
             "changed what the step would read: exact either way. 'auto': units whose "
-            "states and parameters are on disk (their step is disk IO), and units whose "
-            "states are in host memory when the compute device is a GPU (the host steps "
-            "beside the GPU's backward; on a CPU device the two would share cores), and of "
-            "those only as many as the host finishes before optimizer.step() comes, the "
-            "rest stepped there (measured each step); and whether overlap pays at all is "
-            "measured too: after 20 steps, and every 500, a few steps run the other way "
-            "(without it, nor step_in_forward='auto'; or with them, after a trial chose "
-            "neither), kept only if each was faster than each of the steps before "
-            "(speculation_stats: overlap_trials, without_overlap). True: both kinds, every "
-            "unit, on any device, always; False: neither. Sharded units too (each rank its "
-            "shard). A shadow holds one more copy of a unit's master and states (on disk, "
-            "or in host memory) until the step, within the tier's room."
+            "states and parameters are on disk (their step is disk IO); units whose states "
+            "are in host memory are stepped in the next forward instead (step_in_forward), "
+            "on a GPU; and whether overlap pays at all is measured: after 20 steps, and "
+            "every 500, a few steps run the other way (without it, nor step_in_forward="
+            "'auto'; or with them, after a trial chose neither), kept only if each was "
+            "faster than each of the steps before (speculation_stats: overlap_trials, "
+            "without_overlap). True: both kinds, every unit, on any device, always; False: "
+            "neither. Sharded units too (each rank its shard). A shadow holds one more copy "
+            "of a unit's master and states (on disk, or in host memory) until the step, "
+            "within the tier's room."
         ),
     )
 
@@ -284,13 +282,13 @@ class OffloadConfig:
             "and the result is bitwise the ordinary step's. It hides the steps that "
             "overlap_step cannot hide in backward: after a clip that bit, the root unit's, "
             "rollbacks. A step that fails on its thread runs again at that use, and raises "
-            "there if it fails again (not at optimizer.step()). 'auto': those disk units, "
-            "while overlap_step is not False. True: those disk units with overlap_step "
-            "False too, and on a GPU units whose states are in host memory as well: their "
-            "ordinary step runs in place on the host beside the next forward, each before "
-            "its unit's fetch (one that fails raises at that use, the unit partly stepped "
-            "as after a failed optimizer.step()). False: every step is done when "
-            "optimizer.step() returns."
+            "there if it fails again (not at optimizer.step()). On a GPU, units whose "
+            "states and parameters are in host memory too: their ordinary step runs in "
+            "place on the host beside the next forward, each before its unit's fetch (one "
+            "that fails raises at that use, the unit partly stepped as after a failed "
+            "optimizer.step()). 'auto': those disk units while overlap_step is not False, "
+            "and those host units while overlap_step is 'auto'. True: both, whatever "
+            "overlap_step. False: every step is done when optimizer.step() returns."
         ),
     )
 
@@ -312,13 +310,13 @@ class OffloadConfig:
         """``overlap_step``: units with states and parameters on disk step in backward."""
         return self.overlap_step is not False
 
-    def overlaps_memory_steps(self, device: torch.device | str | None = None) -> bool:
-        """``overlap_step``: units with states in host memory step in backward (on the
-        compute ``device``, the resolved one by default)."""
-        if self.overlap_step == "auto":
-            device = torch.device(device) if device is not None else self.resolved_device()
-            return device.type == "cuda"
-        return self.overlap_step
+    @property
+    def overlaps_memory_steps(self) -> bool:
+        """``overlap_step=True``: units with states in host memory step in backward, into
+        host shadows. Not under 'auto': on an H100 under bf16 that was the slowest way
+        (docs/dev/BENCHMARKS.md); 'auto' steps them in the next forward instead
+        (:meth:`steps_memory_in_forward`)."""
+        return self.overlap_step is True
 
     @property
     def steps_disk_in_forward(self) -> bool:
@@ -329,12 +327,15 @@ class OffloadConfig:
         return self.step_in_forward
 
     def steps_memory_in_forward(self, device: torch.device | str | None = None) -> bool:
-        """``step_in_forward=True``: units with states in host memory finish their
-        ordinary step during the next forward too, on a GPU (on a CPU device that forward
-        would compute on the cores the step needs). Not under 'auto': not yet measured
-        on a GPU."""
+        """Units with states in host memory run their ordinary step in place during the
+        next forward, on a GPU (on a CPU device that forward would compute on the cores
+        the step needs): with ``step_in_forward=True``, and with both keys 'auto' (where
+        the overlap trial keeps it only while it is faster than none)."""
         device = torch.device(device) if device is not None else self.resolved_device()
-        return self.step_in_forward is True and device.type == "cuda"
+        chosen = self.step_in_forward is True or (
+            self.step_in_forward == "auto" and self.overlap_step == "auto"
+        )
+        return chosen and device.type == "cuda"
 
     def resolved_device(self) -> torch.device:
         """The compute device: 'auto' becomes cuda when available, else cpu."""

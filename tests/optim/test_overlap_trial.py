@@ -170,6 +170,43 @@ def test_switching_ways_between_steps_trains_bitwise_like_no_overlap(tmp_path, c
     assert not on_opt.step_ahead.steps_in_forward
 
 
+def test_the_trial_switches_host_steps_in_the_next_forward_as_on_a_gpu(tmp_path, monkeypatch):
+    """On a GPU both keys 'auto' step host units in the next forward, in place, and the
+    trial turns that on and off: nothing handed over in a step without overlap, every
+    unit in one with it, and the run is bitwise the run without overlap."""
+    monkeypatch.setattr(  # (the GPU's rule, on this CPU device)
+        hetstore.OffloadConfig, "steps_memory_in_forward", lambda self, device=None: True
+    )
+    ended = []
+
+    def cost(overlapping):
+        ended.append(overlapping)
+        return 1.0 if overlapping else (0.5 if len(ended) <= 4 else 2.0)
+
+    def host(name, overlap):
+        model, opt = fresh()
+        cfg = config(tmp_path / name, overlap, "host", step_in_forward=overlap)
+        return hetstore.offload(model, opt, cfg)
+
+    data = batches(12, vocab=64)
+    on, on_opt = host("on", "auto")
+    off, off_opt = host("off", False)
+    assert not on_opt.step_ahead.unit_steps  # none in backward: only in the next forward
+    scheduled(Steps(cost), after=2, steps=1, every=2, trial=on_opt.overlap_trial)
+    losses, handed = [], []
+    for batch in data:
+        before = on_opt.speculation_stats["in_forward"]
+        losses += train(on, on_opt, [batch])
+        handed.append(on_opt.speculation_stats["in_forward"] - before)
+    assert losses == train(off, off_opt, data)
+    assert_bitwise(on, off)
+    assert_same_optimizer_state(on_opt, off_opt)
+    assert ended == [True] * 2 + [False] * 4 + [True] * 4 + [False] * 2
+    units = len(hetstore.state_of(on).runtime.units)
+    assert [n for n, way in zip(handed, ended, strict=True) if not way] == [0] * 6
+    assert [n for n, way in zip(handed, ended, strict=True) if way] == [units] * 6
+
+
 def test_auto_measures_overlap_and_a_forced_overlap_or_placement_does_not(tmp_path):
     def trial_of(name, overlap, **kwargs):
         _, opt = hetstore.offload(*fresh(), config(tmp_path / name, overlap, "disk", **kwargs))

@@ -381,32 +381,13 @@ def test_a_measured_copy_rate_prices_the_copy_into_the_shadows():
             assert priced.optimizer_hidden_s == pytest.approx(unpriced.optimizer_hidden_s)
 
 
-def test_paced_host_steps_take_only_what_the_backward_hides():
-    """'auto' paces (optim.policy): a backward too short for every block's speculation
-    steps ahead those the worker ends by its end, and the others after it the ordinary
-    way, so the overlap never costs on a GPU; unpaced (``overlap_step=True``), the late
-    ones delay the step. A long backward takes them all either way."""
-    slow = replace(GPU, host_copy=4e9)
-    for forward_s in (0.0025, 10.0):
-        trace = replace(disk_trace(forward_s, slow), step_overlap_memory=True)
-        serial = estimate(trace, [ON_HOST] * 5, 1, overlap=False)
-        every = estimate(trace, [ON_HOST] * 5, 1)
-        paced = estimate(replace(trace, pace_memory_steps=True), [ON_HOST] * 5, 1)
-        assert paced.optimizer_hidden_s >= max(every.optimizer_hidden_s, 0.0)
-        assert paced.optimizer_s <= serial.optimizer_s
-        if forward_s > 1:
-            assert paced.optimizer_hidden_s == pytest.approx(every.optimizer_hidden_s)
-        else:
-            assert every.optimizer_hidden_s < 0 < paced.optimizer_hidden_s
-
-
 HOST_HOME = UnitChoice(param="cpu", optimizer="cpu")
 
 
 def test_host_steps_in_the_next_forward_hide_behind_it_on_a_gpu_except_the_roots():
     """``step_in_forward`` on a GPU: host units' ordinary steps run in place beside the
     next forward, which takes the root first (its step hides behind nothing) and each
-    block after its own step; with the paced overlap as well, the blocks stepped in
+    block after its own step; with ``overlap_step=True`` as well, the blocks stepped in
     backward are not counted again. Not on a CPU device."""
     n, root_n = 4 * MiB, 2 * MiB
     base = disk_trace(forward_s=10.0)
@@ -415,9 +396,7 @@ def test_host_steps_in_the_next_forward_hide_behind_it_on_a_gpu_except_the_roots
     assert forward.optimizer_hidden_s == pytest.approx(4 * n / GPU.host_step)
     assert forward.optimizer_s == pytest.approx(root_n / GPU.host_step)
     assert forward.optimizer_s + forward.optimizer_hidden_s == pytest.approx(serial.optimizer_s)
-    both = replace(
-        base, step_in_forward_memory=True, step_overlap_memory=True, pace_memory_steps=True
-    )
+    both = replace(base, step_in_forward_memory=True, step_overlap_memory=True)
     e = estimate(both, [HOST_HOME] * 5, 1)
     assert e.optimizer_s == pytest.approx(forward.optimizer_s)  # the root's, either way
     on_cpu = replace(disk_trace(10.0, CPU), step_in_forward_memory=True)

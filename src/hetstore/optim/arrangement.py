@@ -89,7 +89,6 @@ class StepArrangement:
                 consume=self.step_in_backward,
                 speculate=overlap_step or overlap_memory_step,
                 in_forward=step_in_forward,
-                pace=self._pace_memory_steps,
                 trial=self.overlap_trial,
                 in_place=in_place,
             )

@@ -15,7 +15,6 @@ holds). Two kinds:
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -47,7 +46,6 @@ class BackwardSteps:
         self._ahead = weakref.proxy(ahead)
         self._worker = ahead.worker
         self._stats = ahead.stats
-        self._policy = ahead.policy
         self._loss_scaler = loss_scaler  # fp16: gradients are unscaled before the step
         self.consume = consume
 
@@ -151,9 +149,6 @@ class BackwardSteps:
         if not self._worker.host_room(unit_step.shadow_bytes(hyper)):
             self._stats.not_started += 1
             return None
-        if not self._policy.admit_memory_step():
-            self._stats.too_late += 1  # optimizer.step() steps it, sooner than we would
-            return None
         try:
             shadows = unit_step.begin_speculation(hyper)
         except OutOfTierMemory:  # the pool could not grow (fragmentation): not now
@@ -174,13 +169,11 @@ class BackwardSteps:
         return job
 
     def _run_in_memory(self, unit_step: InMemoryUnitStep, shadows, factor, copies) -> None:
-        """Worker: a host-memory unit's speculative step, timed for the pace (without
-        the wait for the gradients' copies, which is backward's time, not the step's)."""
+        """Worker: a host-memory unit's speculative step, once the gradients' copies
+        are done."""
         if copies is not None:
             copies.synchronize()  # on this thread: backward's never waits for them
-        start = time.perf_counter()
         unit_step.run_speculation(shadows, factor)
-        self._policy.ran(time.perf_counter() - start)
 
     # ------------------------------------------------------------------ landing
     def settle(self, disk_grad_factors: list, committed: set[int], outcomes: dict) -> None:

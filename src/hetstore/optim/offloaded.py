@@ -73,7 +73,6 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         shards: ShardGroup | None = None,
         overlap_step: bool = False,
         overlap_memory_step: bool = False,
-        pace_memory_steps: bool = False,
         trial_overlap: bool = False,
         step_in_forward_memory: bool = False,
         root: Unit | None = None,
@@ -122,7 +121,6 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         self.refusal: str | None = None
         self.step_in_backward = step_in_backward and shards is None
         self._overlap = (overlap_step, overlap_memory_step, step_in_forward)
-        self._pace_memory_steps = pace_memory_steps  # see optim.policy
         self._trial_overlap = trial_overlap  # (OverlapTrial: whether overlap pays)
         self.overlap_trial: OverlapTrial | None = None  # (made by arrange_steps)
         self._step_in_forward_memory = step_in_forward_memory

@@ -12,9 +12,11 @@ modes (:class:`StepModes`):
   ``step_in_backward``, and what backward left of it runs in the next forward with
   ``step_in_forward``;
 - **a host-memory unit** (master and torch's fp32 states in host memory, stepped flat)
-  is stepped in backward into host shadows with ``overlap_step`` for memory units (not
-  the root), and on a GPU its ordinary step runs in place in the next forward with
-  ``step_in_forward`` when its parameters are fetched from host memory;
+  is stepped in backward into host shadows with ``overlap_step=True`` (not the root),
+  and on a GPU its ordinary step runs in place in the next forward with
+  ``step_in_forward=True``, or both keys 'auto', when its parameters are fetched from
+  host memory ('auto' once stepped them in backward, paced: on an H100 under bf16 that
+  was the slowest of the three ways, docs/dev/BENCHMARKS.md);
 - **read ahead** during backward (when no step is taken in it): the first
   ``READ_AHEAD_UNITS`` disk units in fp32 in the order their steps run.
 
@@ -37,39 +39,15 @@ a unit takes, never what it computes:
   not bite;
 - **back-off**: a unit rolled back for another reason (its ``p.grad`` handed out,
   torch's own clip, a changed lr) is not stepped ahead for the next 1, 2, 4, ... 64
-  steps; a commit resets it;
-- **pacing** (``StepPace``, ``overlap_step='auto'``): host-memory units are stepped
-  ahead only as many as the worker finishes before ``optimizer.step()`` comes.
-
-Pacing, in detail:
-
-A speculative step of a unit in host memory (:mod:`hetstore.optim.in_memory`) first
-copies the live master and states into shadows, so it moves about twice the bytes of
-the ordinary step: on an H100 machine's host, 8-10 ms for a unit the ordinary step
-takes ~3 ms for (docs/dev/BENCHMARKS.md). Finished during backward it costs nothing; still
-running when ``optimizer.step()`` waits for it, it costs more than the ordinary step
-would have. So, with ``overlap_step='auto'``, at most ``limit`` units of a backward are
-stepped ahead (the first whose gradients are final); the rest take the ordinary step,
-exactly as without overlap: pacing never changes a result, only which of two exact
-paths a unit takes.
-
-The limit follows what each step measured, not a model of the machine (on a GPU the
-worker waits for gradients the device produces later than the host's autograd sees
-them, by an amount no model here knows): when the worker finished the last admitted
-unit ``late`` seconds after the caller first waited for it (``optimizer.step()``, or
-before it a hetstore clip or fp16's unscale), the next backward admits
-``round(late / t)`` fewer units, ``t`` being the worker's mean time per unit (late by
-less than half a unit costs less than the unit saves: no change); when it was idle for a
-while before that and the limit had turned units away, as many more as that idle time
-held. No limit until a step was late: every unit is stepped ahead.
+  steps; a commit resets it.
 
 Whether to overlap at all (``OverlapTrial``, ``overlap_step='auto'``):
 
-Pacing keeps a speculation from being late; it cannot tell whether stepping ahead pays
-at all. On a GPU it did not: the worker's copies and arithmetic share the host's memory
-bandwidth, cores and the interpreter with the thread that feeds the device, and a 185M
-GPT at 4K tokens a step ran 1.47-1.50x plain PyTorch paced against 1.41x without overlap
-(docs/dev/BENCHMARKS.md). No model here predicts that, so it is measured: after
+Whether stepping away from ``optimizer.step()`` pays at all depends on the machine: on a
+GPU the worker's copies and arithmetic share the host's memory bandwidth, cores and the
+interpreter with the thread that feeds the device (a 185M GPT at 4K tokens a step ran
+1.47-1.50x plain PyTorch with host units stepped in backward, against 1.41x without
+overlap; docs/dev/BENCHMARKS.md). No model here predicts that, so it is measured: after
 ``TRIAL_AFTER`` steps, the time between the last ``TRIAL_STEPS`` steps (one
 ``optimizer.step()`` to the next: forward, backward and step, every micro-batch) is kept,
 the other way (overlap off: no step in backward, no read-ahead, no step in the next
@@ -88,7 +66,6 @@ which of two exact paths every unit takes, never what it computes. It runs under
 
 from __future__ import annotations
 
-import math
 import time
 from typing import NamedTuple
 
@@ -97,7 +74,6 @@ from hetstore.footprints import READ_AHEAD_UNITS
 __all__ = [
     "OverlapTrial",
     "StepModes",
-    "StepPace",
     "StepPolicy",
     "StepSite",
     "streamed_ahead",
@@ -130,10 +106,10 @@ class StepModes(NamedTuple):
     """The configuration's step keys, resolved for the compute device."""
 
     overlap_disk: bool  # overlap_step, for disk units
-    overlap_memory: bool  # overlap_step, for host-memory units ('auto': on a GPU)
+    overlap_memory: bool  # overlap_step=True, for host-memory units
     in_backward: bool  # step_in_backward
     in_forward: bool  # step_in_forward, for disk units
-    in_forward_memory: bool  # step_in_forward=True, for host-memory units (a GPU)
+    in_forward_memory: bool  # step_in_forward, for host-memory units (a GPU)
 
 
 def streamed_in_backward(site: StepSite, modes: StepModes) -> bool:
@@ -197,60 +173,6 @@ def read_ahead(sites: list[StepSite]) -> list[int]:
 
 
 # ---------------------------------------------------------------------- at run time
-
-
-class StepPace:
-    """The limit, and what the current backward's speculations measured."""
-
-    def __init__(self, clock=time.perf_counter):
-        self._clock = clock
-        self.limit: int | None = None  # units stepped ahead per backward; None: all
-        self._admitted = 0  # this backward's
-        self._refused = 0
-        self._step_at: float | None = None  # when the caller first waited for the worker
-        self._last_end: float | None = None  # when the worker finished its last one
-        self._worker_seconds = 0.0
-        self._ran = 0
-
-    def backward_started(self) -> None:
-        """A backward (the last micro-batch's counts) starts: count anew."""
-        self._admitted = self._refused = self._ran = 0
-        self._worker_seconds = 0.0
-        self._step_at = self._last_end = None
-
-    def admit(self) -> bool:
-        """Whether the unit whose gradients are now final is stepped ahead."""
-        if self.limit is not None and self._admitted >= self.limit:
-            self._refused += 1
-            return False
-        self._admitted += 1
-        return True
-
-    def ran(self, seconds: float) -> None:
-        """Worker: a speculative step took ``seconds`` of its time and ended now."""
-        self._worker_seconds += seconds
-        self._ran += 1
-        self._last_end = self._clock()
-
-    def step_called(self) -> None:
-        """The caller waits for the worker from now (``optimizer.step()``, or a clip or
-        fp16's unscale before it): the first such moment since backward started counts."""
-        if self._step_at is None:
-            self._step_at = self._clock()
-
-    def settled(self) -> None:
-        """``optimizer.step()`` has waited for every speculation: set the next limit."""
-        if not self._ran or self._step_at is None or self._last_end is None:
-            return
-        per_unit = self._worker_seconds / self._ran
-        if per_unit <= 0:
-            return
-        late = self._last_end - self._step_at
-        fewer = round(late / per_unit)
-        if fewer > 0:
-            self.limit = max(1, self._admitted - fewer)
-        elif late < 0 and self._refused:
-            self.limit = self._admitted + min(self._refused, math.floor(-late / per_unit))
 
 
 # the trial of overlap against none (OverlapTrial, module doc): steps before the first,
@@ -322,10 +244,7 @@ class OverlapTrial:
 class StepPolicy:
     """The decisions of one optimizer's step machinery (see the module doc)."""
 
-    def __init__(self, pace: bool, trial: OverlapTrial | None = None):
-        # host-memory units are stepped ahead only as many as the worker finishes
-        # before optimizer.step() (overlap_step='auto'); else all of them
-        self.pace = StepPace() if pace else None
+    def __init__(self, trial: OverlapTrial | None = None):
         # whether to overlap at all, measured (overlap_step='auto'; the optimizer's, told
         # of each step's end there, on every rank); else always
         self.trial = trial
@@ -346,8 +265,6 @@ class StepPolicy:
         self.backwards += 1
         if self.trial is not None:
             self.overlapping = self.trial.overlapping
-        if self.pace is not None:
-            self.pace.backward_started()
 
     @property
     def last_backward(self) -> bool:
@@ -359,24 +276,11 @@ class StepPolicy:
         that bit at the last step, or its back-off)."""
         return self.hold_back or self._backoff.get(key, (0, 0))[1] > 0
 
-    def admit_memory_step(self) -> bool:
-        """Whether a host-memory unit whose gradients are now final goes ahead (paced)."""
-        return self.pace is None or self.pace.admit()
-
-    # ------------------------------------------------------------------ measurements
     def step_called(self) -> None:
-        if self.trial is not None and not self.backwards:  # (a step with no backward)
+        """``optimizer.step()`` (or a clip before it) came: a step with no backward since
+        the last takes the trial's way now."""
+        if self.trial is not None and not self.backwards:
             self.overlapping = self.trial.overlapping
-        if self.pace is not None:
-            self.pace.step_called()
-
-    def ran(self, seconds: float) -> None:
-        if self.pace is not None:
-            self.pace.ran(seconds)
-
-    def settled(self) -> None:
-        if self.pace is not None:
-            self.pace.settled()
 
     # ------------------------------------------------------------------ after a step
     def step_settled(self, outcomes: dict[int, bool], clipped: bool) -> None:

@@ -75,7 +75,7 @@ from hetstore.optim.borrowed import LentMasters, ParamLending, ReadAhead, ReadAh
 from hetstore.optim.in_backward import BackwardSteps, eligible
 from hetstore.optim.in_forward import ForwardSteps
 from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
-from hetstore.optim.policy import OverlapTrial, StepPace, StepPolicy
+from hetstore.optim.policy import OverlapTrial, StepPolicy
 from hetstore.optim.step_job import JobState, StepJob, Target, When
 from hetstore.optim.step_worker import StepWorker
 from hetstore.optim.streamed import StreamedUnitStep
@@ -115,9 +115,6 @@ class SpeculationStats:
     # steps in backward that read the master from the unit's lent device copy instead of
     # from disk (a CPU device)
     master_from_memory: int = 0
-    # host-memory units not stepped ahead because the worker would not have finished
-    # them before optimizer.step() (overlap_step='auto'; see optim.policy): stepped there
-    too_late: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -143,7 +140,6 @@ class StepAhead:
         *,
         speculate: bool = True,
         in_forward: bool = False,
-        pace: bool = False,
         trial: OverlapTrial | None = None,
         in_place: list[InMemoryUnitStep] = (),
     ):
@@ -154,8 +150,8 @@ class StepAhead:
         self.speculate = speculate or consume
         self.in_forward = in_forward
         self.consume = consume  # step_in_backward: steps taken in backward
-        # when each unit's step runs: micro-batch counting, hold-back, back-off, pacing
-        self.policy = StepPolicy(pace, trial=trial)
+        # when each unit's step runs: micro-batch counting, hold-back, back-off, the trial
+        self.policy = StepPolicy(trial)
         # the units in the order the next forward uses them (the runtime's), else None
         self.use_order: Callable[[], list[Unit]] | None = None
         self.hyper = hyper  # a param group's current values, by index
@@ -173,8 +169,8 @@ class StepAhead:
         # optimizer.step()), steps handed to the next forward until used
         self.jobs: dict[int, StepJob] = {}
         self.stats = SpeculationStats()
-        # (the thread lasts across steps where host-memory units are paced: a GPU)
-        keep_thread = pace and any(isinstance(s, InMemoryUnitStep) for s in unit_steps)
+        # (the thread lasts across steps where it steps host-memory units: see stop)
+        keep_thread = bool(in_place) or any(isinstance(s, InMemoryUnitStep) for s in unit_steps)
         self.worker = StepWorker(self._host, streamed, self.stagers, keep_thread)
         self.masters = LentMasters(self._host, self.worker)
         self.read_aheads = ReadAheads(self._host, self.worker, self.stats)
@@ -234,11 +230,6 @@ class StepAhead:
     def worker_running(self) -> bool:
         """Whether the worker thread exists (it is stopped when nothing is left for it)."""
         return self.worker.running
-
-    @property
-    def pace(self) -> StepPace | None:
-        """The pacing of host-memory units stepped ahead (``overlap_step='auto'``), or None."""
-        return self.policy.pace
 
     # ------------------------------------------------------------------ the jobs
     def add_job(self, unit: Unit, job: StepJob) -> None:
@@ -378,7 +369,8 @@ class StepAhead:
     # ------------------------------------------------------------------ optimizer events
     def caller_waits(self) -> None:
         """The caller is about to wait for the steps taken in backward (``optimizer.step()``,
-        or a clip or fp16's unscale before it): the pace measures lateness from here."""
+        or a clip or fp16's unscale before it): a step with no backward takes the trial's
+        way from here."""
         self.policy.step_called()
 
     def settle(self, disk_grad_factors: list, committed: set[int], clipped: bool = False) -> None:
@@ -398,7 +390,6 @@ class StepAhead:
         try:
             with self.own_allocations():
                 self.backward.settle(disk_grad_factors, committed, outcomes)
-                self.policy.settled()  # the worker is done: how late it was
         finally:
             self.discard_all()  # after an error: nothing may stay pending
             self.step_ended()

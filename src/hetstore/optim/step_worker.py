@@ -58,7 +58,7 @@ class StepWorker:
         self._host = host
         self._streamed = streamed
         self._stagers = stagers
-        # the thread lasts across steps (host-memory units paced on a GPU; see stop)
+        # the thread lasts across steps (it steps host-memory units; see stop)
         self._keep_thread = keep_thread
         self._executor: ThreadPoolExecutor | None = None
         # (next use, order submitted, the call, its future): the thread runs the first
@@ -142,7 +142,7 @@ class StepWorker:
 
     def stop(self, closing: bool = False) -> None:
         """Nothing is left for the worker: its chunk buffers go, and the thread too.
-        Except the thread itself where it is kept (host-memory units paced, a GPU):
+        Except the thread itself where it is kept (it steps host-memory units):
         every backward uses it again, and a new thread starts a new OpenMP team (on an
         H100's host the ordinary steps right after the worker's ran slowly, cause not
         known; docs/dev/BENCHMARKS.md). It goes with the model (``closing``, or garbage

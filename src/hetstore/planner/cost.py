@@ -496,24 +496,22 @@ def shadow_copy_s(u: UnitTrace, m) -> float:
 def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> tuple[float, set[int]]:
     """Seconds of the steps of units stepped ahead that backward hides (module doc).
     A unit stepped into host shadows costs the worker its copy into them besides the
-    arithmetic it saves; paced ('auto', optim.policy), such a unit is stepped ahead only
-    if the worker ends it by the end of backward (the first always is). May be
-    negative: on a CPU device the worker's arithmetic and copies take backward's cores
-    and hide nothing. Also returns the indices of the host-memory units it steps in
+    arithmetic it saves (``overlap_step=True``). May be negative: on a CPU device the
+    worker's arithmetic and copies take backward's cores and hide nothing. Also returns the indices of the host-memory units it steps in
     backward (the others are ``optimizer.step()``'s, or the next forward's)."""
     units, m = trace.units, trace.machine
     modes = step_modes(trace)
     saved = [0.0] * len(units)  # what it takes off the step after backward
     work = [0.0] * len(units)  # what the worker spends on it
     copies = arithmetic = 0.0  # the worker's shadow copies, and all it computes
-    in_memory = [False] * len(units)  # host-memory units stepped ahead
+    in_memory: set[int] = set()  # host-memory units stepped ahead
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
         site = step_site(u, c)
         if policy.streamed_in_backward(site, modes):
             saved[k] = work[k] = steps[k]
             arithmetic += _host_step_s(u, m)
         elif policy.memory_in_backward(site, modes):
-            in_memory[k] = True
+            in_memory.add(k)
             saved[k] = _host_step_s(u, m)
             copy = shadow_copy_s(u, m)
             work[k] = saved[k] + copy
@@ -524,24 +522,15 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> tuple[
     backward = [_backward_s(u, trace) for u in units]
     order = [k for k in reversed(range(len(units))) if not units[k].is_root]
     order += [k for k, u in enumerate(units) if u.is_root]  # its gradients come last
-    end, paced, admitted = sum(backward), trace.pace_memory_steps, set()
     clock = worker = 0.0
     for k in order:
         clock += backward[k]
-        if not work[k]:
-            continue
-        if paced and in_memory[k] and admitted and max(clock, worker) + work[k] > end:
-            copies -= work[k] - saved[k]  # stepped after backward instead
-            arithmetic -= work[k]
-            saved[k] = work[k] = 0.0
-            continue
-        if in_memory[k]:
-            admitted.add(k)
-        worker = max(clock, worker) + work[k]
+        if work[k]:
+            worker = max(clock, worker) + work[k]
     hidden = sum(saved) - max(0.0, worker - clock)
     if m.device == "cpu":  # the worker's arithmetic and copies share backward's cores
         hidden -= arithmetic
-    return max(-copies, hidden), admitted
+    return max(-copies, hidden), in_memory
 
 
 def _forward_order(units) -> list[int]:

@@ -182,18 +182,16 @@ class Trace:
     # hides what it can of their steps behind backward
     step_overlap: bool = True
     # units whose states are in host memory are stepped during backward as well
-    # (``overlap_step``: 'auto' on a GPU, or True)
+    # (``overlap_step=True``)
     step_overlap_memory: bool = False
-    # of those, only as many as the worker finishes by the end of backward ('auto':
-    # optim.policy); the rest are stepped after it, the ordinary way
-    pace_memory_steps: bool = False
     # ``step_in_backward``: those units are stepped inside backward from gradients in
     # memory, which never reach the disk (no gradient bytes there, nor their traffic)
     step_in_backward: bool = False
     # ``step_in_forward``: what is left of the disk units' steps after backward runs on
     # beside the next forward (each before its unit's forward)
     step_in_forward: bool = False
-    # ``step_in_forward=True`` on a GPU: host-memory units' ordinary steps too
+    # on a GPU, host-memory units' ordinary steps too (``step_in_forward=True``, or
+    # both keys 'auto')
     step_in_forward_memory: bool = False
     # where the units' compute times come from: "flops" (counted FLOPs at the probed
     # matmul rate), "probed" / "partly probed" (planner.probe timed one unit of each
@@ -265,7 +263,6 @@ class Trace:
             "measured",
             "step_overlap",
             "step_overlap_memory",
-            "pace_memory_steps",
             "step_in_backward",
             "step_in_forward",
             "step_in_forward_memory",
