@@ -233,9 +233,10 @@ RESULT_SCHEMA = "hetstore-result/1"  # what tools/perf_page.py reads
 
 
 def git_commit() -> str:
-    """The checkout's short commit, with '+' when tracked files differ from it; where
-    there is no git checkout (a copy on a lent machine), ``$GIT_COMMIT`` if set."""
-    if not (REPO / ".git").exists() and os.environ.get("GIT_COMMIT"):
+    """The checkout's short commit, with '+' when tracked files differ from it; or
+    ``$GIT_COMMIT`` where set (a copy on a lent machine, whose .git, if any, may be
+    another commit's)."""
+    if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
     try:
         head = subprocess.run(

@@ -247,6 +247,33 @@ SCENARIOS: tuple[Scenario, ...] = (
         ),
     ),
     Scenario(
+        "gpu_step_table",
+        "GPU (H100): the step table under bf16",
+        "`benchmarks/gpu/run_all.sh` (`benchmarks/gpu/step_table.py`): the 185M GPT and a "
+        "0.95B transformers Llama under `torch.autocast(bfloat16)`, fp32 master weights, "
+        "fused AdamW, each row against plain PyTorch (the model and AdamW on the GPU) in "
+        "the same process, every runner one step a round in a seeded random order. "
+        "*hetstore host*: parameters and states in pinned host memory, `compute_dtype="
+        "'bf16'`, every other key at its default (from `cc9decb` on a GPU: the host units' "
+        "ordinary steps in the next forward, timed in steady state; before it, stepped "
+        "speculatively in backward); *no-overlap*: `overlap_step=False, step_in_forward="
+        "False`; *in-backward*: `overlap_step=True, step_in_forward=False` (the default's "
+        "way before `cc9decb`); *in-forward*: `step_in_forward=True` (the default's way "
+        "from `cc9decb`); *disk*: everything on disk, defaults (its left-over steps "
+        "finished inside its timed step: an upper bound). Peers: FSDP2 `CPUOffloadPolicy` "
+        "(one rank, bf16 `MixedPrecisionPolicy`) and torchao's `CPUOffloadOptimizer`. "
+        "*GPU busy*: the share of one profiled step in which any kernel or copy ran. "
+        "*steps*: the timed steps per row (the script's time budget).",
+        (
+            col("median step ms", "step_ms"),
+            col("/ plain", "ratio", strong=True),
+            col("GPU busy", "gpu_busy"),
+            col("peak CUDA (own)", "peak"),
+            col("max loss difference from plain", "loss_diff"),
+            col("timed steps", "steps"),
+        ),
+    ),
+    Scenario(
         "evict_restore",
         "Evict and restore (RL colocation)",
         "`hetstore.evict` and `hetstore.restore` of a GPT whose states all live on the "

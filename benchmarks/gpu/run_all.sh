@@ -84,8 +84,9 @@ fi
 timeout "${EVICT_S:-40}" "$PYTHON" benchmarks/evict_restore.py --device cuda --width 1024 \
     --depth 8 --repeats 5 \
     --out "${RESULTS_DIR:-benchmarks/results}/evict_restore_$(date +%F)_cuda.txt" \
+    --json "${RESULTS_DIR:-benchmarks/results}/evict_restore_$(date +%F)_cuda.json" \
     ${EVICT_ARGS:-} 2>&1 | tee "$OUT/evict_restore.log" | grep -v Warning
-cp "${RESULTS_DIR:-benchmarks/results}/evict_restore_$(date +%F)_cuda.txt" "$OUT/" 2>/dev/null
+cp "${RESULTS_DIR:-benchmarks/results}"/evict_restore_"$(date +%F)"_cuda.* "$OUT/" 2>/dev/null
 
 # One process per model; every runner of it in that process. expandable segments: seven
 # runners' different allocation patterns in one process without fragmentation.

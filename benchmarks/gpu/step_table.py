@@ -81,7 +81,6 @@ import shutil
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -102,7 +101,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]  # spans.py beside; _common.py abov
 from spans import device_busy_fraction  # noqa: E402
 
 import hetstore  # noqa: E402
-from _common import format_table, size  # noqa: E402
+from _common import format_table, git_commit, size  # noqa: E402
 
 RUNNERS = (
     "plain",
@@ -744,27 +743,6 @@ def merge(
                     row = {"model": label, "tokens": tokens, "runner": runner, "status": why}
                 cells.append(row_cells(row))
     return cells, parts
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        if out.returncode == 0 and out.stdout.strip():
-            dirty = subprocess.run(
-                ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.strip()
-            return out.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("GIT_COMMIT") or "unknown (no .git here; set GIT_COMMIT)"
 
 
 def device_slug(name: str) -> str:

@@ -172,6 +172,7 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         self._unit_steps = []
         self._entry_of = {}
         self.units = []
+        self._root = None  # (a unit too: through the runtime's events, every unit)
         self.state.clear()
 
     def _check_alive(self, what: str) -> None:

@@ -268,4 +268,5 @@ class Unit(UnitForms, DeviceResidency):
         # a closed unit holds no buffer, so its bytes go now even if something still
         # references the unit (a reference cycle awaiting the collector)
         self.master = self.home = self.device_flat = None
+        self._flat_views = []  # (views of the home where it is used in place)
         self.param_stager = self.grad_stager = None
