@@ -4,20 +4,13 @@ keep the faster way, and what does the trial cost?
     .venv/bin/python benchmarks/overlap_trial.py            # ~77M GPT, about 10 minutes
     .venv/bin/python benchmarks/overlap_trial.py --tiny     # seconds: checks the harness
 
-Two cases, each trained ``--steps`` steps from the same seed on the same batches
+Cases, each trained ``--steps`` steps from the same seed on the same batches
 (``hetstore.demo.gpt``, fused AdamW, fp32):
 
-* ``host (stepped ahead as on a GPU)``: master and states in host memory, the units
-  stepped ahead during backward into host shadows, as ``'auto'`` did on a GPU until
-  2026-11-28 (here made to, by patching ``OffloadConfig.overlaps_memory_steps``): on
-  this CPU device the worker's copies and arithmetic take the cores backward computes on, the nearest this
-  machine comes to the H100 case where overlap lost (docs/BENCHMARKS.md); no clip (a
-  clip that bites holds host units' speculations back: there would be no overlap to try);
 * ``disk (defaults)``: parameters, gradients and states on disk, every key at its
   default: the overlap (steps in backward, read ahead, steps in the next forward) hides
   disk traffic and should be kept. Clip 1.0 through the optimizer (it bites every step
-  here: the steps run in the next forward), issue 47's case.
-
+  here: the steps run in the next forward), issue 47's case (the default ``--cases``);
 * ``host (defaults)``: master and states in host memory, every key at its default: on a
   GPU (``--device cuda``: bf16 copies on the device, the forward under bf16 autocast,
   pinned host memory, each step synchronized) the host units' ordinary steps run in
@@ -27,8 +20,8 @@ Runners per case, each in its own process, one after the other in the order A B 
 (drift of the shared machine hits all alike):
 
 * ``no overlap``: ``overlap_step=False, step_in_forward=False`` (the reference);
-* ``overlap, no trial``: ``overlap_step='auto'`` with the trial taken out (the behaviour
-  before it: paced, always overlapping);
+* ``overlap, no trial``: ``overlap_step='auto'`` with the trial taken out (always
+  overlapping);
 * ``auto``: ``overlap_step='auto'`` as shipped: after ``TRIAL_AFTER`` steps, one step not
   counted and ``TRIAL_STEPS`` counted without overlap, then the faster way.
 
@@ -58,19 +51,16 @@ from hetstore.optim import policy
 
 # case -> (offload_param, offload_optimizer, clip through the optimizer or None)
 CASES = {
-    "host (stepped ahead as on a GPU)": ("cpu", "cpu", None),
     "disk (defaults)": ("disk", "disk", 1.0),
     "host (defaults)": ("cpu", "cpu", None),
 }
-CPU_CASES = ("host (stepped ahead as on a GPU)", "disk (defaults)")
+CPU_CASES = ("disk (defaults)",)
 RUNNERS = ("no overlap", "overlap, no trial", "auto")
 
 
 def run(case: str, runner: str, args: argparse.Namespace) -> dict:
     """One runner's training: each step's seconds and loss, and the ways it took."""
     param, opt, clip = CASES[case]
-    if case == "host (stepped ahead as on a GPU)":
-        hetstore.OffloadConfig.overlaps_memory_steps = property(lambda self: True)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     torch.manual_seed(0)

@@ -310,7 +310,6 @@ class _Offloading:
             param_order=list(self.model.parameters()),
             shards=self.shards,
             overlap_step=config.overlaps_disk_steps,
-            overlap_memory_step=config.overlaps_memory_steps,
             # 'auto' with no step placement forced: whether to overlap at all, measured
             trial_overlap=config.overlap_step == "auto"
             and config.step_in_forward is not True

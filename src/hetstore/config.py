@@ -242,20 +242,21 @@ class OffloadConfig:
     overlap_step: bool | str = field(
         default="auto",
         metadata=_doc(
-            "Step units as soon as backward has their gradients, beside the rest of "
-            "backward, into shadow copies that optimizer.step() commits, or discards and "
-            "steps again, when clipping, a changed hyper-parameter or another micro-batch "
-            "changed what the step would read: exact either way. 'auto': units whose "
-            "states and parameters are on disk (their step is disk IO); units whose states "
-            "are in host memory are stepped in the next forward instead (step_in_forward), "
-            "on a GPU; and whether overlap pays at all is measured: after 20 steps, and "
-            "every 500, a few steps run the other way (without it, nor step_in_forward="
-            "'auto'; or with them, after a trial chose neither), kept only if each was "
-            "faster than each of the steps before (speculation_stats: overlap_trials, "
-            "without_overlap). True: both kinds, every unit, on any device, always; False: "
-            "neither. Sharded units too (each rank its shard). A shadow holds one more copy "
-            "of a unit's master and states (on disk, or in host memory) until the step, "
-            "within the tier's room."
+            "Step units whose optimizer states and parameters are on disk as soon as "
+            "backward has their gradients, beside the rest of backward (their step is disk "
+            "IO), into shadow copies that optimizer.step() commits, or discards and steps "
+            "again, when clipping, a changed hyper-parameter or another micro-batch changed "
+            "what the step would read: exact either way. Units whose states are in host "
+            "memory are never stepped in backward (a speculation there copies their master "
+            "and states first); on a GPU they step in the next forward instead "
+            "(step_in_forward). 'auto': that, and whether overlap pays at all is measured: "
+            "after 20 steps, and every 500, a few steps run the other way (without it, nor "
+            "step_in_forward='auto'; or with them, after a trial chose neither), kept only "
+            "if each was faster than each of the steps before (speculation_stats: "
+            "overlap_trials, without_overlap). True: the same, always, on any device; "
+            "False: neither. Sharded units too (each rank its shard). A shadow holds one "
+            "more copy of a unit's master and states on disk until the step, within the "
+            "tier's room."
         ),
     )
 
@@ -286,9 +287,9 @@ class OffloadConfig:
             "states and parameters are in host memory too: their ordinary step runs in "
             "place on the host beside the next forward, each before its unit's fetch (one "
             "that fails raises at that use, the unit partly stepped as after a failed "
-            "optimizer.step()). 'auto': those disk units while overlap_step is not False, "
-            "and those host units while overlap_step is 'auto'. True: both, whatever "
-            "overlap_step. False: every step is done when optimizer.step() returns."
+            "optimizer.step()). 'auto': both, while overlap_step is not False. True: both, "
+            "whatever overlap_step. False: every step is done when optimizer.step() "
+            "returns."
         ),
     )
 
@@ -311,14 +312,6 @@ class OffloadConfig:
         return self.overlap_step is not False
 
     @property
-    def overlaps_memory_steps(self) -> bool:
-        """``overlap_step=True``: units with states in host memory step in backward, into
-        host shadows. Not under 'auto': on an H100 under bf16 that was the slowest way
-        (docs/dev/BENCHMARKS.md); 'auto' steps them in the next forward instead
-        (:meth:`steps_memory_in_forward`)."""
-        return self.overlap_step is True
-
-    @property
     def steps_disk_in_forward(self) -> bool:
         """``step_in_forward``: what is left of the disk units' steps after backward
         finishes during the next forward ('auto': while ``overlap_step`` is on)."""
@@ -329,11 +322,12 @@ class OffloadConfig:
     def steps_memory_in_forward(self, device: torch.device | str | None = None) -> bool:
         """Units with states in host memory run their ordinary step in place during the
         next forward, on a GPU (on a CPU device that forward would compute on the cores
-        the step needs): with ``step_in_forward=True``, and with both keys 'auto' (where
-        the overlap trial keeps it only while it is faster than none)."""
+        the step needs): with ``step_in_forward=True``, and with 'auto' while
+        ``overlap_step`` is not False (under 'auto' the overlap trial keeps it only while
+        it is faster than none). Never during backward: see optim.in_memory."""
         device = torch.device(device) if device is not None else self.resolved_device()
         chosen = self.step_in_forward is True or (
-            self.step_in_forward == "auto" and self.overlap_step == "auto"
+            self.step_in_forward == "auto" and self.overlap_step is not False
         )
         return chosen and device.type == "cuda"
 

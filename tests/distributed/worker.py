@@ -60,14 +60,21 @@ def scenario_config(name: str, path: str, **kwargs) -> hetstore.OffloadConfig:
 
 
 def stepped_ahead(name: str, path: str, mine, result: dict) -> None:
-    """Units stepped during backward (``overlap_step=True``), sharded: each rank steps
-    its own shard into shadows (host buffers, or disk regions). With the clip that bites
-    every step (the rollback path; on disk, then the steps in the next forward), and with
+    """Units stepped away from ``optimizer.step()``, sharded. On disk (``overlap_step=True``):
+    each rank steps its own shard into disk shadows during backward, with the clip that
+    bites every step (the rollback path, then the steps in the next forward) and with
     one that never bites (the commit path), each against the same without the overlap;
-    the test compares bitwise."""
-    runs = [("ahead", CLIP, True), ("ahead_unclipped", 1e9, True), ("unclipped", 1e9, False)]
-    if name == "disk":  # (on host memory the default run is the one without overlap)
-        runs.append(("clipped", CLIP, False))
+    then the overlap trial. In host memory, never in backward: the steps in the next
+    forward. The test compares bitwise."""
+    if name == "cpu":
+        in_next_forward(path, mine, result)
+        return
+    runs = [
+        ("ahead", CLIP, True),
+        ("ahead_unclipped", 1e9, True),
+        ("unclipped", 1e9, False),
+        ("clipped", CLIP, False),
+    ]
     for key, clip, overlap in runs:
         model = make_model()
         model, optimizer = hetstore.offload(
@@ -78,10 +85,7 @@ def stepped_ahead(name: str, path: str, mine, result: dict) -> None:
         result[f"{key}_weights"] = weights(model)
         result[f"{key}_speculation"] = optimizer.speculation_stats
         hetstore.release(model)
-    if name == "cpu":
-        in_next_forward(path, mine, result)
-    else:
-        overlap_trial(path, mine, result)
+    overlap_trial(path, mine, result)
 
 
 def overlap_trial(path: str, mine, result: dict) -> None:

@@ -110,11 +110,11 @@ def test_trainer_trains_like_plain_trainer(args, where, tmp_path):
         assert opt.speculation_stats["in_forward"] > 0
 
 
-def test_trainer_keeps_host_steps_taken_ahead(tmp_path):
-    """Host units stepped during backward (``overlap_step=True``; on a GPU 'auto' does
-    it) under Trainer, which passes every gradient through torch's clip_grad_norm_ to
-    log the norm, multiplying by 1.0 in place: the steps taken ahead are kept (compared
-    by value), and training is plain Trainer's."""
+def test_trainer_with_overlap_step_on_host_units_trains_as_plain_trainer(tmp_path):
+    """``overlap_step=True`` with host units under Trainer, which passes every gradient
+    through torch's clip_grad_norm_ to log the norm: host units are never stepped in
+    backward (on a GPU they step in the next forward), so nothing is taken ahead to
+    roll back, and training is plain Trainer's."""
     ref = tiny_llama()
     mine = copy.deepcopy(ref)
     ref_losses, _ = run_trainer(ref, adamw(ref), tmp_path / "ref", max_grad_norm=0.0)
@@ -126,9 +126,7 @@ def test_trainer_keeps_host_steps_taken_ahead(tmp_path):
     losses, _ = run_trainer(mine, opt, tmp_path / "mine", max_grad_norm=0.0)
     torch.testing.assert_close(losses, ref_losses, **TIGHT)
     assert_same_weights(ref, mine)
-    stats = opt.speculation_stats
-    assert stats["started"] > 0 and stats["committed"] == stats["started"], stats
-    assert stats["verified"] == stats["started"], stats  # Trainer touched every gradient
+    assert opt.speculation_stats is None  # (no step machinery on a CPU device)
 
 
 # ---------------------------------------------------------------------- accelerate

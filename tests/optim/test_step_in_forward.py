@@ -635,18 +635,15 @@ def test_the_default_runs_disk_steps_on_into_the_next_forward_unless_overlap_ste
     """``step_in_forward='auto'`` (the default): the disk units' steps a clip left after
     backward run on into the next forward, bitwise as with it off; ``overlap_step=False``
     asks for every step in ``optimizer.step()``, and 'auto' follows it. Host-memory units'
-    steps move on a GPU only: by default (both keys 'auto', instead of into host shadows
-    in backward), or with True."""
+    steps move on a GPU only: with 'auto' while overlap_step is not False, or with True."""
     config = hetstore.OffloadConfig
     assert config().step_in_forward == "auto"
     assert config().steps_disk_in_forward
     assert not config(overlap_step=False).steps_disk_in_forward
     assert config(overlap_step=False, step_in_forward=True).steps_disk_in_forward
     assert config().steps_memory_in_forward("cuda")
-    assert not config().overlaps_memory_steps
     assert not config().steps_memory_in_forward("cpu")
-    assert not config(overlap_step=True).steps_memory_in_forward("cuda")
-    assert config(overlap_step=True).overlaps_memory_steps
+    assert config(overlap_step=True).steps_memory_in_forward("cuda")
     assert not config(overlap_step=False).steps_memory_in_forward("cuda")
     assert not config(step_in_forward=False).steps_memory_in_forward("cuda")
     assert config(step_in_forward=True, overlap_step=False).steps_memory_in_forward("cuda")

@@ -335,50 +335,16 @@ def test_activations_on_host_and_the_disk_staging_peak_at_different_moments():
 ON_HOST = UnitChoice(param="cpu", optimizer="cpu")
 
 
-def test_host_units_hide_behind_backward_on_a_gpu_and_cost_on_a_cpu():
-    """Units with states in host memory stepped during backward (``overlap_step``): on
-    a GPU a long backward hides their steps (every block's; the root's never), their
-    copies into the shadows included; on a CPU device the worker's copies and arithmetic
-    take backward's cores, so the overlap is a cost: the copies, as a negative hidden
-    time, which the plan prints. Their shadows are predicted apart from the host peak."""
-    n = 4 * MiB  # trainable elements of each block (unit() makes them all trainable)
-    on_gpu = replace(disk_trace(forward_s=10.0), step_overlap_memory=True)
-    serial = estimate(on_gpu, [ON_HOST] * 5, 1, overlap=False)
-    e = estimate(on_gpu, [ON_HOST] * 5, 1)
-    blocks = 4 * n / GPU.host_step
-    assert e.optimizer_hidden_s == pytest.approx(blocks)
-    assert e.optimizer_s == pytest.approx(serial.optimizer_s - blocks)
-    assert e.host == serial.host  # the shadows take room only where there is some
-    assert e.host_shadows == 4 * (n * 4 + n * 4 + 2 * n * 4)  # master, grads, 2 moments
-    assert estimate(disk_trace(forward_s=10.0), [ON_HOST] * 5, 1).optimizer_hidden_s == 0
-
-    on_cpu = replace(disk_trace(10.0, CPU), step_overlap_memory=True)
-    cost = estimate(on_cpu, [ON_HOST] * 5, 1)
-    copies = 4 * (n / CPU.host_step) * 2 * 4 / 7  # master, grad, 2 states: read, written
-    assert cost.optimizer_hidden_s == pytest.approx(-copies)
-    plan = Plan.build(on_cpu, [ON_HOST] * 5, 1, Capacities(None, None, None), "manual")
-    assert "costs" in plan.table() and "host shadows take up to" in plan.table()
-
-
-def test_a_measured_copy_rate_prices_the_copy_into_the_shadows():
-    """``host_copy`` measured: a speculative step's copies take bytes / rate (on an
-    H100 machine's host a third of the fused step's rate per byte); a backward too short
-    for them hides less of the step, a long one all of it, as before."""
-    from hetstore.planner.cost import shadow_copy_s
-
-    n = 4 * MiB
-    slow = replace(GPU, host_copy=4e9)
-    block = unit("blocks.0", n)
-    assert shadow_copy_s(block, slow) == pytest.approx(4 * n * 4 / 4e9)  # 4 arrays
-    assert shadow_copy_s(block, GPU) == pytest.approx(n / GPU.host_step * 8 / 7)
-    for forward_s, shorter in ((0.0025, True), (10.0, False)):
-        trace = replace(disk_trace(forward_s), step_overlap_memory=True)
-        priced = estimate(replace(trace, machine=slow), [ON_HOST] * 5, 1)
-        unpriced = estimate(trace, [ON_HOST] * 5, 1)
-        if shorter:
-            assert priced.optimizer_hidden_s < unpriced.optimizer_hidden_s
-        else:
-            assert priced.optimizer_hidden_s == pytest.approx(unpriced.optimizer_hidden_s)
+def test_host_units_are_never_stepped_in_backward():
+    """Units with states in host memory are not stepped during backward, with or
+    without ``overlap_step`` (optim.in_memory says why): nothing of their steps hides
+    behind backward, on a GPU or a CPU device; what is left is the ordinary step."""
+    for machine in (GPU, CPU):
+        trace = disk_trace(forward_s=10.0, machine=machine)
+        serial = estimate(trace, [ON_HOST] * 5, 1, overlap=False)
+        e = estimate(replace(trace, step_overlap=True), [ON_HOST] * 5, 1)
+        assert e.optimizer_hidden_s == 0
+        assert e.optimizer_s == pytest.approx(serial.optimizer_s)
 
 
 HOST_HOME = UnitChoice(param="cpu", optimizer="cpu")
@@ -387,8 +353,7 @@ HOST_HOME = UnitChoice(param="cpu", optimizer="cpu")
 def test_host_steps_in_the_next_forward_hide_behind_it_on_a_gpu_except_the_roots():
     """``step_in_forward`` on a GPU: host units' ordinary steps run in place beside the
     next forward, which takes the root first (its step hides behind nothing) and each
-    block after its own step; with ``overlap_step=True`` as well, the blocks stepped in
-    backward are not counted again. Not on a CPU device."""
+    block after its own step. Not on a CPU device."""
     n, root_n = 4 * MiB, 2 * MiB
     base = disk_trace(forward_s=10.0)
     serial = estimate(base, [HOST_HOME] * 5, 1, overlap=False)
@@ -396,20 +361,11 @@ def test_host_steps_in_the_next_forward_hide_behind_it_on_a_gpu_except_the_roots
     assert forward.optimizer_hidden_s == pytest.approx(4 * n / GPU.host_step)
     assert forward.optimizer_s == pytest.approx(root_n / GPU.host_step)
     assert forward.optimizer_s + forward.optimizer_hidden_s == pytest.approx(serial.optimizer_s)
-    both = replace(base, step_in_forward_memory=True, step_overlap_memory=True)
-    e = estimate(both, [HOST_HOME] * 5, 1)
-    assert e.optimizer_s == pytest.approx(forward.optimizer_s)  # the root's, either way
     on_cpu = replace(disk_trace(10.0, CPU), step_in_forward_memory=True)
     assert estimate(on_cpu, [HOST_HOME] * 5, 1).optimizer_hidden_s == 0
     # the disk units' step_in_forward ('auto', the default) leaves host units' steps be
     disk_only = replace(base, step_in_forward=True)
     assert estimate(disk_only, [HOST_HOME] * 5, 1).optimizer_s == pytest.approx(serial.optimizer_s)
-
-
-def test_the_host_copy_rate_is_measured():
-    from hetstore.planner.machine import host_copy_rate
-
-    assert 0 < host_copy_rate(1 << 16) < float("inf")
 
 
 def test_steps_left_after_backward_hide_behind_the_next_forward_except_the_roots(

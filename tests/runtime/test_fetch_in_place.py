@@ -110,20 +110,3 @@ def test_the_device_budget_is_charged_the_same_in_place_as_copied(request):
     copied = _train(steps=2)
     assert in_place["device"]["peak"] == copied["device"]["peak"]
     assert 0 < in_place["device"]["peak"] <= in_place["device"]["capacity"]
-
-
-def test_a_master_replaced_while_fetched_in_place_is_what_the_parameters_show():
-    model = gpt()
-    model, _ = hetstore.offload(model, adamw(model.parameters()), config("cpu", "cpu"))
-    unit = next(u for u in host_units(model) if u.home is u.master)
-    unit.fetch()
-    assert unit.residency is Residency.IN_PLACE
-    new = unit.new_buffer(Tier.HOST, unit.master_numel, torch.float32, "test master")
-    new.data.copy_(unit.master + 1)
-    unit.replace_master(new)
-    entry = unit.entries[-1]
-    expected = new.data[entry.offset : entry.offset + entry.numel].view(entry.shape)
-    assert entry.param.data_ptr() == expected.data_ptr()
-    torch.testing.assert_close(entry.param.detach(), expected, rtol=0, atol=0)
-    unit.release()
-    assert unit.residency is Residency.RELEASED

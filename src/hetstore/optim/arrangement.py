@@ -38,7 +38,7 @@ class StepArrangement:
         ``step_ahead`` and ``grad_norms`` subscribe to the runtime's events themselves
         (the old ones unsubscribe as they close); ``offload()`` tells the step ahead the
         next forward's order."""
-        overlap_step, overlap_memory_step, step_in_forward = self._overlap
+        overlap_step, step_in_forward = self._overlap
         if self.step_ahead is not None:
             self.step_ahead.close()
         # the clip's norms of disk gradients, taken in backward (the runtime's
@@ -53,14 +53,12 @@ class StepArrangement:
         # too: a rank steps its own shard, with nothing collective in it
         modes = StepModes(
             overlap_disk=overlap_step,
-            overlap_memory=overlap_memory_step,
             in_backward=self.step_in_backward,
             in_forward=step_in_forward,
             in_forward_memory=self._step_in_forward_memory,
         )
         sites = [(s, site_of(s, self._flat, self._root)) for s in self._unit_steps]
         ahead = [s for s, site in sites if policy.streamed_ahead(site, modes)]
-        ahead += [s for s, site in sites if policy.memory_in_backward(site, modes)]
         # (where the parameters are is asked at each hand-over, ForwardSteps: a later
         # plan may bring a unit's home from the device into host memory, keeping these)
         in_place = [
@@ -87,7 +85,7 @@ class StepArrangement:
                 self._hyper,
                 self.loss_scaler,
                 consume=self.step_in_backward,
-                speculate=overlap_step or overlap_memory_step,
+                speculate=overlap_step,
                 in_forward=step_in_forward,
                 trial=self.overlap_trial,
                 in_place=in_place,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetstore.errors import OutOfTierMemory
-from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
+from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.policy import StepSite
 from hetstore.optim.step_job import JobState, StepJob, Target, When
 from hetstore.optim.step_worker import AT_STEP
@@ -57,8 +57,6 @@ class BackwardSteps:
         unit_step = ahead.step_of(unit)
         if unit_step is None:
             return None
-        if isinstance(unit_step, InMemoryUnitStep):
-            return self._start_in_memory(unit, unit_step)
         if not ahead.disk_room(unit_step) and self.consume and ahead.pending():
             # in backward: the steps before hold their shadows until committed; their
             # commits free the regions they replace, so wait for them rather than spill
@@ -127,53 +125,19 @@ class BackwardSteps:
             self._stats.master_from_memory += 1
         return master
 
-    def _job(self, unit_step, shadows, hyper: dict | None = None) -> StepJob:
+    def _job(self, unit_step, shadows) -> StepJob:
         """What a step of ``unit_step`` into ``shadows`` assumes, taken now."""
         unit = unit_step.unit
         return StepJob(
             unit_step,
             When.IN_BACKWARD,
             Target.SHADOWS,
-            hyper if hyper is not None else self._ahead.hyper_now(unit),
+            self._ahead.hyper_now(unit),
             shadows,
             grad_state=unit.grads.state(),
             state_version=unit.state_version,
             factor=1.0 / self._loss_scaler.scale if self._loss_scaler is not None else None,
         )
-
-    def _start_in_memory(self, unit: Unit, unit_step: InMemoryUnitStep) -> StepJob | None:
-        """A step of a unit whose master and states are in host memory, into host
-        shadows (:mod:`hetstore.optim.in_memory`), or None when the host tier has no
-        room for them beside what the rest of backward will still allocate."""
-        hyper = self._ahead.hyper_now(unit)
-        if not self._worker.host_room(unit_step.shadow_bytes(hyper)):
-            self._stats.not_started += 1
-            return None
-        try:
-            shadows = unit_step.begin_speculation(hyper)
-        except OutOfTierMemory:  # the pool could not grow (fragmentation): not now
-            self._stats.not_started += 1
-            return None
-        try:
-            job = self._job(unit_step, shadows, hyper)
-            copies = unit.grads.copies_event()
-            job.submitted(
-                self._worker.submit(
-                    self._run_in_memory, unit_step, shadows, job.factor, copies, next_use=AT_STEP
-                )
-            )
-        except BaseException:
-            shadows.discard()
-            raise
-        self._stats.started += 1
-        return job
-
-    def _run_in_memory(self, unit_step: InMemoryUnitStep, shadows, factor, copies) -> None:
-        """Worker: a host-memory unit's speculative step, once the gradients' copies
-        are done."""
-        if copies is not None:
-            copies.synchronize()  # on this thread: backward's never waits for them
-        unit_step.run_speculation(shadows, factor)
 
     # ------------------------------------------------------------------ landing
     def settle(self, disk_grad_factors: list, committed: set[int], outcomes: dict) -> None:
@@ -187,36 +151,20 @@ class BackwardSteps:
         for stager in self._ahead.stagers:
             if isinstance(stager, GradStager):
                 stager.finish()
-        self._quiesce_device_reads()
         for key, job in self._ahead.pending().items():
             del self._ahead.jobs[key]
             finished = self.finished(job)  # always: never discard under the worker
-            holds = verified = False
-            if finished and self._inputs_hold(job):
-                holds = self._grads_hold(job, factors)
-                verified = not holds and self._grads_equal(job)
-            if holds or verified:
+            holds = finished and self._inputs_hold(job) and self._grads_hold(job, factors)
+            if holds:
                 job.unit_step.commit_speculation(job.shadows)
                 job.move(JobState.COMMITTED)
                 committed.add(key)
                 self._stats.committed += 1
-                self._stats.verified += verified
             else:
                 job.shadows.discard()
                 job.cancel()
                 self._stats.rolled_back += 1
-            outcomes[key] = holds or verified
-
-    def _quiesce_device_reads(self) -> None:
-        """CUDA: a commit gives the old master back to the host pool, and a fetch of it
-        (an eval forward between backward and step) may still be copying it to the GPU
-        asynchronously; the pool must not hand it out before that copy has read it. At
-        ``optimizer.step()`` the GPU has usually finished backward already, so waiting
-        for it costs little, and only when a host-memory speculation will commit."""
-        if not any(isinstance(j.shadows, MemoryShadows) for j in self._ahead.pending().values()):
-            return
-        if self._ahead.device.type == "cuda":
-            torch.cuda.synchronize(self._ahead.device)
+            outcomes[key] = holds
 
     def collect(self, block: bool, *, wait: bool = False) -> None:
         """Taking the gradients: commit the steps that are done (with ``wait``, after
@@ -359,22 +307,9 @@ class BackwardSteps:
         took = [job.factor] if job.factor is not None else []
         return (factors == took or not on_disk) and job.unit.grads.state() == job.grad_state
 
-    @staticmethod
-    def _grads_equal(job: StepJob) -> bool:
-        """A host-memory unit's speculation that only the gradients' version counters
-        reject (handed out through p.grad, multiplied by torch's clip): it holds if the
-        gradients are still, bit for bit, the ones it stepped with."""
-        return (
-            isinstance(job.shadows, MemoryShadows)
-            and job.factor is None
-            and job.unit.grads.state().has_grad == job.grad_state.has_grad
-            and job.unit_step.grads_unchanged(job.shadows)
-        )
-
 
 def eligible(unit_step, unit: Unit) -> bool:
-    """A disk unit the step ahead can step into shadows (memory units:
-    :meth:`InMemoryUnitStep.can_speculate`, chosen by ``overlap_step``). Sharded too: a
+    """A disk unit the step ahead can step into shadows. Sharded too: a
     rank steps its own shard, with nothing collective in the step; its fetch lands the
     step before the all-gather, on every rank in the same order."""
     return (
@@ -387,12 +322,12 @@ def eligible(unit_step, unit: Unit) -> bool:
 def site_of(unit_step, flat: bool, root: Unit | None) -> StepSite:
     """What the step policy (:mod:`hetstore.optim.policy`) asks of ``unit_step``'s unit,
     as the planner asks it of a traced unit: a disk unit is one :func:`eligible` says;
-    a host-memory one, :meth:`InMemoryUnitStep.can_speculate` (``flat``: the user's
-    optimizer is stepped flat); ``root``: the model's own unit."""
+    a host-memory one, :meth:`InMemoryUnitStep.steps_flat_in_memory` (``flat``: the
+    user's optimizer is stepped flat); ``root``: the model's own unit."""
     unit = unit_step.unit
     return StepSite(
         streamed=eligible(unit_step, unit),
-        in_memory=isinstance(unit_step, InMemoryUnitStep) and unit_step.can_speculate(flat),
+        in_memory=isinstance(unit_step, InMemoryUnitStep) and unit_step.steps_flat_in_memory(flat),
         params_in_memory=unit.placement.param is Tier.HOST,
         exact=not isinstance(unit_step, UnitStates) or unit_step.format.exact,
         root=unit is root,

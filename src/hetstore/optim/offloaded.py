@@ -72,7 +72,6 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         param_order: list | None = None,
         shards: ShardGroup | None = None,
         overlap_step: bool = False,
-        overlap_memory_step: bool = False,
         trial_overlap: bool = False,
         step_in_forward_memory: bool = False,
         root: Unit | None = None,
@@ -120,7 +119,7 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         # moved those on the device away until restore), None when it can
         self.refusal: str | None = None
         self.step_in_backward = step_in_backward and shards is None
-        self._overlap = (overlap_step, overlap_memory_step, step_in_forward)
+        self._overlap = (overlap_step, step_in_forward)
         self._trial_overlap = trial_overlap  # (OverlapTrial: whether overlap pays)
         self.overlap_trial: OverlapTrial | None = None  # (made by arrange_steps)
         self._step_in_forward_memory = step_in_forward_memory

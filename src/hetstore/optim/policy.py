@@ -12,11 +12,9 @@ modes (:class:`StepModes`):
   ``step_in_backward``, and what backward left of it runs in the next forward with
   ``step_in_forward``;
 - **a host-memory unit** (master and torch's fp32 states in host memory, stepped flat)
-  is stepped in backward into host shadows with ``overlap_step=True`` (not the root),
-  and on a GPU its ordinary step runs in place in the next forward with
-  ``step_in_forward=True``, or both keys 'auto', when its parameters are fetched from
-  host memory ('auto' once stepped them in backward, paced: on an H100 under bf16 that
-  was the slowest of the three ways, docs/dev/BENCHMARKS.md);
+  is never stepped in backward (:mod:`hetstore.optim.in_memory` says why); on a GPU its
+  ordinary step runs in place in the next forward with ``step_in_forward`` when its
+  parameters are fetched from host memory;
 - **read ahead** during backward (when no step is taken in it): the first
   ``READ_AHEAD_UNITS`` disk units in fp32 in the order their steps run.
 
@@ -79,7 +77,6 @@ __all__ = [
     "streamed_ahead",
     "streamed_in_backward",
     "streamed_in_forward",
-    "memory_in_backward",
     "memory_in_forward",
     "read_ahead",
     "reads_ahead",
@@ -106,7 +103,6 @@ class StepModes(NamedTuple):
     """The configuration's step keys, resolved for the compute device."""
 
     overlap_disk: bool  # overlap_step, for disk units
-    overlap_memory: bool  # overlap_step=True, for host-memory units
     in_backward: bool  # step_in_backward
     in_forward: bool  # step_in_forward, for disk units
     in_forward_memory: bool  # step_in_forward, for host-memory units (a GPU)
@@ -130,21 +126,9 @@ def streamed_in_forward(site: StepSite, modes: StepModes) -> bool:
     )
 
 
-def memory_in_backward(site: StepSite, modes: StepModes) -> bool:
-    """A host-memory unit stepped during backward into host shadows (``overlap_step``
-    for memory units): not the root, whose gradients are final when backward ends."""
-    return (
-        site.in_memory
-        and site.trainable
-        and not site.root
-        and modes.overlap_memory
-        and not modes.in_backward
-    )
-
-
 def memory_in_forward(site: StepSite, modes: StepModes) -> bool:
     """A host-memory unit whose ordinary step runs in place in the next forward
-    (``step_in_forward=True`` on a GPU): its parameters fetched from host memory. Sharded
+    (``step_in_forward`` on a GPU): its parameters fetched from host memory. Sharded
     too: a rank steps its own shard, and the unit's fetch lands that step before it
     gathers every rank's shard, on every rank in the same order."""
     return site.in_memory and site.trainable and site.params_in_memory and modes.in_forward_memory

@@ -34,10 +34,11 @@ the last (the DDP/FSDP convention) says it at once.
 
 Eligible units: master and states on disk (the streamed step), parameters homed on disk
 or in the master itself (so every copy is shadowed), sharded too (a rank steps its
-shard). And, chosen by
-``overlap_step`` (on a GPU by default), units whose master and states are in host memory:
-their shadows are host buffers, filled by a copy and committed by a swap of references
-(:mod:`hetstore.optim.in_memory`); one starts only where the host tier has room for it. With fp16 loss
+shard). Units whose master and states are in host memory are not stepped in backward:
+a speculation there would copy the live master and states into shadows first, about 3x
+the ordinary step's bytes, and on an H100 that was the slowest way in every case
+measured (docs/dev/BENCHMARKS.md, 2026-11-28); on a GPU their ordinary step runs in the
+next forward instead (:mod:`hetstore.optim.in_forward`). With fp16 loss
 scaling a speculation unscales by the current scale itself (into its own buffer); the
 optimizer's unscale of gradients in memory, in place, is then the one change it expects
 (:meth:`StepAhead.unscaling`), and an overflow skips the step and drops them all. Gradients in memory are read where they
@@ -74,7 +75,7 @@ import torch
 from hetstore.optim.borrowed import LentMasters, ParamLending, ReadAhead, ReadAheads
 from hetstore.optim.in_backward import BackwardSteps, eligible
 from hetstore.optim.in_forward import ForwardSteps
-from hetstore.optim.in_memory import InMemoryUnitStep, MemoryShadows
+from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.policy import OverlapTrial, StepPolicy
 from hetstore.optim.step_job import JobState, StepJob, Target, When
 from hetstore.optim.step_worker import StepWorker
@@ -96,9 +97,6 @@ class SpeculationStats:
 
     started: int = 0
     committed: int = 0  # hits: the step was already done when optimizer.step() came
-    # of those, host-memory units whose gradients were handed out or rewritten in place
-    # (torch's clip_grad_norm_ that did not bite) but compared equal, bit for bit
-    verified: int = 0
     rolled_back: int = 0  # discarded at optimizer.step(), stepped again the ordinary way
     cancelled: int = 0  # superseded by a later backward, or dropped by zero_grad()/a load
     not_started: int = 0  # no disk room for the shadows, or host room for the chunks
@@ -133,7 +131,7 @@ class StepAhead:
 
     def __init__(
         self,
-        unit_steps: list[StreamedUnitStep | InMemoryUnitStep],
+        unit_steps: list[StreamedUnitStep],
         hyper: Callable[[int], dict],
         loss_scaler=None,
         consume: bool = False,
@@ -170,7 +168,7 @@ class StepAhead:
         self.jobs: dict[int, StepJob] = {}
         self.stats = SpeculationStats()
         # (the thread lasts across steps where it steps host-memory units: see stop)
-        keep_thread = bool(in_place) or any(isinstance(s, InMemoryUnitStep) for s in unit_steps)
+        keep_thread = bool(in_place)
         self.worker = StepWorker(self._host, streamed, self.stagers, keep_thread)
         self.masters = LentMasters(self._host, self.worker)
         self.read_aheads = ReadAheads(self._host, self.worker, self.stats)
@@ -198,11 +196,11 @@ class StepAhead:
 
     # ------------------------------------------------------------------ read-only views
     @property
-    def unit_steps(self) -> tuple[StreamedUnitStep | InMemoryUnitStep, ...]:
+    def unit_steps(self) -> tuple[StreamedUnitStep, ...]:
         """The unit steps this object may step in backward."""
         return tuple(self._steps.values())
 
-    def step_of(self, unit: Unit) -> StreamedUnitStep | InMemoryUnitStep | None:
+    def step_of(self, unit: Unit) -> StreamedUnitStep | None:
         """``unit``'s step, or None where this object takes none of it in backward."""
         return self._steps.get(id(unit))
 
@@ -477,9 +475,8 @@ class StepAhead:
 
     def _reclaim_host(self) -> bool:
         """The host tier is out of room: give back the first of what the jobs hold only
-        to save time, in this order: what was read ahead, a lent master, the oldest
-        speculation's host shadows (its unit is stepped the ordinary way at
-        ``optimizer.step()``), the worker's chunk buffers. True when one was given back;
+        to save time, in this order: what was read ahead, a lent master, the worker's
+        chunk buffers. True when one was given back;
         False leaves the allocation to fail as it would without the step ahead."""
         if not self._reclaiming_allowed:
             return False
@@ -490,10 +487,6 @@ class StepAhead:
             if job.master is not None:  # a lent master: the disk has the same values
                 self.worker.wait(job)
                 self.masters.give_back(job)
-                return True
-        for key, job in self.pending().items():
-            if isinstance(job.shadows, MemoryShadows):
-                self.backward.cancel(key)
                 return True
         if self.worker.has_slots and not self.worker.on_worker_thread():
             # the worker's chunk buffers: what needs the room (the next forward, the

@@ -83,7 +83,7 @@ class StepJob:
     when: When
     target: Target
     hyper: dict[int, dict]  # the param-group values it steps with, by group index
-    shadows: object | None = None  # ChunkedRewrite | MemoryShadows (Target.SHADOWS)
+    shadows: object | None = None  # a ChunkedRewrite (Target.SHADOWS)
     # what a step in backward assumed, checked before its commit
     grad_state: GradState | None = None
     state_version: int | None = None

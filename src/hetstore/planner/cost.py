@@ -116,10 +116,6 @@ class Estimate:
     # where compute_s comes from: "flops", "probed", "partly probed" or "measured" (the
     # profiled steps); see Trace.compute_basis and the plan's confidence line
     basis: str = "flops"
-    # host bytes the shadows of units stepped ahead in host memory take at the end of
-    # backward, if all fit; not in ``host``: the runtime starts one only where the host
-    # tier has room for it beside everything else, so they never make a plan fail
-    host_shadows: int = 0
     # host bytes of the device copies lent to steps in backward as their master (a CPU
     # device: optim.step_ahead reads it there instead of from disk), at most; not in
     # ``host`` for the same reason: each is lent only where the host tier has room
@@ -468,7 +464,6 @@ def step_modes(trace: Trace) -> StepModes:
     cuda = trace.machine is not None and trace.machine.device == "cuda"
     return StepModes(
         overlap_disk=trace.step_overlap,
-        overlap_memory=trace.step_overlap_memory,
         in_backward=trace.step_in_backward,
         in_forward=trace.step_in_forward,
         in_forward_memory=trace.step_in_forward_memory and cuda,
@@ -481,44 +476,20 @@ def _fetched_in_place(c: UnitChoice, m: MachineRates) -> bool:
     return _in_memory(c.param) and m.device == "cpu"
 
 
-def shadow_copy_s(u: UnitTrace, m) -> float:
-    """Seconds of a memory unit's copy into its shadows: the master, the gradient and
-    each state read and written once, at the measured copy rate (``host_copy``); else
-    at the rate the fused step moves its arrays (it reads master, gradient and states
-    and writes master and states: 3 + 2 x states), which on an H100 machine's host was
-    3x too fast (docs/dev/BENCHMARKS.md)."""
-    arrays = 2 + u.state_count  # master, gradient (read ahead into its own), states
-    if m.host_copy:
-        return arrays * u.trainable_numel * 4 / m.host_copy
-    return _host_step_s(u, m) * 2 * arrays / (3 + 2 * u.state_count)
-
-
-def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> tuple[float, set[int]]:
-    """Seconds of the steps of units stepped ahead that backward hides (module doc).
-    A unit stepped into host shadows costs the worker its copy into them besides the
-    arithmetic it saves (``overlap_step=True``). May be negative: on a CPU device the
-    worker's arithmetic and copies take backward's cores and hide nothing. Also returns the indices of the host-memory units it steps in
-    backward (the others are ``optimizer.step()``'s, or the next forward's)."""
+def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
+    """Seconds of the steps of disk units stepped ahead that backward hides (module
+    doc). May be negative: on a CPU device the worker's arithmetic takes backward's
+    cores and hides nothing."""
     units, m = trace.units, trace.machine
     modes = step_modes(trace)
-    saved = [0.0] * len(units)  # what it takes off the step after backward
-    work = [0.0] * len(units)  # what the worker spends on it
-    copies = arithmetic = 0.0  # the worker's shadow copies, and all it computes
-    in_memory: set[int] = set()  # host-memory units stepped ahead
+    work = [0.0] * len(units)  # what the worker spends on it, and takes off the step
+    arithmetic = 0.0  # all it computes
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
-        site = step_site(u, c)
-        if policy.streamed_in_backward(site, modes):
-            saved[k] = work[k] = steps[k]
+        if policy.streamed_in_backward(step_site(u, c), modes):
+            work[k] = steps[k]
             arithmetic += _host_step_s(u, m)
-        elif policy.memory_in_backward(site, modes):
-            in_memory.add(k)
-            saved[k] = _host_step_s(u, m)
-            copy = shadow_copy_s(u, m)
-            work[k] = saved[k] + copy
-            copies += copy
-            arithmetic += work[k]
     if not any(work):
-        return 0.0, set()
+        return 0.0
     backward = [_backward_s(u, trace) for u in units]
     order = [k for k in reversed(range(len(units))) if not units[k].is_root]
     order += [k for k, u in enumerate(units) if u.is_root]  # its gradients come last
@@ -527,10 +498,10 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> tuple[
         clock += backward[k]
         if work[k]:
             worker = max(clock, worker) + work[k]
-    hidden = sum(saved) - max(0.0, worker - clock)
-    if m.device == "cpu":  # the worker's arithmetic and copies share backward's cores
+    hidden = sum(work) - max(0.0, worker - clock)
+    if m.device == "cpu":  # the worker's arithmetic shares backward's cores
         hidden -= arithmetic
-    return max(-copies, hidden), in_memory
+    return hidden
 
 
 def _forward_order(units) -> list[int]:
@@ -547,9 +518,7 @@ def _read_ahead(trace: Trace, choices: list[UnitChoice], bitten: bool = False) -
     ``overlap_step``. The first ``READ_AHEAD_UNITS`` stepped ahead, in the order they
     are stepped (the next forward's with ``step_in_forward``, else the units'); fp32
     states only."""
-    if not bitten and (
-        trace.step_overlap or trace.step_overlap_memory or not trace.step_in_forward
-    ):
+    if not bitten and (trace.step_overlap or not trace.step_in_forward):
         return []
     units = trace.units
     order = _forward_order(units) if trace.step_in_forward else list(range(len(units)))
@@ -587,20 +556,17 @@ def read_ahead_bytes(trace: Trace, choices: list[UnitChoice]) -> int:
     )
 
 
-def _hidden_behind_forward(
-    trace: Trace, choices, steps: list[float], in_backward: set[int] = frozenset()
-) -> float:
+def _hidden_behind_forward(trace: Trace, choices, steps: list[float]) -> float:
     """Seconds of the steps left after backward that the next forward hides
-    (``step_in_forward``; module doc): disk units', and on a GPU host-memory units' not
-    stepped in backward (``in_backward``). May be negative on a CPU device."""
+    (``step_in_forward``; module doc): disk units', and on a GPU host-memory units'.
+    May be negative on a CPU device."""
     units, m = trace.units, trace.machine
     modes = step_modes(trace)
     left = [0.0] * len(units)
     arithmetic = 0.0
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
         site = step_site(u, c)
-        in_memory = policy.memory_in_forward(site, modes) and k not in in_backward
-        if in_memory or policy.streamed_in_forward(site, modes):
+        if policy.memory_in_forward(site, modes) or policy.streamed_in_forward(site, modes):
             left[k] = steps[k]
             arithmetic += _host_step_s(u, m)
     if not any(left):
@@ -639,12 +605,7 @@ def times(
     to the trace's. ``bitten``: a clip bites, and the steps left in ``optimizer.step()``
     read the first units' states read ahead during backward."""
     if overlap is None:
-        overlap = (
-            trace.step_overlap
-            or trace.step_in_backward
-            or trace.step_overlap_memory
-            or trace.steps_in_next_forward
-        )
+        overlap = trace.step_overlap or trace.step_in_backward or trace.steps_in_next_forward
     m, modes = trace.machine, step_modes(trace)
     compute = stall = overlappable = 0.0
     fill = 0.0
@@ -728,9 +689,9 @@ def times(
             steps[k] = max(_host_step_s(u, m), steps[k] - _read_ahead_s(u, c, m))
     hidden = 0.0
     if overlap:
-        hidden, in_backward = _hidden_behind_backward(trace, choices, steps)
+        hidden = _hidden_behind_backward(trace, choices, steps)
         if trace.steps_in_next_forward:
-            hidden += _hidden_behind_forward(trace, choices, steps, in_backward)
+            hidden += _hidden_behind_forward(trace, choices, steps)
     return compute, stall, exposed, sum(steps) - hidden, hidden
 
 
@@ -744,14 +705,6 @@ def estimate(
     peaks = memory(trace, choices, depth, chunk_bytes, timeline=True)
     compute, stall, exposed, optimizer, hidden = times(trace, choices, depth, overlap)
     basis = "measured" if trace.measured else trace.compute_basis
-    modes = step_modes(trace)
-    shadows = 0
-    if overlap is not False:
-        shadows = sum(
-            paged(master_bytes(u, c)) + paged(u.grad_bytes) + paged(u.state_bytes, u.state_arrays)
-            for u, c in zip(trace.units, choices, strict=True)
-            if policy.memory_in_backward(step_site(u, c), modes)
-        )
     clip_bites = None if overlap is False else _when_a_clip_bites(trace, choices, depth)
     spread = trace.machine.spread if trace.machine is not None else ()
     if not trace.measured and trace.compute_spread is not None:
@@ -765,7 +718,6 @@ def estimate(
         trace.overhead_s,
         hidden,
         basis,
-        host_shadows=shadows,
         host_lent=lent_master_bytes(trace, choices),
         disk_shadows=0 if overlap is False else _more_disk_shadows(trace, choices),
         clip_bites_s=clip_bites,
@@ -789,7 +741,7 @@ def _when_a_clip_bites(
         or not any(step_site(u, c).streamed and u.trainable_numel for u, c in pairs)
     ):
         return None
-    bitten = replace(trace, step_overlap=False, step_overlap_memory=False)
+    bitten = replace(trace, step_overlap=False)
 
     def step_s(t: Trace) -> float:
         compute, stall, exposed, optimizer, _ = times(

@@ -135,19 +135,6 @@ def _step_rate(device: torch.device, numel: int = 4 << 20):
     return fastest_rate(numel, opt.step, sync=sync, before=_cold_caches(device))
 
 
-def host_copy_rate(numel: int = 4 << 20) -> float:
-    """Bytes per second ``copy_`` writes from one host fp32 buffer into another, on cold
-    caches (as a speculative step's copy into its shadows finds them)."""
-    return _host_copy(numel)[0]
-
-
-def _host_copy(numel: int = 4 << 20):
-    source, target = torch.rand(numel), torch.empty(numel)
-    return fastest_rate(
-        numel * 4, lambda: target.copy_(source), before=_cold_caches(torch.device("cpu"))
-    )
-
-
 def codec_rate(format_name: str, numel: int = 4 << 20) -> float:
     """State elements per second the compact format ``format_name`` decodes to fp32 and
     encodes back, as a step of its states does around the fused kernel (measured on
@@ -201,7 +188,6 @@ def measure_machine(
     device_step = host_step if device.type == "cpu" else _step_rate(device)
     flops = _flop_rate(device)
     codec = _codec(state_format_name)
-    host_copy = _host_copy()
     others = _others_share(before, started)
     probes = {
         "copy to device": to_device,
@@ -212,7 +198,6 @@ def measure_machine(
         "device optimizer": device_step,
         "matmul": flops,
         "state codec": codec,
-        "host copy": host_copy,
     }
     if device.type == "cpu":  # the same probe twice
         del probes["copy from device"], probes["device optimizer"]
@@ -229,7 +214,6 @@ def measure_machine(
         copies_overlap=device.type == "cuda",
         device=device.type,
         state_codec=codec[0],
-        host_copy=host_copy[0],
         spread=tuple((name, round(spread, 4)) for name, (_, spread) in probes.items()),
         others_busy=others,
     )

@@ -281,11 +281,6 @@ class Plan:
                 f"backward for their steps: up to {format_size(e.host_read_ahead)} of host "
                 "memory beside the peak above, where the host has room"
             )
-        if e.host_shadows:
-            lines.append(
-                f"their host shadows take up to {format_size(e.host_shadows)} beside the "
-                "peak above, where the host has room (a unit without room steps after backward)"
-            )
         if e.disk_shadows:
             lines.append(
                 f"steps taken ahead keep their disk shadows until optimizer.step(): up to "

@@ -28,11 +28,7 @@ class MachineRates:
     elements per second a compact ``optimizer_state_format`` decodes and encodes, on top
     of the step (0 when the states are stepped as they are stored: fp32). ``flops``: the
     device's achieved FLOP/s, used to turn counted FLOPs into time when no time was
-    measured. ``host_copy``: bytes per second an fp32 ``copy_`` between host buffers
-    writes (each also read), on cold caches: what a speculative step's copy into its
-    shadows moves at (measured on an H100 machine's host at about a third of the fused
-    step's rate per byte); 0 when not measured, and the copy is priced at the step's.
-    ``spread``: per probe, how much longer its median timed run took than the fastest
+    measured. ``spread``: per probe, how much longer its median timed run took than the fastest
     (which gave the rate): ``(("matmul", 0.12), ...)``; empty when not measured here.
     """
 
@@ -46,7 +42,6 @@ class MachineRates:
     copies_overlap: bool = False
     device: str = "cpu"
     state_codec: float = 0.0
-    host_copy: float = 0.0
     spread: tuple[tuple[str, float], ...] = ()
     # the share of this machine's CPU time (all cores) other processes used while the
     # probes ran, 0 to 1 (Linux: /proc/stat); None when not measured here
@@ -181,9 +176,6 @@ class Trace:
     # the runtime steps disk units during backward (``overlap_step``): the cost model
     # hides what it can of their steps behind backward
     step_overlap: bool = True
-    # units whose states are in host memory are stepped during backward as well
-    # (``overlap_step=True``)
-    step_overlap_memory: bool = False
     # ``step_in_backward``: those units are stepped inside backward from gradients in
     # memory, which never reach the disk (no gradient bytes there, nor their traffic)
     step_in_backward: bool = False
@@ -255,6 +247,9 @@ class Trace:
         if data.get("machine"):  # (JSON has no tuples)
             rates = data["machine"]
             spread = tuple(tuple(p) for p in rates.get("spread", ()))
+            # (a trace saved by an older version may name rates no longer kept)
+            known = {f.name for f in fields(MachineRates)}
+            rates = {k: v for k, v in rates.items() if k in known}
             machine = MachineRates(**{**rates, "spread": spread})
         shapes = tuple(tuple(s) for s in data.get("batch_shapes", ()))
         keys = (
@@ -262,7 +257,6 @@ class Trace:
             "overhead_s",
             "measured",
             "step_overlap",
-            "step_overlap_memory",
             "step_in_backward",
             "step_in_forward",
             "step_in_forward_memory",

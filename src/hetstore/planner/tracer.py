@@ -98,7 +98,6 @@ def model_data_trace(
         step_overlap=config.overlaps_disk_steps,
         step_in_forward=config.steps_disk_in_forward,
         step_in_forward_memory=config.steps_memory_in_forward(machine.device if machine else "cpu"),
-        step_overlap_memory=config.overlaps_memory_steps,
         step_in_backward=config.step_in_backward,
     )
 

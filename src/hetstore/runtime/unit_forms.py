@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from hetstore.runtime.grad_sink import GradSink
-from hetstore.runtime.residency import Residency
 from hetstore.runtime.sharded_forms import ShardedForms
 from hetstore.tier import Tier
 from hetstore.tiers import HostBuffer
@@ -79,15 +78,8 @@ class UnitForms:
 
     def new_buffer(self, tier: Tier, numel: int, dtype: torch.dtype, what: str) -> FlatAllocation:
         """A flat buffer on ``tier`` labelled for this unit but not yet owned by it: the
-        caller frees it, or hands it to :meth:`adopt` (a speculative step's shadows)."""
+        caller frees it."""
         return self.tiers.of(Tier(tier)).allocate_flat(numel, dtype, self.label(what))
-
-    def adopt(self, new: FlatAllocation, replacing: object | None) -> None:
-        """Make ``new`` one of the unit's buffers in place of ``replacing`` (freed now if
-        the unit owns it; a tensor torch made itself, SGD's first momentum, just goes)."""
-        if replacing is not None:
-            self.free_buffer(replacing)
-        self._owned.append(new)
 
     def free_buffer(self, data: object) -> None:
         """Free the unit's buffer ``data`` now (nothing if the unit does not own it)."""
@@ -95,18 +87,6 @@ class UnitForms:
         if old is not None:
             self._owned.remove(old)
             old.free()
-
-    def replace_master(self, new: FlatAllocation) -> None:
-        """Make ``new`` (an in-memory fp32 buffer of the whole master, a step taken ahead
-        into it) the master, and the home when the master is the home; the old one is
-        freed. The caller refreshes the compute-dtype copies (``refresh_after_step``)."""
-        old = self.master
-        if self.home is old:
-            self.home = new.data
-            if self.residency is Residency.IN_PLACE:
-                self.point_params(self.home)  # the old one is freed below
-        self.master = new.data
-        self.adopt(new, old)
 
     @contextlib.contextmanager
     def freed_on_failure(self):
