@@ -3,7 +3,7 @@
 # of memory, no network; its python3 holds a CUDA torch and transformers; hetstore runs
 # from src/): the CUDA tests, then one table of training steps (step_table.py): the 185M
 # GPT and a 0.95B Llama, batches 8x512 and 32x512, plain PyTorch, hetstore (host, host
-# without overlap, host stepped in backward, disk), FSDP2 CPU offload and torchao's CPUOffloadOptimizer, every row
+# without overlap, disk), FSDP2 CPU offload and torchao's CPUOffloadOptimizer, every row
 # against plain PyTorch in the same process. About 8 minutes in all.
 #
 #   bash benchmarks/gpu/fetch_wheels.sh      # here, once: torchao's wheel into .wheels/
@@ -13,7 +13,7 @@
 #       RESULTS_DIR=/tmp OUT=/tmp/rehearsal \
 #       bash benchmarks/gpu/run_all.sh       # a rehearsal of this script without a GPU
 #
-# Logs go to $OUT (or ./gpu-logs); the table is also written to
+# Logs go to $OUT (or ./gpu-logs), packed at the end into logs.tgz; the table is also written to
 # benchmarks/results/gpu_step_engine_<date>_<device>.txt and copied to $OUT. Each part has
 # its own time limit so that one hang cannot eat the rest: wheels 30 s, CUDA tests 90 s,
 # evict/restore 40 s, the GPT 100 s, the Llama what is left of TOTAL_S=465 s (at least 120 s), the table 20 s.
@@ -23,7 +23,7 @@
 #
 # Sizing, assumed from the H100 runs of 2026-11-26 (benchmarks/results/gpu_offload_step_*):
 # the GPT's steps take 0.1-0.5 s (plain, hetstore host) to about 1.5 s (hetstore disk), so
-# a round of its seven runners takes 3-5 s (the host row takes two steps a
+# a round of its six runners takes 3-5 s (the host row takes two steps a
 # round: an untimed one before its timed one) and the part (build, warm-up, 5 timed, 1 profiled
 # round per shape) about 80 s. The Llama is 5x the GPT: the host rows' CPU AdamW step on
 # 0.95B fp32 parameters about 1 s, its disk row about 10 s a step (about 34 bytes of disk
@@ -88,7 +88,7 @@ timeout "${EVICT_S:-40}" "$PYTHON" benchmarks/evict_restore.py --device cuda --w
     ${EVICT_ARGS:-} 2>&1 | tee "$OUT/evict_restore.log" | grep -v Warning
 cp "${RESULTS_DIR:-benchmarks/results}"/evict_restore_"$(date +%F)"_cuda.* "$OUT/" 2>/dev/null
 
-# One process per model; every runner of it in that process. expandable segments: seven
+# One process per model; every runner of it in that process. expandable segments: six
 # runners' different allocation patterns in one process without fragmentation.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 OFFLOAD_DIR=${OFFLOAD_DIR:-/tmp}
@@ -119,4 +119,7 @@ timeout "${TABLE_S:-20}" "$PYTHON" benchmarks/gpu/step_table.py table --dir "$OU
     --note "CUDA tests: ${TESTS:-no summary (see cuda_tests.log)}" \
     --note "PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF; disk tier under $OFFLOAD_DIR (${FREE:-?} free at the start)" \
     2>&1
-echo "run_all.sh: $(($(date +%s) - STARTED)) s"
+# a lent machine returns at most 8 files from $OUT: the logs and the parts' rows go back
+# as one archive beside the results files
+(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./step_*.json 2>/dev/null)
+echo "run_all.sh: $(($(date +%s) - STARTED)) s (in $OUT: $(cd "$OUT" && ls | tr '\n' ' '))"

@@ -36,9 +36,7 @@ Runners (every one under ``torch.autocast(device, bfloat16)``, fp32 master weigh
   step_in_forward=False`` (the overlap must never be slower: in a run of more than 24
   steps ``'auto'`` keeps whichever of the two its trial measured faster,
   ``optim.policy.OverlapTrial``; these rows time the steps before any trial, so both
-  ways show); ``hetstore host in-backward``: ``overlap_step=True,
-  step_in_forward=False``, the host units stepped speculatively into host shadows during
-  backward ('auto''s way on a GPU until 2026-11-28); ``hetstore disk``:
+  ways show); ``hetstore disk``:
   ``offload_param="disk", offload_optimizer="disk"`` under ``--offload-dir``, defaults.
   Its step's time includes ``optimizer.finish_steps_in_forward()``: the unit steps that
   ``step_in_forward`` leaves to the next forward are finished inside the step that
@@ -107,7 +105,6 @@ RUNNERS = (
     "plain",
     "hetstore host",
     "hetstore host no-overlap",
-    "hetstore host in-backward",
     "hetstore disk",
     "fsdp2 cpu-offload",
     "torchao cpu-offload",
@@ -376,7 +373,6 @@ BUILDERS = {
     # (the defaults: on a GPU the host units' steps run in the next forward)
     "hetstore host": hetstore_builder("cpu", "cpu", "auto", steady=True),
     "hetstore host no-overlap": hetstore_builder("cpu", "cpu", False, False),
-    "hetstore host in-backward": hetstore_builder("cpu", "cpu", True, False),
     "hetstore disk": hetstore_builder("disk", "disk", "auto"),
     "fsdp2 cpu-offload": build_fsdp2,
     "torchao cpu-offload": build_torchao,

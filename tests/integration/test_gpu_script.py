@@ -17,7 +17,6 @@ RUNNERS = (
     "plain",
     "hetstore host",
     "hetstore host no-overlap",
-    "hetstore host in-backward",
     "hetstore disk",
     "fsdp2 cpu-offload",
     "torchao cpu-offload",
