@@ -135,11 +135,6 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         """Each trainable unit's step, in the order ``step()`` takes them."""
         return tuple(self._unit_steps)
 
-    def group_hyper(self, group_index: int) -> dict:
-        """The values a unit step of param group ``group_index`` runs with (the group's,
-        with torch's fused kernel for a flat optimizer)."""
-        return self._hyper(group_index)
-
     @property
     def speculation_stats(self) -> dict[str, int] | None:
         """Speculative steps started, committed, rolled back, cancelled (None when no

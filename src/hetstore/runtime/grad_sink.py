@@ -134,11 +134,6 @@ class GradSink:
         source.record_stream(stream)
         self._copies = event  # copies on one stream finish in order: the last covers all
 
-    def copies_event(self):
-        """The CUDA event the gradient copies to the host issued so far end with (None
-        when none is in flight): a thread that reads the buffer waits on it itself."""
-        return self._copies
-
     def wait_copies(self) -> None:
         """Block until every gradient copy to the host issued so far has landed. Called
         before anything reads or changes the buffer (the runtime when the unit's
