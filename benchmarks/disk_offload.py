@@ -9,8 +9,6 @@ Every variant trains ``hetstore.demo.gpt.GPT`` from the same seed on the same
 * ``plain``: the model and optimizer as they are (the reference);
 * ``cpu``: ``offload_param="cpu", offload_optimizer="cpu"`` (``overlap_step='auto'``: on
   this CPU device every unit is stepped in ``optimizer.step()``);
-* ``cpu (overlap)``: the same with ``overlap_step=True``: units stepped during backward
-  into host shadows (on a GPU 'auto' does this; here it shows what it costs on a CPU).
 * ``disk``: ``offload_param="disk", offload_optimizer="disk"`` (gradients follow to disk),
   ``overlap_step=True, step_in_forward=False``: the defaults until 2026-11-26, every step
   done when ``optimizer.step()`` returns;
@@ -111,7 +109,6 @@ WEIGHT_DECAY = 0.1
 VARIANTS: dict[str, tuple[str, str, str | None, bool | str, bool | str] | None] = {
     "plain": None,
     "cpu": ("cpu", "cpu", None, "auto", False),  # on this CPU device: stepped after backward
-    "cpu (overlap)": ("cpu", "cpu", None, True, False),  # into host shadows during backward
     "disk": ("disk", "disk", None, True, False),
     "disk (defaults)": ("disk", "disk", None, "auto", "auto"),
     "disk (no overlap)": ("disk", "disk", None, False, False),

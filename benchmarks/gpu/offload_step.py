@@ -6,12 +6,12 @@ One command on a machine with CUDA:
         [--variants cpu-cpu,cpu-cpu:no-overlap,none-cpu,disk-disk]
 
 Each variant ``PARAM-OPTIM`` is ``offload_param``-``offload_optimizer`` with the
-defaults ``overlap_step='auto'`` (on a GPU: units with states in host memory or on disk
-are stepped during backward) and ``step_in_forward='auto'`` (what is left of the disk
-units' steps runs during the next forward); ``PARAM-OPTIM:no-overlap`` sets
+defaults ``overlap_step='auto'`` (units with states on disk are stepped during backward)
+and ``step_in_forward='auto'`` (what is left of the disk units' steps, and on a GPU the
+host-memory units' steps, run during the next forward); ``PARAM-OPTIM:no-overlap`` sets
 ``overlap_step=False`` (every unit stepped in ``optimizer.step()``), the comparison for
-the overlap; ``PARAM-OPTIM:in-forward`` sets ``step_in_forward=True`` (host-memory
-units' steps run during the next forward too); ``PARAM-OPTIM:step-after`` sets
+the overlap; ``PARAM-OPTIM:in-forward`` sets ``step_in_forward=True`` (the same, and
+with ``overlap_step=False`` too); ``PARAM-OPTIM:step-after`` sets
 ``step_in_forward=False`` (what backward left is stepped in ``optimizer.step()``). ``--clip C`` clips every model's gradients at C before its step
 (hetstore's ``clip_grad_norm_``, torch's for plain). Prints, per
 row: the median step time and its ratio to plain PyTorch (measured in the same run, the
@@ -220,9 +220,7 @@ def main() -> None:
     for name, (_, opt) in runs.items():
         stats = getattr(opt, "speculation_stats", None)
         if stats:
-            pace = getattr(opt.step_ahead, "_pace", None)
-            limit = f"; paced to {pace.limit} units a backward" if pace and pace.limit else ""
-            print(f"{name}: steps taken during backward {stats}{limit}")
+            print(f"{name}: steps taken away from optimizer.step() {stats}")
 
 
 if __name__ == "__main__":

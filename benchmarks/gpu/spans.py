@@ -31,9 +31,7 @@ from hetstore.runtime.unit import Unit
 T = TypeVar("T")
 
 WRAPPED = [
-    (InMemoryUnitStep, "begin_speculation"),
-    (InMemoryUnitStep, "run_speculation"),
-    (InMemoryUnitStep, "commit_speculation"),
+    (InMemoryUnitStep, "step"),
     (step_ahead.StepAhead, "settle"),
     (step_ahead.StepAhead, "grads_final"),
     (OffloadedOptimizer, "step"),

@@ -74,7 +74,7 @@ def test_cuda_parity_with_plain_pytorch(tmp_path, param, optim):
         torch.testing.assert_close(loss.item(), gpu_loss.item(), **TIGHT)
     if optim == "cpu":  # both keys 'auto': on a GPU host units step in the next forward
         stats = opt.speculation_stats
-        assert stats["started"] == 0, stats  # none in backward (only with overlap_step=True)
+        assert stats["started"] == 0, stats  # host units are never stepped in backward
         # fetched from host memory: every unit's step (4 blocks and the root) of the
         # first 3 steps lands in the next forward (the 4th at the state_dict() below);
         # kept on the GPU, none (there is no fetch to land them)

@@ -20,8 +20,7 @@ WIDTH = 48  # blocks of ~28K parameters: several 8192-element chunks each
 def config(path, overlap: bool, grad: str = "cpu", **kwargs) -> OffloadConfig:
     """Units with master and states on disk, gradients in memory (``grad='cpu'``: read
     there) or on disk (read back by the worker); ``grad='host'``: everything in host
-    memory instead, stepped into host shadows with ``overlap_step=True``
-    (optim.in_memory)."""
+    memory instead, stepped in ``optimizer.step()`` (on a GPU, in the next forward)."""
     tier = "cpu" if grad == "host" else "disk"
     return OffloadConfig(
         offload_param=tier,

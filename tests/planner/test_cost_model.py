@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -515,3 +516,31 @@ def test_the_first_units_read_ahead_during_backward_shorten_a_disk_bound_forward
     assert "read during backward" in text
     overlap_off = replace(trace, step_in_forward=False)  # no step ahead: nothing reads ahead
     assert estimate(overlap_off, choices, 1).host_read_ahead == 0
+
+
+def test_a_trace_saved_before_the_host_speculation_went_still_loads():
+    """A trace saved by a version that still priced host units stepped in backward names
+    a rate (``host_copy``, and its probe's spread) and keys (``step_overlap_memory``,
+    ``pace_memory_steps``) no longer kept: it loads, without them."""
+    trace = replace(disk_trace(forward_s=0.01), machine=replace(GPU, spread=(("matmul", 0.1),)))
+    data = json.loads(trace.to_json())
+    data["machine"]["host_copy"] = 4e9
+    data["machine"]["spread"].append(["host copy", 0.2])
+    data["step_overlap_memory"] = data["pace_memory_steps"] = True
+    loaded = Trace.from_json(json.dumps(data))
+    assert loaded.machine == trace.machine
+    assert loaded == trace
+
+
+def test_disk_steps_in_backward_never_cost_on_a_cpu_device():
+    """On a CPU device the worker's arithmetic shares backward's cores: a backward too
+    short for the disk units' steps hides nothing of them, and the overlap never prices
+    the step above the one without it (what the worker did not finish is what the
+    ordinary step would have done)."""
+    trace = replace(disk_trace(forward_s=0.0025, machine=CPU), step_in_forward=False)
+    serial = estimate(trace, [ON_DISK] * 5, 1, overlap=False)
+    e = estimate(trace, [ON_DISK] * 5, 1)
+    assert e.optimizer_hidden_s == 0
+    assert e.optimizer_s == pytest.approx(serial.optimizer_s)
+    plan = Plan.build(trace, [ON_DISK] * 5, 1, Capacities(None, None, None), "manual")
+    assert "costs" not in plan.table()

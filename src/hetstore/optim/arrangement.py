@@ -48,8 +48,8 @@ class StepArrangement:
         streamed = [s for s in self._unit_steps if isinstance(s, StreamedUnitStep)]
         self.grad_norms = RecordedNorms(streamed) if self.shards is None and streamed else None
         # where each unit's step may run is the step policy's (optim.policy), which the
-        # planner asks too: disk units and memory units stepped ahead, and host units
-        # whose ordinary step runs on in place during the next forward (a GPU); sharded
+        # planner asks too: disk units stepped ahead, and host units whose ordinary step
+        # runs on in place during the next forward (a GPU); sharded
         # too: a rank steps its own shard, with nothing collective in it
         modes = StepModes(
             overlap_disk=overlap_step,

@@ -238,7 +238,8 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         if self._resume_at == 0:
             self._refuse_consumed_again()
         if self.step_ahead is not None and self.step_ahead.in_forward:
-            # the rest of the disk units' steps run on during the next forward
+            # the rest of the disk units' steps, and on a GPU the host units', run on
+            # during the next forward
             later = [
                 s
                 for s in self._unit_steps[self._resume_at :]

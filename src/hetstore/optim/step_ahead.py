@@ -187,8 +187,7 @@ class StepAhead:
         # when a unit's states are rewritten outside a step
         self._events = first.unit.events
         # (a disk unit's step in backward reads the stager's buffer on this thread, so
-        # it must wait for the gradient copies when the unit's backward is done; a memory
-        # unit's step waits for them on the worker, so backward goes on queueing work)
+        # it must wait for the gradient copies when the unit's backward is done)
         reads_grads = self.speculate and bool(streamed)
         for event, handler in self._subscriptions():
             on_grads = event in (Event.GRADS_GATHERED, Event.GRADS_FINAL)
@@ -315,8 +314,8 @@ class StepAhead:
         them. True when the step took the gradients (nothing is to be written to disk)."""
         if not self.consume or self.suspended:
             return False
-        if not isinstance(self._steps.get(id(unit)), StreamedUnitStep):
-            return False  # memory units are stepped ahead only speculatively
+        if id(unit) not in self._steps:
+            return False
         self.backward.collect(block=False)
         job = self.backward.start(unit)
         if job is None:

@@ -143,7 +143,7 @@ class StepWorker:
     def stop(self, closing: bool = False) -> None:
         """Nothing is left for the worker: its chunk buffers go, and the thread too.
         Except the thread itself where it is kept (it steps host-memory units):
-        every backward uses it again, and a new thread starts a new OpenMP team (on an
+        every step's hand-over uses it again, and a new thread starts a new OpenMP team (on an
         H100's host the ordinary steps right after the worker's ran slowly, cause not
         known; docs/dev/BENCHMARKS.md). It goes with the model (``closing``, or garbage
         collection: the thread does not keep this object alive)."""

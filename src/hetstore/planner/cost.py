@@ -50,7 +50,9 @@ Time (seconds per step)
   unit's forward waits for its own step, so the root's (first) hides behind nothing.
   On a CPU device the worker's arithmetic again counts against it. Such a step leaves
   its unit's new parameters in a staging buffer, so a disk home is read once a step
-  (in backward), not twice.
+  (in backward), not twice. On a GPU, units whose states and parameters are in host
+  memory run their ordinary step beside the next forward the same way; they are never
+  stepped in backward.
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ class Estimate:
     exposed_s: float  # overlappable transfers compute could not hide
     optimizer_s: float  # the step time left after backward
     overhead_s: float
-    optimizer_hidden_s: float = 0.0  # stepped during backward, beside it (overlap_step)
+    # stepped beside backward (overlap_step) or the next forward (step_in_forward)
+    optimizer_hidden_s: float = 0.0
     # where compute_s comes from: "flops", "probed", "partly probed" or "measured" (the
     # profiled steps); see Trace.compute_basis and the plan's confidence line
     basis: str = "flops"
@@ -478,8 +481,9 @@ def _fetched_in_place(c: UnitChoice, m: MachineRates) -> bool:
 
 def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
     """Seconds of the steps of disk units stepped ahead that backward hides (module
-    doc). May be negative: on a CPU device the worker's arithmetic takes backward's
-    cores and hides nothing."""
+    doc), never below 0: on a CPU device the worker's arithmetic takes backward's cores,
+    and what it does not finish by backward's end is what the ordinary step would have
+    done anyway."""
     units, m = trace.units, trace.machine
     modes = step_modes(trace)
     work = [0.0] * len(units)  # what the worker spends on it, and takes off the step
@@ -501,7 +505,7 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
     hidden = sum(work) - max(0.0, worker - clock)
     if m.device == "cpu":  # the worker's arithmetic shares backward's cores
         hidden -= arithmetic
-    return hidden
+    return max(0.0, hidden)
 
 
 def _forward_order(units) -> list[int]:

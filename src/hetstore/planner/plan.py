@@ -256,9 +256,9 @@ class Plan:
             )
         elif e.optimizer_hidden_s < 0:
             lines.append(
-                f"stepping host-memory units during backward (overlap_step) costs "
-                f"{format_duration(-e.optimizer_hidden_s)} here: their copies into the shadows "
-                "take more than backward hides (on a CPU device they share its cores); "
+                f"stepping units beside the next forward (step_in_forward) costs "
+                f"{format_duration(-e.optimizer_hidden_s)} here: on a CPU device the worker "
+                "shares the forward's cores; "
                 f"without it the step would take {format_duration(e.step_without_overlap_s)}"
             )
         if e.clip_bites_s is not None:

@@ -183,7 +183,7 @@ class Trace:
     # beside the next forward (each before its unit's forward)
     step_in_forward: bool = False
     # on a GPU, host-memory units' ordinary steps too (``step_in_forward=True``, or
-    # both keys 'auto')
+    # 'auto' while ``overlap_step`` is not False)
     step_in_forward_memory: bool = False
     # where the units' compute times come from: "flops" (counted FLOPs at the probed
     # matmul rate), "probed" / "partly probed" (planner.probe timed one unit of each
@@ -246,8 +246,9 @@ class Trace:
         machine = None
         if data.get("machine"):  # (JSON has no tuples)
             rates = data["machine"]
-            spread = tuple(tuple(p) for p in rates.get("spread", ()))
-            # (a trace saved by an older version may name rates no longer kept)
+            # (a trace saved by an older version may name a rate, and its probe's
+            # spread, no longer kept: the host copy rate, until 2026-11-28)
+            spread = tuple(tuple(p) for p in rates.get("spread", ()) if p[0] != "host copy")
             known = {f.name for f in fields(MachineRates)}
             rates = {k: v for k, v in rates.items() if k in known}
             machine = MachineRates(**{**rates, "spread": spread})
