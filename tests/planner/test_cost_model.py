@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from hetstore.planner import Trace, UnitChoice, estimate
 from hetstore.planner.cost import memory, times
@@ -544,3 +545,28 @@ def test_disk_steps_in_backward_never_cost_on_a_cpu_device():
     assert e.optimizer_s == pytest.approx(serial.optimizer_s)
     plan = Plan.build(trace, [ON_DISK] * 5, 1, Capacities(None, None, None), "manual")
     assert "costs" not in plan.table()
+
+
+@pytest.mark.parametrize(
+    "make_optimizer, grad, priced",
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "cpu", True),
+        (lambda ps: torch.optim.Adagrad(ps, lr=1e-3), "cpu", False),  # not stepped flat
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "none", False),  # gradients on the GPU
+    ],
+    ids=["adamw", "not-flat", "grads-on-device"],
+)
+def test_host_steps_in_the_next_forward_are_priced_where_the_runtime_takes_them(
+    make_optimizer, grad, priced
+):
+    """On a GPU the runtime runs a host unit's step in the next forward only where it
+    steps it flat from gradients in host memory (InMemoryUnitStep.steps_flat_in_memory):
+    the trace says the same, so the planner hides no step the runtime would not."""
+    from hetstore import OffloadConfig
+    from hetstore.demo.gpt import GPT
+    from hetstore.planner.tracer import model_data_trace
+
+    model = GPT(width=32, depth=2, heads=2, vocab=64, ctx=16)
+    config = OffloadConfig(offload_param="cpu", offload_optimizer="cpu", offload_grad=grad)
+    trace = model_data_trace(model, config, GPU, optimizer=make_optimizer(model.parameters()))
+    assert trace.step_in_forward_memory is priced

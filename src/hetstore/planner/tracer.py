@@ -25,9 +25,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from hetstore.optim.registry import state_count, state_itemsize
+from hetstore.optim.registry import flat_steppable, state_count, state_itemsize
 from hetstore.planner.probe import Probe, UnitCall, describe_call, probe_compute
 from hetstore.planner.trace import MachineRates, Trace, UnitTrace
+from hetstore.tier import Tier
 from hetstore.units import UnitSpec, find_units
 
 __all__ = ["trace_model", "with_batch", "batch_shapes", "model_data_trace", "state_itemsize"]
@@ -97,7 +98,11 @@ def model_data_trace(
         buffer_bytes=buffers,
         step_overlap=config.overlaps_disk_steps,
         step_in_forward=config.steps_disk_in_forward,
-        step_in_forward_memory=config.steps_memory_in_forward(machine.device if machine else "cpu"),
+        # (as the runtime: a flat step of fp32 states from gradients in host memory,
+        # InMemoryUnitStep.steps_flat_in_memory)
+        step_in_forward_memory=config.steps_memory_in_forward(machine.device if machine else "cpu")
+        and (optimizer is None or flat_steppable(optimizer))
+        and config.grad_tier is Tier.HOST,
         step_in_backward=config.step_in_backward,
     )
 
