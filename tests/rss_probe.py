@@ -16,7 +16,6 @@ import torch
 
 import hetstore
 from hetstore.demo.gpt import GPT
-from hetstore.footprints import LENT_MASTERS
 
 
 def reset_peak_rss() -> bool:
@@ -98,10 +97,6 @@ def main(path: str, depth: int, steps: int, checkpoint: str | None = None) -> No
     x, y = idx[:, :-1], idx[:, 1:]
     losses = [step(model, optimizer, x, y) for _ in range(steps)]
     stats = hetstore.memory_stats(model)
-    # the device copies a step in backward may borrow as its master while the host has
-    # room (Unit.lend_device_copy): at most LENT_MASTERS blocks' at once
-    units = hetstore.state_of(model).runtime.units
-    lent_bound = LENT_MASTERS * max(u.master_numel * 4 for u in units)
     figures = named_weights_growth(model)
     if checkpoint:
         figures.update(checkpoint_round_trip(model, optimizer, x, y, checkpoint))
@@ -112,7 +107,6 @@ def main(path: str, depth: int, steps: int, checkpoint: str | None = None) -> No
                 "states_bytes": n_params * 16,  # fp32 param + grad + 2 Adam moments
                 "peak_rss": hetstore.peak_rss(),
                 "device_peak": stats["device"]["peak"],
-                "lent_bound": lent_bound,
                 "disk_peak": stats["disk"]["peak"],
                 "losses": losses,
                 **figures,

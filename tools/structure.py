@@ -11,7 +11,7 @@
 - *type dispatch on disk*: ``isinstance(..., DiskArray)`` outside ``hetstore/tiers``.
 - *planner sites naming a tier*: in ``hetstore/planner``, a tier other than the device
   named by hand: ``Tier.HOST`` / ``Tier.DISK``, or an attribute named after one
-  (``.host``, ``.disk_read``, ``e.host_lent``), where the planner does not walk
+  (``.host``, ``.disk_read``, ``e.host_read_ahead``), where the planner does not walk
   ``Tier`` or ask a tier's property (``tier.py``'s tables).
 - *largest classes*: lines from ``class`` to the class's last line.
 - *private reads in tests*: the same reaches from ``tests/``: ``obj._attr`` where

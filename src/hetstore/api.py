@@ -238,8 +238,6 @@ class _Offloading:
         self.root = next(
             (u for u, s in zip(self.units, self.specs, strict=True) if s.is_root), None
         )
-        if self.root is not None:
-            self.root.released_after_backward = True  # (runtime.hooks: the head's work)
         self.grad_stager = _attach_stagers(self.units, self.tiers, self.plan.prefetch_depth)
 
     def wire_hooks(self) -> None:

@@ -21,10 +21,6 @@ __all__ = [
 # gradient staging of disk-gradient units: the unit whose write is in flight, the one
 # filling, and one for the next unit's first gradient arriving meanwhile
 GRAD_STAGING_SLOTS = 3
-# steps during backward that may read their unit's master from its device copy, lent at
-# the end of the unit's backward instead of freed (a CPU device, optim.step_ahead): as many
-# as the steps in backward the gradient stager's buffers let run at once
-LENT_MASTERS = GRAD_STAGING_SLOTS
 # step_in_forward after a clip that bit: the first units the next forward uses whose
 # masters and optimizer states are read into host memory during backward (whose disk
 # is mostly idle), so that forward does not wait for those reads (optim.step_ahead)

@@ -1,5 +1,5 @@
 """The step-ahead tests' model, placement, training loop and bitwise comparisons (moved
-here from test_step_ahead and test_lent_master, unchanged): every test of a step taken
+here from test_step_ahead, unchanged): every test of a step taken
 outside ``optimizer.step()`` compares with the ordinary step through them."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import torch
 
 import hetstore
 from hetstore import OffloadConfig
-from hetstore.runtime.unit import Unit
 from tests.models.gpt import GPT
 from tests.parity import adamw
 
@@ -106,8 +105,3 @@ def assert_same_optimizer_state(a, b):
         assert sa[index].keys() == sb[index].keys(), index
         for key, value in sa[index].items():
             assert torch.equal(value, sb[index][key]), (index, key)
-
-
-def without_lending(patch) -> None:
-    """Every unit reads its master from disk (``patch``: a pytest monkeypatch)."""
-    patch.setattr(Unit, "lends_device_copy", property(lambda self: False))

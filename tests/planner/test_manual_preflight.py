@@ -24,7 +24,6 @@ from hetstore.planner.floor import check_manual_floor, floor_of_config
 from hetstore.planner.tracer import model_data_trace
 from hetstore.tier import Tier
 from tests.models.gpt import GPT, batches
-from tests.optim.helpers import without_lending
 from tests.parity import disk_config
 from tests.parity import train as train_on
 
@@ -67,15 +66,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("param, optim, extra", CASES)
-def test_the_floor_is_never_above_what_training_holds(tmp_path, param, optim, extra, monkeypatch):
+def test_the_floor_is_never_above_what_training_holds(tmp_path, param, optim, extra):
     tight = (param, optim) == ("disk", "disk") and not {"offload_grad", "step_in_backward"} & set(
         extra
     )
-    if tight:
-        # a step in backward may borrow a block's device copy as its master, where the
-        # host has room (Estimate.host_lent): time saved, not memory training needs, so
-        # not in the floor; off here, where the floor must match what is held
-        without_lending(monkeypatch)
     model, optimizer = model_and_optimizer()
     cfg = disk_config(tmp_path, param, optim, offload_activations="none", **extra)
     floor = floor_of(model, optimizer, cfg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -181,6 +182,17 @@ def test_trace_and_plan_round_trip_through_json(tmp_path):
     table = plan.table()
     for name in ("blocks.0", "root", "predicted step", "device", "host"):
         assert name in table
+
+
+def test_a_plan_saved_with_figures_no_longer_kept_still_loads(tmp_path):
+    """A plan saved by a version that still estimated host shadows (host units stepped in
+    backward) and lent masters (a CPU device's device copy as a step's master), both
+    deleted on 2026-11-28, names figures this version does not: it loads without them."""
+    trace = gpt_like(machine=CPU)
+    plan = make_plan(trace, caps(device=all_none_peak(trace) // 3), config())
+    data = json.loads(plan.to_json())
+    data["estimate"].update(host_shadows=1 << 20, host_lent=3 << 20)
+    assert Plan.from_json(json.dumps(data)) == plan
 
 
 def test_manual_settings_are_a_plan():

@@ -4,9 +4,6 @@ when the job is done or when a host allocation needs the room.
 Each saves a disk read the job would otherwise make, and none changes what the job
 computes (the values are the same bytes):
 
-- **lent masters** (:class:`LentMasters`): a step in backward reads the unit's master
-  from the device copy backward just used (a CPU device, fp32: ``Unit.lends_device_copy``)
-  instead of from disk, ``LENT_MASTERS`` at a time;
 - **read-ahead** (:class:`ReadAheads`): after a clip that bit (or with
   ``step_in_forward`` and no stepping in backward) every disk unit's step runs after
   backward, and the first units' reads of master and states are on the critical path
@@ -32,7 +29,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetstore.errors import OutOfTierMemory
-from hetstore.footprints import LENT_MASTERS
 from hetstore.optim import policy
 from hetstore.optim.in_backward import site_of
 from hetstore.optim.step_worker import AT_STEP
@@ -47,42 +43,7 @@ if TYPE_CHECKING:
     from hetstore.optim.streamed import StreamedUnitStep
     from hetstore.runtime.unit import Unit
 
-__all__ = ["LentMasters", "ParamLending", "ReadAhead", "ReadAheads"]
-
-
-# ---------------------------------------------------------------------- lent masters
-class LentMasters:
-    """Device copies lent as the master of steps in backward (see the module doc)."""
-
-    def __init__(self, host, worker: StepWorker):
-        self._host = host
-        self._worker = worker
-
-    def lend(self, job: StepJob, lent_now: int) -> torch.Tensor | None:
-        """The unit's device copy as ``job``'s master, when it is in host memory, fewer
-        than ``LENT_MASTERS`` are lent (``lent_now``), and the host tier has room for it
-        (it moves from the device budget to the host's). None: the step reads the master
-        from disk."""
-        unit = job.unit
-        if not unit.lends_device_copy or lent_now >= LENT_MASTERS:
-            return None
-        if not self._worker.host_room(unit.device_bytes):
-            return None
-        self._host.account.reserve(unit.device_bytes, _lent_label(unit))
-        job.master = unit.lend_device_copy()
-        return job.master
-
-    @staticmethod
-    def give_back(job: StepJob) -> None:
-        """The worker is done with (or never got) the job's lent master: its bytes go."""
-        if job.master is not None:
-            job.master = None
-            unit = job.unit
-            unit.tiers.host.account.release(unit.device_bytes, _lent_label(unit))
-
-
-def _lent_label(unit: Unit) -> str:
-    return f"lent master {unit.name}"
+__all__ = ["ParamLending", "ReadAhead", "ReadAheads"]
 
 
 # ---------------------------------------------------------------------- read-ahead

@@ -91,7 +91,6 @@ class BackwardSteps:
             grads = stager.hand_over(unit) if self.consume else stager.lend(unit)
         job.lent_grads = grads is not None
         try:
-            master = self._lend_master(job)
             job.submitted(
                 self._worker.submit(
                     unit_step.run_speculation,
@@ -100,30 +99,16 @@ class BackwardSteps:
                     job.hyper,
                     grads,
                     job.factor,
-                    master,
                     next_use=AT_STEP,  # (settled there)
                 )
             )
         except BaseException:
             if job.lent_grads:
                 unit.grad_stager.give_back(unit)
-            ahead.masters.give_back(job)
             rewrite.discard()
             raise
         self._stats.started += 1
         return job
-
-    def _lend_master(self, job: StepJob) -> torch.Tensor | None:
-        """The unit's device copy as its master (``LentMasters``), after giving back
-        those of the steps the worker has finished."""
-        pending = self._ahead.pending().values()
-        for other in pending:
-            if other.master is not None and other.future is not None and other.future.done():
-                self._ahead.masters.give_back(other)
-        master = self._ahead.masters.lend(job, sum(j.master is not None for j in pending))
-        if master is not None:
-            self._stats.master_from_memory += 1
-        return master
 
     def _job(self, unit_step, shadows) -> StepJob:
         """What a step of ``unit_step`` into ``shadows`` assumes, taken now."""
@@ -282,7 +267,6 @@ class BackwardSteps:
         self._worker.wait(job)
         # (an interrupt of this thread while it waits propagates, and the buffer stays
         # lent: the worker may still be reading it)
-        self._ahead.masters.give_back(job)
         if job.lent_grads:
             job.lent_grads = False
             unit = job.unit

@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hetstore.optim.borrowed import LentMasters, ParamLending, ReadAhead, ReadAheads
+from hetstore.optim.borrowed import ParamLending, ReadAhead, ReadAheads
 from hetstore.optim.in_backward import BackwardSteps, eligible
 from hetstore.optim.in_forward import ForwardSteps
 from hetstore.optim.in_memory import InMemoryUnitStep
@@ -110,9 +110,6 @@ class SpeculationStats:
     # and steps that read their master and states from host memory, read during the
     # backward before (after a clip that bit: the first units the next forward uses)
     read_ahead: int = 0
-    # steps in backward that read the master from the unit's lent device copy instead of
-    # from disk (a CPU device)
-    master_from_memory: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -170,7 +167,6 @@ class StepAhead:
         # (the thread lasts across steps where it steps host-memory units: see stop)
         keep_thread = bool(in_place)
         self.worker = StepWorker(self._host, streamed, self.stagers, keep_thread)
-        self.masters = LentMasters(self._host, self.worker)
         self.read_aheads = ReadAheads(self._host, self.worker, self.stats)
         self.lending: ParamLending | None = None
         if in_forward:
@@ -474,19 +470,14 @@ class StepAhead:
 
     def _reclaim_host(self) -> bool:
         """The host tier is out of room: give back the first of what the jobs hold only
-        to save time, in this order: what was read ahead, a lent master, the worker's
-        chunk buffers. True when one was given back;
+        to save time, in this order: what was read ahead, the worker's chunk buffers.
+        True when one was given back;
         False leaves the allocation to fail as it would without the step ahead."""
         if not self._reclaiming_allowed:
             return False
         if self.read_aheads:  # the disk has the same values
             self.read_aheads.drop()
             return True
-        for job in self.pending().values():
-            if job.master is not None:  # a lent master: the disk has the same values
-                self.worker.wait(job)
-                self.masters.give_back(job)
-                return True
         if self.worker.has_slots and not self.worker.on_worker_thread():
             # the worker's chunk buffers: what needs the room (the next forward, the
             # clip's scan of gradients on disk, an ordinary step) comes first. Let the

@@ -97,7 +97,6 @@ class StepJob:
     ok: bool | None = None  # the worker's outcome, once waited for
     # borrowed for the run, given back when it is over:
     lent_grads: bool = False  # the gradient stager's host buffer (gradients on disk)
-    master: torch.Tensor | None = None  # the unit's device copy, lent as its master
     # a parameter staging buffer lent for the unit's new parameters, given to the job
     # until the worker starts it (``claimed``); ``filled`` once the run wrote them
     params: torch.Tensor | None = None

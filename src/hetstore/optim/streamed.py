@@ -403,18 +403,13 @@ class StreamedUnitStep(UnitStates):
         hyper: dict,
         grads: torch.Tensor | None,
         factor: float | None = None,
-        master: torch.Tensor | None = None,
     ) -> None:
         """Any thread: step into ``rewrite``'s shadows with the group values ``hyper``
         (taken when the speculation began) and the gradients as they are: in memory, in
         ``grads`` (a host copy of gradients on disk), or else read back from disk;
-        multiplied by ``factor`` (fp16's unscale) into the slot's own buffer. ``master``:
-        the master's values in host memory (the unit's device copy, lent at the end of
-        its backward, ``Unit.lend_device_copy``), read instead of the disk array."""
+        multiplied by ``factor`` (fp16's unscale) into the slot's own buffer."""
         multipliers = [factor] if factor is not None else []
-        read, fill = self._pipeline(
-            multipliers, hyper, rewrite, grads, live_grads=True, master=master
-        )
+        read, fill = self._pipeline(multipliers, hyper, rewrite, grads, live_grads=True)
         rewrite.write(self._chunks, slots, fill, read)
 
     @torch.no_grad()
@@ -481,7 +476,6 @@ class StreamedUnitStep(UnitStates):
         grads: torch.Tensor | None = None,
         live_grads: bool = False,
         has_grad: tuple[bool, ...] | None = None,
-        master: torch.Tensor | None = None,
         read_ahead: dict[str, torch.Tensor] | None = None,
     ):
         unit = self.unit
@@ -492,11 +486,7 @@ class StreamedUnitStep(UnitStates):
         def read(c: _Chunk, slot) -> list:
             handles = []
             if read_ahead is None:  # (else it is the slot's own already: _views_of)
-                into = slot["master"][: c.end - c.start]
-                if master is None:
-                    handles.append(unit.master.read(into, c.start))
-                else:  # the same values, already in memory: a copy, no disk read
-                    into.copy_(master[c.start : c.end])
+                handles.append(unit.master.read(slot["master"][: c.end - c.start], c.start))
             n_state = c.state_end - c.start
             if n_state > 0:
                 if grad_on_disk:

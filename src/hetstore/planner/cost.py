@@ -62,7 +62,6 @@ from dataclasses import dataclass, replace
 
 from hetstore.footprints import (
     GRAD_STAGING_SLOTS,
-    LENT_MASTERS,
     activation_staging_units,
     grad_staging_bytes,
     param_staging_bytes,
@@ -119,10 +118,6 @@ class Estimate:
     # where compute_s comes from: "flops", "probed", "partly probed" or "measured" (the
     # profiled steps); see Trace.compute_basis and the plan's confidence line
     basis: str = "flops"
-    # host bytes of the device copies lent to steps in backward as their master (a CPU
-    # device: optim.step_ahead reads it there instead of from disk), at most; not in
-    # ``host`` for the same reason: each is lent only where the host tier has room
-    host_lent: int = 0
     # disk bytes of the shadows of units stepped ahead beyond the one ``disk`` counts:
     # a speculation keeps its shadow until optimizer.step() commits it, and the worker
     # takes one wherever the disk keeps an ordinary step's room free, so with room to
@@ -677,8 +672,7 @@ def times(
         else:  # streamed through its staging, chunk by chunk
             read = u.state_bytes
             read += 0 if consumed(trace, u, c) else u.grad_bytes
-            # a step in backward reads a lent master from memory (lent_master_bytes)
-            read += 0 if overlap and _lends_master(trace, u, c) else master_bytes(u, c)
+            read += master_bytes(u, c)
             write = master_bytes(u, c) + u.state_bytes
             if c.param == c.optimizer and not aliases_master(u, c):
                 write += u.master_bytes // 4 * u.compute_itemsize  # the home's head
@@ -722,7 +716,6 @@ def estimate(
         trace.overhead_s,
         hidden,
         basis,
-        host_lent=lent_master_bytes(trace, choices),
         disk_shadows=0 if overlap is False else _more_disk_shadows(trace, choices),
         clip_bites_s=clip_bites,
         host_read_ahead=0 if clip_bites is None else read_ahead_bytes(trace, choices),
@@ -783,28 +776,3 @@ def _one_shadow(disk_opt) -> int:
     """Disk bytes of the largest shadow of a step among the ``(unit, choice)`` pairs with
     states on disk (a shadow holds the master and states, never gradients)."""
     return _max(_stored_optimizer_bytes(u, c, consumed=True) for u, c in disk_opt)
-
-
-def lent_master_bytes(trace: Trace, choices: list[UnitChoice]) -> int:
-    """Host bytes the steps in backward may hold as lent device copies: on a CPU device,
-    a block whose fp32 home is its master on disk lends its device copy to its step at
-    the end of its backward (``Unit.lends_device_copy``), ``LENT_MASTERS`` at a time."""
-    lending = [
-        u.param_bytes
-        for u, c in zip(trace.units, choices, strict=True)
-        if _lends_master(trace, u, c)
-    ]
-    return min(LENT_MASTERS, len(lending)) * _max(lending)
-
-
-def _lends_master(trace: Trace, u: UnitTrace, c: UnitChoice) -> bool:
-    """See ``lent_master_bytes``."""
-    return (
-        trace.machine is not None
-        and trace.machine.device == "cpu"
-        and (trace.step_overlap or trace.step_in_backward)
-        and not c.param.addressable
-        and aliases_master(u, c)
-        and not u.is_root
-        and u.trainable_numel > 0
-    )

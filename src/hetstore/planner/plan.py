@@ -5,7 +5,7 @@ cost model predicts for it. Manual settings are a plan too (:meth:`Plan.uniform`
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from hetstore._sizes import format_duration, format_size
@@ -287,12 +287,6 @@ class Plan:
                 f"{format_size(e.disk_shadows)} of disk beside the peak above, where the "
                 "disk has room"
             )
-        if e.host_lent:
-            lines.append(
-                f"steps in backward read their master from the block's device copy, lent "
-                f"to them instead of read again from disk: up to {format_size(e.host_lent)} "
-                "of host memory beside the peak above, where the host has room"
-            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -320,6 +314,10 @@ class Plan:
         if predicted:
             predicted["probe_spread"] = tuple(tuple(p) for p in predicted.get("probe_spread", ()))
             predicted["peaks"] = {tier: predicted.pop(tier.label) for tier in Tier}
+            # (a plan saved by an older version may name a figure no longer kept: the host
+            # shadows and lent masters, until 2026-11-28)
+            known = {f.name for f in fields(Estimate)}
+            predicted = {k: v for k, v in predicted.items() if k in known}
         return cls(
             units,
             data["prefetch_depth"],

@@ -233,42 +233,6 @@ class DeviceResidency:
         self.conceal_params()
 
     @property
-    def lends_device_copy(self) -> bool:
-        """The device copy holds the master's values in host memory, so a step right
-        after backward can read them from it instead of from disk: a CPU device (its
-        memory is host memory), one process, an fp32 home that is the master on disk
-        (the copy is its values exactly), fetched by copy, and nothing frozen that
-        backward may still read."""
-        return (
-            self.device.type == "cpu"
-            and self.shards is None
-            and self.home is self.master
-            and transfers_only(self.master)
-            and self.residency is Residency.PRESENT  # (fetched by copy: a disk home)
-            and not self.home_stale
-            and not self.has_untracked_params
-            and not self.released_after_backward
-        )
-
-    def lend_device_copy(self) -> torch.Tensor:
-        """Release the unit, handing the device copy's bytes to the caller instead of
-        freeing them: its first ``master_numel`` elements, the master's values. The unit
-        gets a new, empty device copy for its next fetch (the parameters point at it);
-        the device budget is given back here, and the caller counts the bytes it keeps
-        (see ``lends_device_copy``)."""
-        if not self.lends_device_copy:
-            raise ValueError(f"unit {self.name!r} has no device copy to lend")
-        lent = self.device_flat
-        # untouched pages of a fresh allocation cost nothing; its views are taken while
-        # it has bytes, then they go
-        self.device_flat = torch.empty_like(lent)
-        self.take_flat_views()
-        self.device_flat.untyped_storage().resize_(0)
-        self.point_params_at_device_flat()
-        self._mark_released()
-        return lent[: self.master_numel]
-
-    @property
     def has_device_copy(self) -> bool:
         """The parameters are fetched into a device copy apart from ``home`` (not used in
         place, and ``home`` is not on the device itself), which writes to ``home`` must

@@ -130,9 +130,6 @@ class Unit(UnitForms, DeviceResidency):
         # why its parameters cannot be read now (hetstore.evict took the device's bytes),
         # said by a read of a concealed parameter; None when they can
         self.refusal: str | None = None
-        # the root: backward releases it only once it is over (not when its gradients
-        # are final), so its device copy is never lent away before that
-        self.released_after_backward = False
         self._build(defer_disk_grad)
 
     def barrier(self) -> None:
