@@ -1,13 +1,26 @@
-"""The host's side of a step taken ahead, without a GPU in the loop: one unit's
-ordinary fused AdamW step against its speculative form (the live master, gradient and
-two moments copied into shadows, then stepped there), on the main thread and on a
-worker thread, alone and beside each other.
+"""The host's side of one host unit's step on a GPU machine, piece by piece: where the
+time between a unit's gradients and its next use goes, beside torchao's way.
 
     python benchmarks/gpu/host_probe.py [--numel 12600000]
 
-Each row is the best of 5 runs. On the H100 machine's 16-core host (2026-11-26) the
-ordinary step of a 12.6M-element unit took 1.3 ms and the speculative one 6.4-6.9 ms:
-the copies, not the arithmetic, are the speculation's price (docs/dev/BENCHMARKS.md).
+A host unit (``offload_param='cpu', offload_optimizer='cpu', compute_dtype='bf16'``)
+steps its fp32 master with torch's fused AdamW on the host, then refreshes its bf16 home
+from the master on the host (``UnitForms.sync_home``), and its next fetch copies that
+home to the device. torchao's ``CPUOffloadOptimizer`` keeps fp32 parameters on the GPU:
+it steps the same way and copies the fp32 parameters back, with no cast on the host. So
+the rows, each the best of 5 runs on ``--numel`` elements (12.6M: one block of the 185M
+GPT):
+
+- the fused AdamW step, on the main thread and on a worker thread (where hetstore's
+  steps in the next forward run);
+- the host cast of the master into a bf16 home (pinned where CUDA is there);
+- with CUDA: the bf16 home's copy to the device, against the fp32 master's copy and a
+  cast on the device (torchao's bytes and the other place for the cast); the fp32
+  gradient's copy to the host.
+
+Before 2026-11-28 this probe compared the ordinary step with a speculative one (copies
+into shadows first, then the step): 1.3 against 6.4-6.9 ms on the H100's host; that
+speculation was deleted (docs/dev/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -15,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -24,54 +38,80 @@ ADAMW = dict(
 )
 
 
+def best(fn: Callable[[], None], sync: Callable[[], None] = lambda: None) -> float:
+    """Milliseconds of the fastest of 5 runs, after one untimed."""
+    fn()
+    sync()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1000
+
+
+def rows(n: int) -> list[tuple[str, float]]:
+    cuda = torch.cuda.is_available()
+    master, grad, exp_avg, exp_avg_sq = (torch.randn(n, pin_memory=cuda) for _ in range(4))
+    exp_avg_sq.abs_()
+    home = torch.empty(n, dtype=torch.bfloat16, pin_memory=cuda)
+    step = torch.tensor(1.0)
+
+    def adamw() -> None:
+        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step], **ADAMW)
+
+    def cast_home() -> None:
+        home.copy_(master)
+
+    worker = ThreadPoolExecutor(1)
+    out = [
+        ("fused AdamW step, main thread", best(adamw)),
+        ("fused AdamW step, worker thread", worker.submit(best, adamw).result()),
+        ("cast of the master into the bf16 home, main thread", best(cast_home)),
+        (
+            "cast of the master into the bf16 home, worker thread",
+            worker.submit(best, cast_home).result(),
+        ),
+    ]
+    if cuda:
+        device = torch.device("cuda")
+        sync = torch.cuda.synchronize
+        on_device = torch.empty(n, dtype=torch.bfloat16, device=device)
+        fp32_on_device = torch.empty(n, device=device)
+        grad_on_device = torch.randn(n, device=device)
+        out += [
+            (
+                "bf16 home to the device (pinned)",
+                best(lambda: on_device.copy_(home, non_blocking=True), sync),
+            ),
+            (
+                "fp32 master to the device, cast there",
+                best(
+                    lambda: on_device.copy_(fp32_on_device.copy_(master, non_blocking=True)), sync
+                ),
+            ),
+            (
+                "fp32 master to the device (torchao's copy back)",
+                best(lambda: fp32_on_device.copy_(master, non_blocking=True), sync),
+            ),
+            (
+                "fp32 gradient to the host (pinned)",
+                best(lambda: grad.copy_(grad_on_device, non_blocking=True), sync),
+            ),
+        ]
+    worker.shutdown()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=12_600_000)
     n = parser.parse_args().numel
     print(f"{torch.get_num_threads()} intra-op threads, {os.cpu_count()} CPUs, {n} elements")
-    live = [torch.randn(n) for _ in range(4)]  # master, gradient, exp_avg, exp_avg_sq
-    live[3].abs_()
-    shadows = [torch.empty(n) for _ in range(4)]
-    step = torch.tensor(1.0)
-
-    def fused(p, g, m, v):
-        torch._fused_adamw_([p], [g], [m], [v], [], [step], **ADAMW)
-
-    def ordinary():
-        fused(*live)
-
-    def speculative():
-        for shadow, value in zip(shadows, live, strict=True):
-            shadow.copy_(value)
-        fused(*shadows)
-
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times) * 1000
-
-    pool = ThreadPoolExecutor(1)
-    rows = [
-        ("ordinary, main thread", best(ordinary)),
-        ("speculative, main thread", best(speculative)),
-        ("ordinary, worker thread", pool.submit(best, ordinary).result()),
-        ("speculative, worker thread", pool.submit(best, speculative).result()),
-    ]
-
-    def ordinary_beside_worker() -> float:
-        busy = pool.submit(lambda: [speculative() for _ in range(3)])
-        took = best(ordinary)
-        busy.result()
-        return took
-
-    rows.append(("ordinary, main, worker speculating", ordinary_beside_worker()))
-    print("| step | ms |\n|---|---|")
-    for name, ms in rows:
-        print(f"| {name} | {ms:.1f} |")
+    print("| piece | ms |\n|---|---|")
+    for name, ms in rows(n):
+        print(f"| {name} | {ms:.2f} |")
 
 
 if __name__ == "__main__":

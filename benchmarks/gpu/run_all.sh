@@ -16,7 +16,7 @@
 # Logs go to $OUT (or ./gpu-logs), packed at the end into logs.tgz; the table is also written to
 # benchmarks/results/gpu_step_engine_<date>_<device>.txt and copied to $OUT. Each part has
 # its own time limit so that one hang cannot eat the rest: wheels 30 s, CUDA tests 90 s,
-# evict/restore 40 s, the GPT 100 s, the Llama what is left of TOTAL_S=465 s (at least 120 s), the table 20 s.
+# the host probe 30 s, evict/restore 40 s, the GPT 100 s, the Llama what is left of TOTAL_S=465 s (at least 120 s), the table 20 s.
 # The step parts also stop themselves in time (--budget-s: fewer timed steps, never fewer
 # than one per batch shape) and write their rows after each timed round, so a part killed
 # by its limit keeps what it finished and the table says which rows are missing.
@@ -78,6 +78,10 @@ if ls .wheels/*.whl >/dev/null 2>&1; then
 else
     echo "no .wheels/ here (bash benchmarks/gpu/fetch_wheels.sh, then carry .wheels): the torchao row will say so"
 fi
+
+# the host's side of a host unit's step, piece by piece (the step, the home's cast, the
+# copies each way): seconds
+timeout "${PROBE_S:-30}" "$PYTHON" benchmarks/gpu/host_probe.py 2>&1 | tee "$OUT/host_probe.log"
 
 # hetstore.evict / restore against a pinned copy_ of the same bytes (the colocated-RL
 # cycle): ~1.7 GB of states on the GPU, seconds

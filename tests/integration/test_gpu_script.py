@@ -97,3 +97,22 @@ def test_smoke_run_leaves_a_slow_runner_out_of_the_later_shapes(tmp_path):
     assert math.isfinite(float(rows["gpt", "4x16", "plain"]))
     assert math.isfinite(float(rows["gpt", "2x16", "hetstore disk"]))
     assert rows["gpt", "4x16", "hetstore disk"].startswith("not run: its 2x16 step took")
+
+
+def test_the_host_probe_times_each_piece_of_a_host_units_step():
+    """benchmarks/gpu/host_probe.py (run_all.sh's first timing) on this machine's CPU: the
+    step and the home's cast each on both threads, every figure a positive time (the
+    copies to and from the device appear only where CUDA is there)."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu/host_probe.py", "--numel", "1000000"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = dict(re.findall(r"^\| ([^|]+?) \| ([\d.]+) \|$", done.stdout, re.MULTILINE))
+    for piece in ("fused AdamW step", "cast of the master into the bf16 home"):
+        for thread in ("main thread", "worker thread"):
+            assert float(rows[f"{piece}, {thread}"]) > 0, (piece, thread, done.stdout)
+    assert len(rows) == 4, done.stdout
