@@ -313,7 +313,6 @@ class _Offloading:
             and config.step_in_forward is not True
             and not config.step_in_backward,
             step_in_forward_memory=config.steps_memory_in_forward(self.device),
-            root=self.root,
             step_in_backward=config.step_in_backward,
             step_in_forward=config.steps_disk_in_forward,
             state_format=state_format(config.optimizer_state_format),

@@ -281,7 +281,7 @@ class OffloadConfig:
             "each unit's step lands before its next use (forward, a read of its weights, "
             "state_dict(), p.grad, a checkpoint), so every reader sees the stepped values "
             "and the result is bitwise the ordinary step's. It hides the steps that "
-            "overlap_step cannot hide in backward: after a clip that bit, the root unit's, "
+            "overlap_step cannot hide in backward: after a clip that bit, "
             "rollbacks. A step that fails on its thread runs again at that use, and raises "
             "there if it fails again (not at optimizer.step()). On a GPU, units whose "
             "states and parameters are in host memory too: their ordinary step runs in "

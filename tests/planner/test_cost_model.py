@@ -206,6 +206,21 @@ def test_disk_steps_hide_behind_a_long_backward_except_the_roots():
     assert e.optimizer_hidden_s == pytest.approx(serial.optimizer_s - root_step)
 
 
+def test_the_roots_step_is_not_hidden_behind_the_next_forward_while_blocks_step_in_backward():
+    """With overlap_step the runtime steps the root in backward too, when its gradients
+    are final at backward's end, and optimizer.step() waits for it (StepAhead.grads_final
+    takes every disk unit): step_in_forward hides nothing more of a step without a clip
+    that bites. (The policy had the root's step in the next forward, which the runtime
+    never did, so the planner hid it there.)"""
+    trace = disk_trace(forward_s=10.0)
+    choices = [ON_DISK] * 5
+    in_forward = estimate(replace(trace, step_in_forward=True), choices, 1)
+    not_in_forward = estimate(replace(trace, step_in_forward=False), choices, 1)
+    assert in_forward.optimizer_s > 0  # the root's step, exposed
+    assert in_forward.optimizer_s == pytest.approx(not_in_forward.optimizer_s)
+    assert in_forward.optimizer_hidden_s == pytest.approx(not_in_forward.optimizer_hidden_s)
+
+
 def test_nothing_hides_behind_a_backward_that_takes_no_time():
     e = estimate(disk_trace(forward_s=0.0), [ON_DISK] * 5, 1)
     assert e.optimizer_hidden_s == 0

@@ -57,7 +57,7 @@ class StepArrangement:
             in_forward=step_in_forward,
             in_forward_memory=self._step_in_forward_memory,
         )
-        sites = [(s, site_of(s, self._flat, self._root)) for s in self._unit_steps]
+        sites = [(s, site_of(s, self._flat)) for s in self._unit_steps]
         ahead = [s for s, site in sites if policy.streamed_ahead(site, modes)]
         # (where the parameters are is asked at each hand-over, ForwardSteps: a later
         # plan may bring a unit's home from the device into host memory, keeping these)

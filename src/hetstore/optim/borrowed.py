@@ -88,8 +88,8 @@ class ReadAheads:
             unit_step = step_of(unit)
             if unit_step is None or id(unit) in self._records or unit.home_stale:
                 continue
-            # (flat and root decide nothing of a read ahead)
-            if not policy.reads_ahead(site_of(unit_step, flat=False, root=None)):
+            # (flat decides nothing of a read ahead)
+            if not policy.reads_ahead(site_of(unit_step, flat=False)):
                 continue
             if not self._read(unit_step):
                 return

@@ -303,18 +303,17 @@ def eligible(unit_step, unit: Unit) -> bool:
     )
 
 
-def site_of(unit_step, flat: bool, root: Unit | None) -> StepSite:
+def site_of(unit_step, flat: bool) -> StepSite:
     """What the step policy (:mod:`hetstore.optim.policy`) asks of ``unit_step``'s unit,
     as the planner asks it of a traced unit: a disk unit is one :func:`eligible` says;
     a host-memory one, :meth:`InMemoryUnitStep.steps_flat_in_memory` (``flat``: the
-    user's optimizer is stepped flat); ``root``: the model's own unit."""
+    user's optimizer is stepped flat)."""
     unit = unit_step.unit
     return StepSite(
         streamed=eligible(unit_step, unit),
         in_memory=isinstance(unit_step, InMemoryUnitStep) and unit_step.steps_flat_in_memory(flat),
         params_in_memory=unit.placement.param is Tier.HOST,
         exact=not isinstance(unit_step, UnitStates) or unit_step.format.exact,
-        root=unit is root,
         trainable=unit.trainable_numel > 0,
     )
 

@@ -2,7 +2,7 @@
 start and how a unit's use lands them.
 
 The units ``optimizer.step()`` would step after the steps in backward were settled (a clip
-that bit, the root, rollbacks) are stepped by the worker while the caller goes on to the
+that bit, rollbacks) are stepped by the worker while the caller goes on to the
 next forward; each lands before its unit's next use (``Unit.barrier``, the runtime's
 ``UNIT_READ`` event, or a disk read of one of its arrays). The step is known: the ordinary
 step's arithmetic and inputs exactly (the group values, flags and factors of that call).

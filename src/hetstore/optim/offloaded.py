@@ -74,7 +74,6 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         overlap_step: bool = False,
         trial_overlap: bool = False,
         step_in_forward_memory: bool = False,
-        root: Unit | None = None,
         step_in_backward: bool = False,
         step_in_forward: bool = False,
         state_format: StateFormat | None = None,
@@ -123,7 +122,6 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         self._trial_overlap = trial_overlap  # (OverlapTrial: whether overlap pays)
         self.overlap_trial: OverlapTrial | None = None  # (made by arrange_steps)
         self._step_in_forward_memory = step_in_forward_memory
-        self._root = root
         self.step_ahead: StepAhead | None = None
         self.grad_norms: RecordedNorms | None = None
         self._stepped_ahead: set[int] = set()  # ids of the units this step committed
@@ -166,7 +164,6 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         self._unit_steps = []
         self._entry_of = {}
         self.units = []
-        self._root = None  # (a unit too: through the runtime's events, every unit)
         self.state.clear()
 
     def _check_alive(self, what: str) -> None:

@@ -7,10 +7,10 @@ Where a step may run, from the facts of its unit (:class:`StepSite`) and the con
 modes (:class:`StepModes`):
 
 - **a disk unit** (master and states on disk, every copy of its parameters written
-  through shadows) is stepped in backward into shadows with ``overlap_step`` (not the
-  root: its gradients are final when backward ends), taking the gradients with
-  ``step_in_backward``, and what backward left of it runs in the next forward with
-  ``step_in_forward``;
+  through shadows) is stepped in backward into shadows with ``overlap_step`` (the root
+  too, when its gradients are final at backward's end), taking the gradients with
+  ``step_in_backward``, and what backward left of it (a clip that bit) runs in the next
+  forward with ``step_in_forward``;
 - **a host-memory unit** (master and torch's fp32 states in host memory, stepped flat)
   is never stepped in backward (:mod:`hetstore.optim.in_memory` says why); on a GPU its
   ordinary step runs in place in the next forward with ``step_in_forward`` when its
@@ -95,7 +95,6 @@ class StepSite(NamedTuple):
     in_memory: bool  # master and torch's fp32 states in host memory, stepped flat
     params_in_memory: bool  # its parameters' home is in host memory
     exact: bool  # fp32 states (a compact format's carry block scales)
-    root: bool  # the model's own parameters: their gradients are final last
     trainable: bool  # the optimizer steps some of its elements
 
 
@@ -116,13 +115,17 @@ def streamed_in_backward(site: StepSite, modes: StepModes) -> bool:
 
 def streamed_in_forward(site: StepSite, modes: StepModes) -> bool:
     """A disk unit whose step backward leaves to the next forward (``step_in_forward``):
-    all of them without ``overlap_step``, else the root's (its gradients come last)."""
+    all of them without ``overlap_step`` (with it, a clip that bit: the planner's
+    ``clip_bites_s``). With ``overlap_step`` the root's is taken in backward too, when
+    its gradients are final at backward's end, and ``optimizer.step()`` waits for it:
+    leaving it to the next forward, whose first use it is, measured no faster
+    (benchmarks/results/disk_offload_root_step_in_forward_ab_2026-11-28_epyc.txt)."""
     return (
         site.streamed
         and site.trainable
         and modes.in_forward
         and not modes.in_backward
-        and (site.root or not modes.overlap_disk)
+        and not modes.overlap_disk
     )
 
 

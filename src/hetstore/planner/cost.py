@@ -441,18 +441,17 @@ def step_site(u: UnitTrace, c: UnitChoice) -> StepSite:
     """What the step policy (optim.policy) asks of a unit, for ``u`` placed as ``c``: a
     disk unit has its states and its parameters on disk (every copy then goes through
     shadows); a host-memory one, fp32 states there (stepped flat)."""
-    return _site(c.param, c.optimizer, u.compact_states, u.is_root, u.trainable_numel > 0)
+    return _site(c.param, c.optimizer, u.compact_states, u.trainable_numel > 0)
 
 
 @functools.lru_cache(maxsize=256)
-def _site(param: Tier, optimizer: Tier, compact: bool, root: bool, trainable: bool) -> StepSite:
+def _site(param: Tier, optimizer: Tier, compact: bool, trainable: bool) -> StepSite:
     # (a few dozen kinds: the search asks millions of times, once per unit per placement)
     return StepSite(
         streamed=not optimizer.addressable and param == optimizer,
         in_memory=_in_memory(optimizer) and not compact,
         params_in_memory=_in_memory(param),
         exact=not compact,
-        root=root,
         trainable=trainable,
     )
 
