@@ -326,10 +326,7 @@ class OffloadConfig:
         ``overlap_step`` is not False (under 'auto' the overlap trial keeps it only while
         it is faster than none). Never during backward: see optim.in_memory."""
         device = torch.device(device) if device is not None else self.resolved_device()
-        chosen = self.step_in_forward is True or (
-            self.step_in_forward == "auto" and self.overlap_step is not False
-        )
-        return chosen and device.type == "cuda"
+        return self.steps_disk_in_forward and device.type == "cuda"
 
     def resolved_device(self) -> torch.device:
         """The compute device: 'auto' becomes cuda when available, else cpu."""

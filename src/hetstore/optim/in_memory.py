@@ -60,61 +60,47 @@ class InMemoryUnitStep:
         """The ordinary step, in place: each inner group takes the values ``hyper`` gives
         for its outer group (the live ones in ``optimizer.step()``; those of that call
         for a step in the next forward), then the compute-dtype copies are refreshed.
-        Flat: the segments go through :meth:`_step_segments`."""
+        Flat: each param-group segment of the master by one fused call,
+        :func:`step_flat`, the one kernel call of every flat step in memory."""
         values = {outer: hyper(outer) for outer in self.groups}
         for inner, outer in zip(self.optimizer.param_groups, self.groups, strict=True):
             inner.update(values[outer])
         if not self.flat:
             self.optimizer.step()
         else:
-            unit = self.unit
-            live = [self.optimizer.state.get(t, {}) for t in self.tensors]
-            states = [
-                {k: state[k] for k in self._state_keys(i, values) if k in state}
-                for i, state in enumerate(live)
-            ]
-            fresh = [not s and not self._spec.preallocate_states for s in states]
-            grads = [unit.grad[seg.start : seg.end] for seg in unit.segments]
-            stepped = self._step_segments(unit.master, states, grads, values, fresh, live)
-            for tensor, state, after in zip(self.tensors, live, stepped, strict=True):
-                counter = state.get("step")
-                if counter is not None and "step" in after:
-                    counter.copy_(after["step"])  # (the live counter, moved in place)
-                    after = {k: v for k, v in after.items() if k != "step"}
-                made = {k: v for k, v in after.items() if k not in state}
-                if made:  # the states torch made itself (SGD's first momentum)
-                    self.optimizer.state[tensor] = {**state, **made}
+            self._step_flat(values)
         self.unit.refresh_after_step()
 
-    def _step_segments(
-        self,
-        master: torch.Tensor,
-        states: list[dict[str, torch.Tensor]],
-        grads: list[torch.Tensor],
-        hyper: dict[int, dict],
-        fresh: list[bool],
-        live: list[dict],
-    ) -> list[dict]:
-        """Step each param-group segment of ``master`` with its ``grads`` and ``states``
-        (views stepped in place) by one fused call, :func:`step_flat`, the counter taken
-        from ``live`` (the inner optimizer's state, never moved here): the one kernel
-        call of every flat step in memory. Returns the state each call left."""
+    def _step_flat(self, values: dict[int, dict]) -> None:
+        """Each segment with its gradients and the states its group values keep (the
+        user may have turned SGD's momentum on since the last step); the live step
+        counter is moved in place, and the states torch made itself (SGD's first
+        momentum) are kept in the inner optimizer's state."""
+        unit = self.unit
         if self._placeholders is None:
             self._placeholders = placeholder_optimizers(
                 type(self.optimizer), self.optimizer.param_groups
             )
-        return [
-            step_flat(
+        for i, (seg, tensor) in enumerate(zip(unit.segments, self.tensors, strict=True)):
+            group = values[self.groups[i]]
+            state = self.optimizer.state.get(tensor, {})
+            states = {k: state[k] for k in self._spec.state_keys([group]) if k in state}
+            counter = state.get("step")
+            after = step_flat(
                 self._placeholders[i],
-                hyper[self.groups[i]],
-                master[seg.start : seg.end],
-                grads[i],
-                states[i],
-                live[i].get("step"),
-                fresh[i],
+                group,
+                unit.master[seg.start : seg.end],
+                unit.grad[seg.start : seg.end],
+                states,
+                counter,
+                not states and not self._spec.preallocate_states,
             )
-            for i, seg in enumerate(self.unit.segments)
-        ]
+            if counter is not None and "step" in after:
+                counter.copy_(after["step"])  # (the live counter, moved in place)
+                after = {k: v for k, v in after.items() if k != "step"}
+            made = {k: v for k, v in after.items() if k not in state}
+            if made:  # the states torch made itself (SGD's first momentum)
+                self.optimizer.state[tensor] = {**state, **made}
 
     # ------------------------------------------------------------------ where it steps
     def steps_flat_in_memory(self, flat: bool) -> bool:
@@ -130,8 +116,3 @@ class InMemoryUnitStep:
             and isinstance(unit.grad, torch.Tensor)
             and unit.grad.device.type == "cpu"
         )
-
-    def _state_keys(self, segment: int, hyper: dict[int, dict]) -> tuple[str, ...]:
-        """The states segment ``segment`` keeps when stepped with the group values
-        ``hyper`` (the user may have turned SGD's momentum on since the last step)."""
-        return self._spec.state_keys([hyper[self.groups[segment]]])

@@ -150,14 +150,12 @@ class StepAhead:
         # the units in the order the next forward uses them (the runtime's), else None
         self.use_order: Callable[[], list[Unit]] | None = None
         self.hyper = hyper  # a param group's current values, by index
-        self.device = first.unit.device  # the compute device
         self._host = first.unit.tiers.host
         self._disk = first.unit.tiers.disk
         # attached by offload() before the optimizer is built; fixed from here on
         self.stagers = stagers_of([s.unit for s in unit_steps])
-        streamed = [s for s in unit_steps if isinstance(s, StreamedUnitStep)]
         # kept free on disk while speculations hold their shadows: one ordinary step's
-        self.disk_reserve = max((s.shadow_bytes for s in streamed), default=0)
+        self.disk_reserve = max((s.shadow_bytes for s in unit_steps), default=0)
         # every unit's step job, one per unit at a time, in the order they were made
         # (the worker's too: by next use, and the steps in the next forward are made in
         # its order): steps in backward until settled (and, taken in backward, until
@@ -166,7 +164,7 @@ class StepAhead:
         self.stats = SpeculationStats()
         # (the thread lasts across steps where it steps host-memory units: see stop)
         keep_thread = bool(in_place)
-        self.worker = StepWorker(self._host, streamed, self.stagers, keep_thread)
+        self.worker = StepWorker(self._host, unit_steps, self.stagers, keep_thread)
         self.read_aheads = ReadAheads(self._host, self.worker, self.stats)
         self.lending: ParamLending | None = None
         if in_forward:
@@ -184,7 +182,7 @@ class StepAhead:
         self._events = first.unit.events
         # (a disk unit's step in backward reads the stager's buffer on this thread, so
         # it must wait for the gradient copies when the unit's backward is done)
-        reads_grads = self.speculate and bool(streamed)
+        reads_grads = self.speculate and bool(unit_steps)
         for event, handler in self._subscriptions():
             on_grads = event in (Event.GRADS_GATHERED, Event.GRADS_FINAL)
             self._events.subscribe(event, handler, reads_grads=reads_grads and on_grads)
