@@ -38,7 +38,7 @@ WRAPPED = [
     (Unit, "refresh_after_step"),
     (grad_sink.GradSink, "wait_copies"),
     (in_forward.ForwardSteps, "_run"),
-    (step_ahead.StepAhead, "finish_unit_in_forward"),
+    (in_forward.ForwardSteps, "land"),
     (step_ahead.StepAhead, "_start_read_ahead"),
     (borrowed, "_read_into"),
     (staging.ParamStager, "take"),

@@ -18,6 +18,7 @@ from hetstore.footprints import param_staging_slots
 from hetstore.model_state import ModelState, attach, is_released, state_of
 from hetstore.optim import DynamicLossScaler, OffloadedOptimizer
 from hetstore.optim.original import redirect_original
+from hetstore.optim.policy import StepModes
 from hetstore.optim.registry import FLAT_NAMES, flat_steppable
 from hetstore.optim.state_format import state_format
 from hetstore.planner import Capacities, Plan, Trace, UnitChoice, make_plan
@@ -307,14 +308,16 @@ class _Offloading:
             chunk_numel=config.optimizer_chunk_size // 4,
             param_order=list(self.model.parameters()),
             shards=self.shards,
-            overlap_step=config.overlaps_disk_steps,
+            modes=StepModes(
+                overlap_disk=config.overlaps_disk_steps,
+                in_backward=config.step_in_backward,
+                in_forward=config.steps_disk_in_forward,
+                in_forward_memory=config.steps_memory_in_forward(self.device),
+            ),
             # 'auto' with no step placement forced: whether to overlap at all, measured
             trial_overlap=config.overlap_step == "auto"
             and config.step_in_forward is not True
             and not config.step_in_backward,
-            step_in_forward_memory=config.steps_memory_in_forward(self.device),
-            step_in_backward=config.step_in_backward,
-            step_in_forward=config.steps_disk_in_forward,
             state_format=state_format(config.optimizer_state_format),
             on_step_begin=lambda: profiler.switch("optimizer"),
             on_step=profiler.step_ends,

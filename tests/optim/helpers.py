@@ -86,7 +86,7 @@ def train(
 def finish_steps_taken_ahead(opt) -> None:
     ahead = opt.step_ahead
     if ahead is not None:
-        for spec in ahead.speculations:
+        for spec in ahead.pending().values():
             spec.future.result()
 
 

@@ -167,7 +167,7 @@ def test_switching_ways_between_steps_trains_bitwise_like_no_overlap(tmp_path, c
     units = len(on_opt.step_ahead.unit_steps)
     assert [n for n, way in zip(taken, ended, strict=True) if not way] == [0] * 6
     assert all(n >= units for n, way in zip(taken, ended, strict=True) if way)
-    assert not on_opt.step_ahead.steps_in_forward
+    assert not on_opt.step_ahead.in_forward_jobs()
 
 
 def test_the_trial_switches_host_steps_in_the_next_forward_as_on_a_gpu(tmp_path, monkeypatch):
@@ -235,4 +235,4 @@ def test_a_step_without_a_backward_takes_the_way_the_trial_set(tmp_path):
     handed = opt.speculation_stats["in_forward"]
     opt.step()  # (the same gradients again, no backward)
     assert opt.speculation_stats["in_forward"] == handed
-    assert not opt.step_ahead.steps_in_forward
+    assert not opt.step_ahead.in_forward_jobs()

@@ -144,7 +144,7 @@ def test_the_clip_reads_no_gradient_back_from_disk(tmp_path):
             model(x, y).backward()
             # (the worker's reads ahead for the steps, started with backward, are not the
             # clip's: on a loaded machine the last of them was still going on here)
-            for ahead in opt.step_ahead.read_ahead if opt.step_ahead is not None else ():
+            for ahead in opt.step_ahead.read_aheads.records if opt.step_ahead is not None else ():
                 ahead.future.result()
             before = disk.stats()["bytes_read"]
             totals.append(opt.clip_grad_norm_(1e-3))

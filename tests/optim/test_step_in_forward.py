@@ -75,7 +75,7 @@ def test_steps_in_the_next_forward_train_bitwise_like_the_ordinary_step(
     if clip is not None or not overlap:  # a clip that bites: none is kept from backward
         assert stats["committed"] == 0
         assert stats["in_forward"] == units_of(on) * len(data)
-    assert not on_opt.step_ahead.steps_in_forward  # state_dict() above committed the last ones
+    assert not on_opt.step_ahead.in_forward_jobs()  # state_dict() above committed the last ones
 
 
 @GRADS
@@ -91,7 +91,7 @@ def test_every_reader_between_step_and_forward_sees_the_stepped_values(tmp_path,
             model(x, y).backward()
             opt.clip_grad_norm_(0.05)
             opt.step()
-        assert on_opt.step_ahead.steps_in_forward, "nothing was left to the next forward"
+        assert on_opt.step_ahead.in_forward_jobs(), "nothing was left to the next forward"
         weight = next(p for n, p in on.named_parameters() if "blocks.1" in n)
         weight_off = dict(off.named_parameters())[
             next(n for n, p in on.named_parameters() if p is weight)
@@ -400,7 +400,7 @@ def _train_reading_ahead(
         for x, y in data[1:]:
             start = disk.stats()["bytes_read"]
             loss.backward()
-            for record in ahead.read_ahead:  # (the worker's reads are async)
+            for record in ahead.read_aheads.records:  # (the worker's reads are async)
                 ahead.worker.wait(record)
             middle = disk.stats()["bytes_read"]
             losses.append(loss.item())
@@ -455,7 +455,7 @@ def test_the_first_units_states_are_read_during_backward_for_their_step(
     assert moved[1:] == [per_step] * (len(data) - 2)
     if not overlap:  # (with it, the first step's speculations read when the worker does)
         assert 0 < moved[0] < per_step
-    assert not on_opt.step_ahead.read_ahead  # each step freed what it read ahead
+    assert not on_opt.step_ahead.read_aheads.records  # each step freed what it read ahead
 
 
 def test_read_ahead_states_are_stepped_where_they_were_read(tmp_path, monkeypatch):
@@ -499,8 +499,8 @@ def test_a_step_after_a_clip_leaves_no_read_ahead_and_no_worker_behind(tmp_path)
         model(x, y).backward()
         opt.clip_grad_norm_(0.05)
         opt.step()
-        assert not opt.step_ahead.read_ahead
-        assert not opt.step_ahead.worker_running  # (before zero_grad, which stops it too)
+        assert not opt.step_ahead.read_aheads.records
+        assert not opt.step_ahead.worker.running  # (before zero_grad, which stops it too)
         opt.zero_grad()
     assert opt.speculation_stats["read_ahead"] > 0
 
@@ -542,16 +542,16 @@ def test_what_was_read_ahead_gives_way_to_a_host_allocation_and_to_a_rewrite(tmp
             model(x, y).backward()
             if name == "reclaimed":
                 held = host.account.current
-                assert opt.step_ahead.read_ahead
+                assert opt.step_ahead.read_aheads.records
                 if i == 0:
                     assert any(
                         r() for r in host.reclaimers
                     )  # what an allocation without room calls
-                    assert not opt.step_ahead.read_ahead
+                    assert not opt.step_ahead.read_aheads.records
                     assert host.account.current < held
                 else:
                     model.load_state_dict(model.state_dict())
-                    assert not opt.step_ahead.read_ahead
+                    assert not opt.step_ahead.read_aheads.records
             else:
                 model.load_state_dict(model.state_dict()) if i else None
             opt.step()
@@ -574,7 +574,7 @@ def test_steps_finish_during_the_loops_own_work_between_step_and_forward(tmp_pat
     x, y = data[0]
     model(x, y).backward()
     opt.step()
-    pending = list(opt.step_ahead.steps_in_forward)
+    pending = list(opt.step_ahead.in_forward_jobs())
     assert len(pending) == units_of(model)
     deadline = time.monotonic() + 30
     while not all(r.future.done() for r in pending) and time.monotonic() < deadline:
@@ -595,7 +595,7 @@ for x, y in batches(2, vocab=64):
     model(x, y).backward()
     opt.step()
     opt.zero_grad()
-assert opt.step_ahead.steps_in_forward  # the last step's units: still to land
+assert opt.step_ahead.in_forward_jobs()  # the last step's units: still to land
 print("left", time.perf_counter(), flush=True)
 """
 

@@ -61,7 +61,7 @@ def test_host_steps_in_the_next_forward_train_bitwise_like_the_ordinary_step(
     assert stats["in_forward"] + stats["committed"] == units_of(on) * len(data)
     if not overlap:
         assert stats["in_forward"] == units_of(on) * len(data)
-    assert not on_opt.step_ahead.steps_in_place  # state_dict() above waited for the last ones
+    assert not on_opt.step_ahead.in_place()  # state_dict() above waited for the last ones
 
 
 def test_every_reader_between_step_and_forward_sees_the_stepped_values(tmp_path):
@@ -77,7 +77,7 @@ def test_every_reader_between_step_and_forward_sees_the_stepped_values(tmp_path)
         for model, opt in ((on, on_opt), (off, off_opt)):
             model(x, y).backward()
             opt.step()
-        assert on_opt.step_ahead.steps_in_place, "nothing was left to the next forward"
+        assert on_opt.step_ahead.in_place(), "nothing was left to the next forward"
         names = [n for n, _ in on.named_parameters()]
         name = next(n for n in names if "blocks.1" in n)
         weight, weight_off = dict(on.named_parameters())[name], dict(off.named_parameters())[name]
@@ -137,7 +137,7 @@ def test_a_step_that_fails_on_the_worker_raises_at_the_units_next_use(tmp_path, 
     on_opt.zero_grad()
     losses = train(on, on_opt, data[2:])  # training goes on
     on_opt.finish_steps_in_forward()
-    assert not on_opt.step_ahead.steps_in_place and all(torch.isfinite(torch.tensor(losses)))
+    assert not on_opt.step_ahead.in_place() and all(torch.isfinite(torch.tensor(losses)))
 
 
 def test_a_cpu_device_keeps_the_host_steps_in_optimizer_step(tmp_path, monkeypatch):
@@ -220,7 +220,7 @@ def stepped_and_held(tmp_path, held):
     model(x, y).backward()
     held.clear()
     opt.step()
-    assert opt.step_ahead.steps_in_place
+    assert opt.step_ahead.in_place()
     threading.Timer(0.5, held.set).start()
     return model, opt, before
 

@@ -18,7 +18,7 @@ from hetstore.optim.compact import CompactUnitStep
 from hetstore.optim.grad_norms import RecordedNorms
 from hetstore.optim.in_backward import site_of
 from hetstore.optim.in_memory import InMemoryUnitStep
-from hetstore.optim.policy import OverlapTrial, StepModes
+from hetstore.optim.policy import OverlapTrial
 from hetstore.optim.registry import FLAT_NAMES
 from hetstore.optim.step_ahead import StepAhead
 from hetstore.optim.streamed import StreamedUnitStep, UnitStates
@@ -38,7 +38,7 @@ class StepArrangement:
         ``step_ahead`` and ``grad_norms`` subscribe to the runtime's events themselves
         (the old ones unsubscribe as they close); ``offload()`` tells the step ahead the
         next forward's order."""
-        overlap_step, step_in_forward = self._overlap
+        modes = self.modes
         if self.step_ahead is not None:
             self.step_ahead.close()
         # the clip's norms of disk gradients, taken in backward (the runtime's
@@ -51,13 +51,7 @@ class StepArrangement:
         # planner asks too: disk units stepped ahead, and host units whose ordinary step
         # runs on in place during the next forward (a GPU); sharded
         # too: a rank steps its own shard, with nothing collective in it
-        modes = StepModes(
-            overlap_disk=overlap_step,
-            in_backward=self.step_in_backward,
-            in_forward=step_in_forward,
-            in_forward_memory=self._step_in_forward_memory,
-        )
-        sites = [(s, site_of(s, self._flat)) for s in self._unit_steps]
+        sites = [(s, site_of(s)) for s in self._unit_steps]
         ahead = [s for s, site in sites if policy.streamed_ahead(site, modes)]
         # (where the parameters are is asked at each hand-over, ForwardSteps: a later
         # plan may bring a unit's home from the device into host memory, keeping these)
@@ -84,9 +78,7 @@ class StepArrangement:
                 ahead,
                 self._hyper,
                 self.loss_scaler,
-                consume=self.step_in_backward,
-                speculate=overlap_step,
-                in_forward=step_in_forward,
+                modes,
                 trial=self.overlap_trial,
                 in_place=in_place,
             )

@@ -89,7 +89,7 @@ class ReadAheads:
             if unit_step is None or id(unit) in self._records or unit.home_stale:
                 continue
             # (flat decides nothing of a read ahead)
-            if not policy.reads_ahead(site_of(unit_step, flat=False)):
+            if not policy.reads_ahead(site_of(unit_step)):
                 continue
             if not self._read(unit_step):
                 return
@@ -175,7 +175,7 @@ class ParamLending:
 
     ``ahead``: the step ahead that owns it, whose ``in_forward_jobs()`` are the steps in
     the next forward in the order the worker runs them (the order forward uses their
-    units), and whose ``finish_unit_in_forward(unit)`` lands one."""
+    units), and whose ``forward.land(unit)`` lands one."""
 
     def __init__(self, worker: StepWorker, ahead):
         self._worker = worker
@@ -270,7 +270,7 @@ class ParamLending:
         for job in self._ahead.in_forward_jobs():
             if job.params is not None:
                 try:
-                    self._ahead.finish_unit_in_forward(job.unit)
+                    self._ahead.forward.land(job.unit)
                 except Exception:  # noqa: BLE001 - raised again at that unit's use
                     pass
                 return True

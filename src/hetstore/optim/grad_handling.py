@@ -80,7 +80,7 @@ class GradHandling:
 
     def _unscale_now(self) -> bool:
         if self.step_ahead is not None:
-            self.step_ahead.caller_waits()
+            self.step_ahead.policy.step_called()
         inv = 1.0 / self.loss_scaler.scale
         if self.shards is not None:
             views = self._grad_shards()
@@ -90,7 +90,7 @@ class GradHandling:
         if views:
             unscaled = None
             if self.step_ahead is not None:  # steps taken ahead applied inv themselves
-                unscaled = self.step_ahead.unscaling(
+                unscaled = self.step_ahead.backward.unscaling(
                     [u for u in self.units if isinstance(u.grad, torch.Tensor)]
                 )
             torch._foreach_mul_(views, inv)
@@ -121,7 +121,7 @@ class GradHandling:
         the next backward on each disk unit's L2 norms are taken as its gradients are
         written (with fp16 the clip reads unscaled gradients, which backward has not)."""
         if self.step_ahead is not None:
-            self.step_ahead.caller_waits()
+            self.step_ahead.policy.step_called()
         self.finish_steps_in_forward()
         if self.grad_norms is not None and norm_type == 2.0 and self.loss_scaler is None:
             self.grad_norms.enabled = True
@@ -179,7 +179,7 @@ class GradHandling:
         scaled as the step reads them.
         """
         self._check_alive("clip_grad_norm_")
-        if self.step_in_backward:
+        if self.modes.in_backward:
             raise ConfigError(
                 "optimizer.clip_grad_norm_(): with step_in_backward=True each unit is stepped "
                 "inside backward, before the global norm is known, and its gradients are "

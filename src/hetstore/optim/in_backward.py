@@ -40,14 +40,15 @@ __all__ = ["BackwardSteps", "changed_keys", "eligible", "site_of"]
 class BackwardSteps:
     """The steps in backward of one step ahead (see the module doc)."""
 
-    def __init__(self, ahead: StepAhead, loss_scaler, consume: bool):
+    def __init__(self, ahead: StepAhead, loss_scaler):
         # (a proxy: the step ahead owns this object, and a cycle would keep a released
         # model's step machinery for the garbage collector)
         self._ahead = weakref.proxy(ahead)
         self._worker = ahead.worker
         self._stats = ahead.stats
         self._loss_scaler = loss_scaler  # fp16: gradients are unscaled before the step
-        self.consume = consume
+        # step_in_backward: the steps take the gradients, and are committed in backward
+        self.consume = ahead.modes.in_backward
 
     # ------------------------------------------------------------------ starting
     def start(self, unit: Unit) -> StepJob | None:
@@ -303,15 +304,14 @@ def eligible(unit_step, unit: Unit) -> bool:
     )
 
 
-def site_of(unit_step, flat: bool) -> StepSite:
+def site_of(unit_step) -> StepSite:
     """What the step policy (:mod:`hetstore.optim.policy`) asks of ``unit_step``'s unit,
     as the planner asks it of a traced unit: a disk unit is one :func:`eligible` says;
-    a host-memory one, :meth:`InMemoryUnitStep.steps_flat_in_memory` (``flat``: the
-    user's optimizer is stepped flat)."""
+    a host-memory one, :meth:`InMemoryUnitStep.steps_flat_in_memory`."""
     unit = unit_step.unit
     return StepSite(
         streamed=eligible(unit_step, unit),
-        in_memory=isinstance(unit_step, InMemoryUnitStep) and unit_step.steps_flat_in_memory(flat),
+        in_memory=isinstance(unit_step, InMemoryUnitStep) and unit_step.steps_flat_in_memory(),
         params_in_memory=unit.placement.param is Tier.HOST,
         exact=not isinstance(unit_step, UnitStates) or unit_step.format.exact,
         trainable=unit.trainable_numel > 0,

@@ -103,14 +103,14 @@ class InMemoryUnitStep:
                 self.optimizer.state[tensor] = {**state, **made}
 
     # ------------------------------------------------------------------ where it steps
-    def steps_flat_in_memory(self, flat: bool) -> bool:
-        """A flat step of a master in host memory whose states are torch's own fp32
-        tensors (``flat``: the segments are stepped by one fused call each): the step the
-        next forward can run in place on the worker. Sharded too: a rank steps its own
-        shard, with nothing collective in it."""
+    def steps_flat_in_memory(self) -> bool:
+        """A flat step (one fused call per segment) of a master in host memory whose
+        states are torch's own fp32 tensors: the step the next forward can run in place
+        on the worker. Sharded too: a rank steps its own shard, with nothing collective
+        in it."""
         unit = self.unit
         return (
-            flat
+            self.flat
             and unit.placement.optimizer is Tier.HOST
             and isinstance(unit.master, torch.Tensor)
             and isinstance(unit.grad, torch.Tensor)

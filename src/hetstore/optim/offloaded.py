@@ -42,7 +42,7 @@ from hetstore.optim.grad_handling import GradHandling
 from hetstore.optim.grad_norms import RecordedNorms
 from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.loss_scaler import DynamicLossScaler
-from hetstore.optim.policy import OverlapTrial
+from hetstore.optim.policy import OverlapTrial, StepModes
 from hetstore.optim.registry import flat_spec, flat_steppable
 from hetstore.optim.state_format import StateFormat
 from hetstore.optim.state_format import state_format as state_format_named
@@ -71,11 +71,8 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         chunk_numel: int = 2**24,
         param_order: list | None = None,
         shards: ShardGroup | None = None,
-        overlap_step: bool = False,
+        modes: StepModes,
         trial_overlap: bool = False,
-        step_in_forward_memory: bool = False,
-        step_in_backward: bool = False,
-        step_in_forward: bool = False,
         state_format: StateFormat | None = None,
     ):
         self._laid_out = False  # add_param_group: only Optimizer.__init__'s own calls
@@ -117,11 +114,11 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         # why it cannot be used now (hetstore.release freed the units' buffers; evict
         # moved those on the device away until restore), None when it can
         self.refusal: str | None = None
-        self.step_in_backward = step_in_backward and shards is None
-        self._overlap = (overlap_step, step_in_forward)
+        # where unit steps may run besides optimizer.step() (optim.policy); sharded units
+        # are not stepped taking their gradients in backward
+        self.modes = modes._replace(in_backward=modes.in_backward and shards is None)
         self._trial_overlap = trial_overlap  # (OverlapTrial: whether overlap pays)
         self.overlap_trial: OverlapTrial | None = None  # (made by arrange_steps)
-        self._step_in_forward_memory = step_in_forward_memory
         self.step_ahead: StepAhead | None = None
         self.grad_norms: RecordedNorms | None = None
         self._stepped_ahead: set[int] = set()  # ids of the units this step committed
@@ -178,8 +175,6 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
             hyper.update(foreach=False, fused=True)
         return hyper
 
-    # ------------------------------------------------------------------ gradients
-
     # ------------------------------------------------------------------ step
     def add_param_group(self, param_group: dict) -> None:
         if self._laid_out:
@@ -209,7 +204,7 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         if self._on_step_begin is not None:
             self._on_step_begin()
         if self.step_ahead is not None:
-            self.step_ahead.caller_waits()
+            self.step_ahead.policy.step_called()
         self.finish_steps_in_forward()  # the last step's, if no forward came between
         self._check_chunked_state_keys()
         if self._resume_at == 0:
@@ -219,7 +214,7 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
                 if found_inf:
                     self.zero_grad()  # (drops the steps taken ahead too)
                     if self.step_ahead is not None:
-                        self.step_ahead.step_ended()
+                        self.step_ahead.policy.step_ended()
                     self._trial_step_ended()
                     return None
         # the loss scaler has decided; an interrupted step resumes below, not above
@@ -234,20 +229,19 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
                 self.step_ahead.discard_all()
         if self._resume_at == 0:
             self._refuse_consumed_again()
-        if self.step_ahead is not None and self.step_ahead.in_forward:
+        if self.step_ahead is not None and self.step_ahead.modes.in_forward:
             # the rest of the disk units' steps, and on a GPU the host units', run on
             # during the next forward
             later = [
                 s
                 for s in self._unit_steps[self._resume_at :]
                 if id(s.unit) not in self._stepped_ahead
-                and isinstance(s, (UnitStates, InMemoryUnitStep))
             ]
             for unit_step in later:
                 if unit_step.unit.grads.any():
                     self._warn_missing(unit_step.unit)
             # (recorded as each starts: a step resumed after a failure here skips them)
-            self.step_ahead.defer(later, self._factors_for, self._stepped_ahead)
+            self.step_ahead.forward.hand_over(later, self._factors_for, self._stepped_ahead)
         for index in range(self._resume_at, len(self._unit_steps)):
             self._resume_at = index
             unit_step = self._unit_steps[index]
@@ -275,8 +269,9 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
             unit.grads.fill_missing()
             unit_step.step(self._hyper)
         self._resume_at = 0
-        if self.step_ahead is not None:
-            self.step_ahead.drop_read_ahead()
+        if self.step_ahead is not None:  # what no step used goes, and the idle worker
+            self.step_ahead.read_aheads.drop()
+            self.step_ahead.stop_worker_if_idle()
         self._forget_this_step()
         self._trial_step_ended()
         if self._on_step is not None:
@@ -292,9 +287,7 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
     def _note_held_shadows(self, exc: OutOfTierMemory) -> None:
         """The disk was full for a step: say what the steps running on into the next
         forward hold of it, if any, and how to keep that room for this step."""
-        steps, held = (
-            (0, 0) if self.step_ahead is None else self.step_ahead.in_forward_shadow_bytes()
-        )
+        steps, held = (0, 0) if self.step_ahead is None else self.step_ahead.forward.shadow_bytes()
         if exc.tier == Tier.DISK.label and steps:
             exc.add_note(
                 f"hetstore: {steps} unit steps running on into the next forward "
@@ -324,7 +317,7 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         (``step_in_forward``); a no-op otherwise. Everything that reads the optimizer's
         states, the master or the gradients as a whole calls it first."""
         if self.step_ahead is not None:
-            self.step_ahead.finish_in_forward()
+            self.step_ahead.forward.land_all()
 
     def _check_chunked_state_keys(self) -> None:
         """States streamed chunk by chunk (on disk, or compact) are arrays laid out at
@@ -397,9 +390,3 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
             self.step_ahead.discard_all()
         for unit in self.units:
             unit.grads.clear()
-
-    # ------------------------------------------------------------------ state dict
-
-    # ------------------------------------------------------------------ checkpoint access
-    # hetstore.save / hetstore.load stream states unit by unit through these, without the
-    # copies state_dict() makes (see hetstore.checkpoint.training).

@@ -152,7 +152,7 @@ class StateIO:
                         elif key in unit_step.states:
                             slices.setdefault(key, []).append((start, value))
                     continue
-                self._import_param_state(param, values)
+                self.import_param_state(param, values)
         for unit_step, (slices, steps) in streamed.items():
             unit_step.write_states(slices, max(steps) if steps else None)
 
@@ -275,12 +275,9 @@ class StateIO:
                         unit.free_buffer(value)
                     state.clear()
 
+    @torch.no_grad()
     def import_param_state(self, param, values: dict) -> None:
         """Set ``param``'s state from ``values`` (torch's keys; tensors copied in)."""
-        self._import_param_state(param, values)
-
-    @torch.no_grad()
-    def _import_param_state(self, param, values: dict) -> None:
         unit_step, start, tensor, entry = self._locate(param)
         unit_step.unit.before_state_change()  # a step taken ahead from these goes first
         inner = unit_step.optimizer.state.setdefault(tensor, {})

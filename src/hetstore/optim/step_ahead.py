@@ -47,7 +47,7 @@ are. Gradients on disk are read from the gradient stager's host buffer when it c
 read back from disk once written. A clip that scales gradients on disk (a
 factor the ordinary step applies as it reads them) rolls the speculation back.
 
-With ``step_in_backward`` (``consume=True``) the step in backward is not a speculation
+With ``step_in_backward`` the step in backward is not a speculation
 but the step itself: it takes the unit's gathered gradients from the gradient stager
 (never written to disk), and its shadows are committed as soon as it is done, still
 during backward (a unit still resident is committed once backward has released it).
@@ -72,11 +72,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hetstore.optim.borrowed import ParamLending, ReadAhead, ReadAheads
+from hetstore.optim.borrowed import ParamLending, ReadAheads
 from hetstore.optim.in_backward import BackwardSteps, eligible
 from hetstore.optim.in_forward import ForwardSteps
 from hetstore.optim.in_memory import InMemoryUnitStep
-from hetstore.optim.policy import OverlapTrial, StepPolicy
+from hetstore.optim.policy import OverlapTrial, StepModes, StepPolicy
 from hetstore.optim.step_job import JobState, StepJob, Target, When
 from hetstore.optim.step_worker import StepWorker
 from hetstore.optim.streamed import StreamedUnitStep
@@ -130,21 +130,19 @@ class StepAhead:
         self,
         unit_steps: list[StreamedUnitStep],
         hyper: Callable[[int], dict],
-        loss_scaler=None,
-        consume: bool = False,
+        loss_scaler,
+        modes: StepModes,
         *,
-        speculate: bool = True,
-        in_forward: bool = False,
         trial: OverlapTrial | None = None,
         in_place: list[InMemoryUnitStep] = (),
     ):
         self._steps = {id(s.unit): s for s in unit_steps}
         first = (list(unit_steps) or list(in_place))[0]  # (the tiers of either)
-        # step units during backward (overlap_step, step_in_backward); and finish the
-        # ordinary step of disk units during the next forward (step_in_forward)
-        self.speculate = speculate or consume
-        self.in_forward = in_forward
-        self.consume = consume  # step_in_backward: steps taken in backward
+        # the configured modes (optim.policy): disk units stepped during backward
+        # (overlap_step, or taking the gradients: step_in_backward), and steps left to the
+        # next forward (step_in_forward; host units in place: in_place)
+        self.modes = modes
+        self.speculate = modes.overlap_disk or modes.in_backward
         # when each unit's step runs: micro-batch counting, hold-back, back-off, the trial
         self.policy = StepPolicy(trial)
         # the units in the order the next forward uses them (the runtime's), else None
@@ -166,11 +164,9 @@ class StepAhead:
         keep_thread = bool(in_place)
         self.worker = StepWorker(self._host, unit_steps, self.stagers, keep_thread)
         self.read_aheads = ReadAheads(self._host, self.worker, self.stats)
-        self.lending: ParamLending | None = None
-        if in_forward:
-            self.lending = ParamLending(self.worker, self)
-        self.backward = BackwardSteps(self, loss_scaler, consume)
-        self.forward = ForwardSteps(self, list(in_place)) if in_forward else None
+        self.lending = ParamLending(self.worker, self)
+        self.backward = BackwardSteps(self, loss_scaler)
+        self.forward = ForwardSteps(self, list(in_place))
         self.suspended = 0  # depth of hetstore.no_sync
         # host memory held only to save time: given back when an allocation needs it
         # (activations restored in backward, a later micro-batch's forward)
@@ -196,31 +192,6 @@ class StepAhead:
     def step_of(self, unit: Unit) -> StreamedUnitStep | None:
         """``unit``'s step, or None where this object takes none of it in backward."""
         return self._steps.get(id(unit))
-
-    @property
-    def speculations(self) -> tuple[StepJob, ...]:
-        """The steps started during backward, not yet committed or rolled back."""
-        return tuple(self.pending().values())
-
-    @property
-    def steps_in_forward(self) -> tuple[StepJob, ...]:
-        """The disk units' steps left to the next forward, in the order the worker runs them."""
-        return tuple(self.in_forward_jobs())
-
-    @property
-    def steps_in_place(self) -> tuple[StepJob, ...]:
-        """The host-memory units' steps handed to the worker and not yet waited for."""
-        return tuple(self.in_place())
-
-    @property
-    def read_ahead(self) -> tuple[ReadAhead, ...]:
-        """The units' masters and states read during backward, not yet taken by a step."""
-        return self.read_aheads.records
-
-    @property
-    def worker_running(self) -> bool:
-        """Whether the worker thread exists (it is stopped when nothing is left for it)."""
-        return self.worker.running
 
     # ------------------------------------------------------------------ the jobs
     def add_job(self, unit: Unit, job: StepJob) -> None:
@@ -280,33 +251,33 @@ class StepAhead:
             (Event.GRADS_GATHERED, self.consume_grads),
             (Event.GRADS_FINAL, self.grads_final),
             (Event.BACKWARD_ENDED, self.backward_ended),
-            (Event.UNIT_READ, self.finish_unit_in_forward),
+            (Event.UNIT_READ, self.forward.land),
             (Event.STATE_CHANGE, self._state_change),
         ]
-        if self.consume:  # (the stager's buffers it takes over in backward)
+        if self.modes.in_backward:  # (the stager's buffers it takes over in backward)
             subscriptions.append((Event.GRAD_BUFFERS_LENT, self.backward.give_grad_buffer_back))
-        if self.lending is not None:  # (the parameter buffers it borrows)
+        if self.modes.in_forward:  # (the parameter buffers it borrows)
             subscriptions.append((Event.PARAM_BUFFER_FREE, self.lending.forward_runs))
             subscriptions.append((Event.PARAM_BUFFERS_LENT, self.lending.give_one_back))
         return subscriptions
 
     def backward_started(self) -> None:
-        self.finish_in_forward()  # the gradients they read are about to be written
+        self.forward.land_all()  # the gradients they read are about to be written
         self.policy.backward_started()
         self.worker.new_backward()
-        if self.consume:
+        if self.modes.in_backward:
             self.backward.check_fresh_backward()
         self._start_read_ahead()
 
     def backward_ended(self) -> None:
         """Every unit is released: finish and commit the steps taken in backward."""
-        if self.consume:
+        if self.modes.in_backward:
             self.backward.collect(block=True)
 
     def consume_grads(self, unit: Unit) -> bool:
         """step_in_backward: backward produced ``unit``'s last gradient; step it now from
         them. True when the step took the gradients (nothing is to be written to disk)."""
-        if not self.consume or self.suspended:
+        if not self.modes.in_backward or self.suspended:
             return False
         if id(unit) not in self._steps:
             return False
@@ -319,7 +290,12 @@ class StepAhead:
 
     def grads_final(self, unit: Unit) -> None:
         """Backward produced ``unit``'s last gradient: start its speculative step."""
-        if not self.speculate or self.consume or self.suspended or not self.policy.last_backward:
+        if (
+            not self.modes.overlap_disk
+            or self.modes.in_backward
+            or self.suspended
+            or not self.policy.last_backward
+        ):
             return
         self.backward.cancel(id(unit))  # one from an earlier micro-batch: superseded
         if id(unit) not in self._steps:
@@ -338,16 +314,17 @@ class StepAhead:
         """At the start of a backward whose steps all run after it: the first units'
         masters and states into host memory (:class:`ReadAheads`)."""
         if (
-            self.consume
+            self.modes.in_backward
             or self.suspended
             or not self.policy.last_backward  # not the last micro-batch's backward
             or not self.policy.overlapping  # (the trial's way without overlap)
             or (self.speculate and not self.policy.hold_back)  # steps taken in backward
-            or (self.in_forward and self.use_order is None)
+            or (self.modes.in_forward and self.use_order is None)
         ):
             return
         # the order they will be stepped: the next forward's, or optimizer.step()'s
-        order = self.use_order() if self.in_forward else [s.unit for s in self._steps.values()]
+        in_forward = self.modes.in_forward
+        order = self.use_order() if in_forward else [s.unit for s in self._steps.values()]
         with self.own_allocations():
             self.read_aheads.fill(order, self.step_of)
 
@@ -358,24 +335,18 @@ class StepAhead:
             self.read_aheads.drop(unit)
 
     # ------------------------------------------------------------------ optimizer events
-    def caller_waits(self) -> None:
-        """The caller is about to wait for the steps taken in backward (``optimizer.step()``,
-        or a clip or fp16's unscale before it): a step with no backward takes the trial's
-        way from here."""
-        self.policy.step_called()
-
     def settle(self, disk_grad_factors: list, committed: set[int], clipped: bool = False) -> None:
         """At ``optimizer.step()``: land the steps taken in backward (commit what still
         holds, discard the rest); add the ids of the units committed to ``committed`` as
         each commits. ``disk_grad_factors``: what the ordinary step would multiply
         gradients on disk by (clipping); a speculation took none. ``clipped``: a clip
         scaled the gradients this step (the policy's hold-back)."""
-        if self.consume:
+        if self.modes.in_backward:
             try:
                 self.backward.settle_consumed(committed)
             finally:
                 self.discard_all()
-                self.step_ended()
+                self.policy.step_ended()
             return
         outcomes: dict[int, bool] = {}
         try:
@@ -383,46 +354,8 @@ class StepAhead:
                 self.backward.settle(disk_grad_factors, committed, outcomes)
         finally:
             self.discard_all()  # after an error: nothing may stay pending
-            self.step_ended()
+            self.policy.step_ended()
             self.policy.step_settled(outcomes, clipped)
-
-    def step_ended(self) -> None:
-        """A step was taken or skipped (fp16 overflow): count micro-batches anew."""
-        self.policy.step_ended()
-
-    def unscaling(self, units: list[Unit]):
-        """fp16: :meth:`BackwardSteps.unscaling`."""
-        return self.backward.unscaling(units)
-
-    def defer(
-        self, unit_steps: list, multipliers: Callable[[Unit], list], started: set[int]
-    ) -> None:
-        """At ``optimizer.step()``: hand what can run during the next forward to the worker
-        (:meth:`ForwardSteps.hand_over`)."""
-        if self.forward is not None:
-            self.forward.hand_over(unit_steps, multipliers, started)
-
-    def in_forward_shadow_bytes(self) -> tuple[int, int]:
-        """(steps, disk bytes) of disk shadows held by steps in the next forward."""
-        return (0, 0) if self.forward is None else self.forward.shadow_bytes()
-
-    def finish_in_forward(self) -> None:
-        """Land every step running in the next forward (waiting for the worker)."""
-        if self.forward is not None:
-            self.forward.land_all()
-
-    def finish_unit_in_forward(self, unit: Unit) -> None:
-        """The one landing point of a step in the next forward: before any use of
-        ``unit`` (:meth:`ForwardSteps.land`)."""
-        if self.forward is not None:
-            self.forward.land(unit)
-
-    # ------------------------------------------------------------------ read-ahead
-    def drop_read_ahead(self) -> None:
-        """The end of ``optimizer.step()``: what no step used goes (and the worker, if
-        nothing is left for it)."""
-        self.read_aheads.drop()
-        self.stop_worker_if_idle()
 
     # ------------------------------------------------------------------ ending
     def discard_all(self) -> None:
@@ -442,12 +375,11 @@ class StepAhead:
 
     def close(self) -> None:
         try:
-            self.finish_in_forward()
+            self.forward.land_all()
         except Exception:  # noqa: BLE001 - the model is being released: nothing reads it
             pass
         finally:
-            if self.forward is not None:
-                self.forward.close()
+            self.forward.close()
             self.read_aheads.drop()
             self.discard_all()
             self.stop_worker_if_idle(closing=True)

@@ -240,12 +240,6 @@ class StreamedUnitStep(UnitStates):
         super().__init__(unit, optimizer_class, hyper, state_keys, chunk_numel, fmt, Tier.DISK)
         self._chunks = chunks_of(unit, self.chunk_numel)
 
-    # ------------------------------------------------------------------ buffers
-    def _slot_sets(self, count: int, names: list[tuple[str, torch.dtype]], numel: int):
-        """``count`` sets of host buffers of ``numel`` elements (a chunk, or less for a
-        unit smaller than one chunk: a small model does not pay for big chunks)."""
-        return chunk_buffers(self.unit.tiers.host, count, names, numel, f"swap {self.unit.name}")
-
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(
@@ -271,7 +265,11 @@ class StreamedUnitStep(UnitStates):
         if hyper is None:
             hyper = {s.group: self.hyper(s.group) for s in unit.segments}
         try:
-            sets, buffers = self._slot_sets(self.slot_sets, names, self.longest_chunk)
+            # (longest_chunk: less than a chunk for a unit smaller than one, so a small
+            # model does not pay for big chunks)
+            sets, buffers = chunk_buffers(
+                unit.tiers.host, self.slot_sets, names, self.longest_chunk, f"swap {unit.name}"
+            )
         except BaseException:
             rewrite.discard()
             raise

@@ -311,9 +311,6 @@ class GradStager:
     def unmade_bytes(self) -> int:
         return self._slots.unmade_bytes
 
-    def holds(self, unit: Unit) -> bool:
-        return unit in self._holders
-
     def _finish_oldest_write(self) -> None:
         unit, slot = self._writing.pop(0)
         try:
