@@ -133,7 +133,7 @@ def test_zero_grad_and_a_scheduler_right_after_step_do_not_reach_the_pending_ste
 def test_a_step_that_fails_on_the_worker_runs_again_at_the_units_use(tmp_path, monkeypatch):
     data = batches(3, vocab=64)
     failed = []
-    original = StreamedUnitStep.run_in_forward
+    original = StreamedUnitStep.run_into_shadows
 
     def failing_once(self, *args, **kwargs):
         if not failed:
@@ -141,7 +141,7 @@ def test_a_step_that_fails_on_the_worker_runs_again_at_the_units_use(tmp_path, m
             raise OSError("injected: the worker's write failed")
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(StreamedUnitStep, "run_in_forward", failing_once)
+    monkeypatch.setattr(StreamedUnitStep, "run_into_shadows", failing_once)
     on, on_opt = offloaded(tmp_path, "on", "disk", True)
     off, off_opt = offloaded(tmp_path, "off", "disk", False)
     assert train(on, on_opt, data, clip=0.05) == train(off, off_opt, data, clip=0.05)
@@ -166,7 +166,7 @@ def test_a_step_that_keeps_failing_raises_at_the_use_and_loses_nothing(tmp_path,
         return out
 
     fault = {"on": True}
-    run, step = StreamedUnitStep.run_in_forward, StreamedUnitStep.step
+    run, step = StreamedUnitStep.run_into_shadows, StreamedUnitStep.step
 
     def guard(original):
         def call(self, *args, **kwargs):
@@ -176,7 +176,7 @@ def test_a_step_that_keeps_failing_raises_at_the_use_and_loses_nothing(tmp_path,
 
         return call
 
-    monkeypatch.setattr(StreamedUnitStep, "run_in_forward", guard(run))
+    monkeypatch.setattr(StreamedUnitStep, "run_into_shadows", guard(run))
     monkeypatch.setattr(StreamedUnitStep, "step", guard(step))
     before = master_on_disk()
     x, y = data[0]

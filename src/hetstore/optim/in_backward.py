@@ -15,6 +15,7 @@ holds). Two kinds:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import TYPE_CHECKING
 
@@ -94,12 +95,11 @@ class BackwardSteps:
         try:
             job.submitted(
                 self._worker.submit(
-                    unit_step.run_speculation,
+                    functools.partial(unit_step.run_into_shadows, live_grads=True, grads=grads),
                     rewrite,
                     slots,
                     job.hyper,
-                    grads,
-                    job.factor,
+                    [job.factor] if job.factor is not None else [],
                     next_use=AT_STEP,  # (settled there)
                 )
             )

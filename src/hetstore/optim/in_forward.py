@@ -168,15 +168,18 @@ class ForwardSteps:
         params = self._ahead.lending.claim(job)
         unit_step = job.unit_step
         out = None if params is None else unit_step.unit.param_stager.view(params, unit_step.unit)
-        unit_step.run_in_forward(
+        unit_step.run_into_shadows(
             job.shadows,
             slots,
             job.hyper,
             job.multipliers,
-            job.has_grad,
+            # (gradients lent, or in memory: the worker must not zero the live ones, which
+            # optimizer.step() zeroed before handing the step over)
+            live_grads=grads is not None or isinstance(unit_step.unit.grad, torch.Tensor),
+            grads=grads,
+            has_grad=job.has_grad,
             params_out=out,
             read_ahead=None if job.read_ahead is None else job.read_ahead.arrays,
-            grads=grads,
         )
         job.filled = out is not None
 

@@ -59,20 +59,9 @@ class StateIO:
         for group in self.param_groups:
             ids = []
             for param in group["params"]:
-                unit_step, start, tensor, entry = self._locate(param)
-                if isinstance(unit_step, UnitStates):
-                    streamed = self._export_streamed(unit_step, entry)
-                    if streamed:
-                        state[index] = streamed
-                    ids.append(index)
-                    index += 1
-                    continue
-                inner_state = unit_step.optimizer.state.get(tensor)
-                if inner_state and self._has_started(inner_state):
-                    state[index] = {
-                        key: self._export_value(value, tensor, start, entry)
-                        for key, value in inner_state.items()
-                    }
+                values = self._param_state(param, copy=True)
+                if values:
+                    state[index] = values
                 ids.append(index)
                 index += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
@@ -82,31 +71,9 @@ class StateIO:
         return out
 
     @staticmethod
-    def _export_streamed(unit_step: UnitStates, entry: ParamEntry) -> dict:
-        if not unit_step.stepped:
-            return {}
-        out = {}
-        segment = next(
-            i for i, s in enumerate(unit_step.unit.segments) if s.start <= entry.offset < s.end
-        )
-        if unit_step.has_step:
-            out["step"] = unit_step.steps[segment].clone()
-        for key in unit_step.states:
-            value = unit_step.read_state(key, entry.offset, entry.numel)
-            out[key] = value.view(entry.shape)
-        return out
-
-    @staticmethod
     def _has_started(inner_state: dict) -> bool:
         step = inner_state.get("step")
         return step is None or float(step) > 0
-
-    def _export_value(self, value, tensor: torch.Tensor, start: int, entry: ParamEntry):
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            if value.numel() == tensor.numel() and tensor.dim() == 1 and self._flat:
-                return value[start : start + entry.numel].view(entry.shape).clone()
-            return value.clone()
-        return value.clone() if isinstance(value, torch.Tensor) else value
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_alive("load_state_dict")
@@ -179,6 +146,11 @@ class StateIO:
         buffers (memory) or :class:`DiskSlice` (disk), the rest as torch keeps it. Empty
         before the parameter's first step, as in torch."""
         self.finish_steps_in_forward()
+        return self._param_state(param, copy=False)
+
+    def _param_state(self, param, copy: bool) -> dict:
+        """``param``'s state in torch's keys: copies (``state_dict()``), or views and
+        :class:`DiskSlice` (a compact format's are decoded copies either way)."""
         unit_step, start, tensor, entry = self._locate(param)
         if isinstance(unit_step, UnitStates):
             if not unit_step.stepped:
@@ -186,21 +158,26 @@ class StateIO:
             segment = next(
                 i for i, s in enumerate(unit_step.unit.segments) if s.start <= entry.offset < s.end
             )
-            out: dict = {"step": unit_step.steps[segment]} if unit_step.has_step else {}
+            out: dict = {}
+            if unit_step.has_step:
+                step = unit_step.steps[segment]
+                out["step"] = step.clone() if copy else step
             for key, array in unit_step.states.items():
-                if self.state_format.exact:
-                    out[key] = DiskSlice(array, entry.offset, entry.numel, entry.param.shape)
-                else:  # decoded: the copy a compact format needs
+                if copy or not self.state_format.exact:
                     value = unit_step.read_state(key, entry.offset, entry.numel)
-                    out[key] = value.view(entry.param.shape)
+                    out[key] = value.view(entry.shape)
+                else:
+                    out[key] = DiskSlice(array, entry.offset, entry.numel, entry.shape)
             return out
         inner_state = unit_step.optimizer.state.get(tensor)
         if not inner_state or not self._has_started(inner_state):
             return {}
         out = {}
         for key, value in inner_state.items():
-            if self._flat and isinstance(value, torch.Tensor) and value.dim() > 0:
-                value = value[start : start + entry.numel].view(entry.shape)
+            if isinstance(value, torch.Tensor):
+                if self._flat and value.dim() > 0:
+                    value = value[start : start + entry.numel].view(entry.shape)
+                value = value.clone() if copy else value
             out[key] = value
         return out
 

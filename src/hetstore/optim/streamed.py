@@ -254,7 +254,7 @@ class StreamedUnitStep(UnitStates):
         ``has_grad``: the group values and gradient flags taken when the step was called
         (a step finished in the next forward that failed on the worker runs again here,
         after ``zero_grad`` or a scheduler may have changed the live ones).
-        ``read_ahead``: see :meth:`run_in_forward`."""
+        ``read_ahead``: see :meth:`run_into_shadows`."""
         unit = self.unit
         if unit.grad_stager is not None:
             unit.grad_stager.finish()  # backward's gradient writes, and their errors
@@ -394,53 +394,38 @@ class StreamedUnitStep(UnitStates):
         return rewrite
 
     @torch.no_grad()
-    def run_speculation(
-        self,
-        rewrite: ChunkedRewrite,
-        slots: list,
-        hyper: dict,
-        grads: torch.Tensor | None,
-        factor: float | None = None,
-    ) -> None:
-        """Any thread: step into ``rewrite``'s shadows with the group values ``hyper``
-        (taken when the speculation began) and the gradients as they are: in memory, in
-        ``grads`` (a host copy of gradients on disk), or else read back from disk;
-        multiplied by ``factor`` (fp16's unscale) into the slot's own buffer."""
-        multipliers = [factor] if factor is not None else []
-        read, fill = self._pipeline(multipliers, hyper, rewrite, grads, live_grads=True)
-        rewrite.write(self._chunks, slots, fill, read)
-
-    @torch.no_grad()
-    def run_in_forward(
+    def run_into_shadows(
         self,
         rewrite: ChunkedRewrite,
         slots: list,
         hyper: dict,
         multipliers: list,
-        has_grad: tuple[bool, ...],
+        *,
+        live_grads: bool,
+        grads: torch.Tensor | None = None,
+        has_grad: tuple[bool, ...] | None = None,
         params_out: torch.Tensor | None = None,
         read_ahead: dict[str, torch.Tensor] | None = None,
-        grads: torch.Tensor | None = None,
     ) -> None:
-        """Any thread: the step :meth:`step` would take now, into ``rewrite``'s shadows,
-        finished while the next forward runs (:meth:`StepAhead.defer`): the same group
-        values ``hyper``, gradient flags ``has_grad`` and ``multipliers`` (clip, unscale)
-        as that step, from the gradients where they are or in ``grads`` (lent: gradients
-        on disk), missing ones zeroed before. ``params_out``: see
-        :meth:`ChunkedRewrite.write`. ``read_ahead``: the whole master (``"master"``) and
-        states (by key), read from disk earlier, copied from instead of read."""
+        """Any thread: the step into ``rewrite``'s shadows with the group values
+        ``hyper`` (taken when it was made), from the gradients where they are or in
+        ``grads`` (a host copy of gradients on disk), multiplied by ``multipliers``:
+
+        - in backward, speculative: fp16's unscale factor, applied into the slot's own
+          buffer (``live_grads``: the worker never writes gradients others own);
+        - in the next forward (:meth:`ForwardSteps.hand_over`): the step :meth:`step`
+          would take now, with that call's gradient flags ``has_grad`` and multipliers
+          (clip, unscale), missing gradients zeroed before (read from disk, in the
+          slot: zeroed there too).
+
+        ``params_out``: see :meth:`ChunkedRewrite.write`. ``read_ahead``: the whole master
+        (``"master"``) and states (by key), read from disk earlier, copied from instead
+        of read."""
         read, fill = self._pipeline(
-            multipliers,
-            hyper,
-            rewrite,
-            grads,
-            live_grads=grads is not None or isinstance(self.unit.grad, torch.Tensor),
-            has_grad=has_grad,
-            read_ahead=read_ahead,
+            multipliers, hyper, rewrite, grads, live_grads, has_grad, read_ahead
         )
-        rewrite.write(
-            self._chunks, slots, fill, read, params_out=params_out, views=self._views_of(read_ahead)
-        )
+        views = self._views_of(read_ahead)
+        rewrite.write(self._chunks, slots, fill, read, params_out=params_out, views=views)
 
     def _views_of(self, read_ahead: dict[str, torch.Tensor] | None):
         """The chunks of what was read ahead (the whole master and states, in host
