@@ -1,10 +1,13 @@
 """``StepWorker``'s queue (hetstore.optim.step_worker): one thread, the call whose result
-is needed soonest first."""
+is needed soonest first; and the life of the jobs it runs (hetstore.optim.step_job)."""
 
 from __future__ import annotations
 
+import re
 import threading
+from pathlib import Path
 
+from hetstore.optim.step_job import _MOVES, JobState
 from hetstore.optim.step_worker import AT_STEP, StepWorker, in_forward, outcome
 
 
@@ -35,3 +38,17 @@ def test_a_call_that_raises_is_the_callers_to_see_and_the_queue_goes_on():
     assert isinstance(failed.exception(), ZeroDivisionError)
     assert after.result(timeout=10) == "ran"
     worker.stop(closing=True)
+
+
+def test_the_drawing_of_a_jobs_life_names_exactly_the_states_of_the_enum():
+    """docs/how-it-works.md draws one unit step's life; the drawing and ``JobState`` are
+    the same states (a state added or renamed in one is caught here)."""
+    text = (Path(__file__).parents[2] / "docs" / "how-it-works.md").read_text()
+    section = text.split("### One unit's step away from `optimizer.step()`", 1)[1]
+    drawing = section.split("```", 2)[1]
+    drawn = set(re.findall(r"\b[A-Z][A-Z_]{3,}\b", drawing))
+    assert drawn == {state.name for state in JobState}
+    assert set(_MOVES) == set(JobState)
+    # every state but the final ones has a way out, and every final one none
+    final = {JobState.COMMITTED, JobState.LANDED, JobState.CANCELLED}
+    assert {s for s, to in _MOVES.items() if not to} == final

@@ -1,16 +1,34 @@
 """Steps started during backward, as soon as a unit's gradients are final: how they start
 and how ``optimizer.step()`` (or, taking the gradients, the end of backward) lands them.
 
-A step in backward is a :class:`StepJob` with ``When.IN_BACKWARD`` and ``Target.SHADOWS``
-(the module doc of :mod:`hetstore.optim.step_ahead` says what it assumes and when it
-holds). Two kinds:
+A step in backward is a :class:`StepJob` with ``When.IN_BACKWARD`` and ``Target.SHADOWS``:
+the same arithmetic as the ordinary step (same chunks, same fused kernel) into shadow
+regions of the unit's master, moments and compute-dtype copy, so nothing the model reads
+changes until it is committed (a swap of disk regions: no IO). Two kinds:
 
 - **speculative** (``overlap_step``): the step is not known yet (a clip, a changed lr,
-  another micro-batch may come); at ``optimizer.step()`` it is committed where its inputs
-  still hold, else discarded and the unit stepped the ordinary way;
+  another micro-batch may come); at ``optimizer.step()`` it is committed where what it
+  assumed still holds, else discarded and the unit stepped the ordinary way. It assumes
+  that no gradient changed since it began (``Unit.grads.version``: another micro-batch's
+  backward; ``Tensor._version``: clipping through ``p.grad``, a user's hook), that the
+  same parameters have a gradient (``zero_grad()`` clears the flags), that every param
+  group's values are the ones it used, that the master and states were not rewritten (a
+  load), and that gradients on disk carry no factor (a clip that bit) but fp16's unscale,
+  which it applies itself into its own buffer (:meth:`BackwardSteps.unscaling`). Wrong, it
+  costs the disk traffic of one step, never correctness. Gradients on disk are read from
+  the gradient stager's host buffer while it can lend one, else read back once written.
 - **taking the gradients** (``step_in_backward``): the step itself, from the gradients the
-  stager gathered (never written to disk), committed as soon as it is done; what would
-  need those gradients later is refused instead of rolled back.
+  stager gathered (never written to disk), committed as soon as it is done (a unit still
+  resident, once backward has released it); ``optimizer.step()`` only checks that the
+  param groups are the ones those steps used. What would need the gradients later is
+  refused instead of rolled back: clipping, ``p.grad`` of a consumed unit, a second
+  backward before ``optimizer.step()`` (micro-batches that are not the last go under
+  ``hetstore.no_sync(model)``). A step that could not start (no room for its shadows or
+  chunks) or failed leaves its gradients on disk for the ordinary step.
+
+Eligible units (:func:`eligible`): master and states on disk, parameters homed on disk or
+in the master itself (every copy shadowed), sharded too (a rank steps its own shard).
+Host-memory units are not stepped in backward (:mod:`hetstore.optim.in_memory` says why).
 """
 
 from __future__ import annotations

@@ -1,65 +1,45 @@
-"""When each unit's step runs, decided in one place: which units' steps may run away from
-``optimizer.step()`` (:class:`StepSite`, :class:`StepModes` and the rules below them,
-asked by the runtime's :mod:`hetstore.optim.arrangement` and by the planner's
-:mod:`hetstore.planner.cost` alike), and ``StepPolicy``, what the running steps measured.
+"""When each unit's step runs, decided in one place, and only ever between exact paths: the
+rules of where a unit's step may run (:class:`StepSite`, :class:`StepModes` and the
+functions below them, asked alike by the runtime's :mod:`hetstore.optim.arrangement` and
+the planner's :mod:`hetstore.planner.cost`), and at run time what the running steps
+measured (:class:`StepPolicy`, :class:`OverlapTrial`).
 
-Where a step may run, from the facts of its unit (:class:`StepSite`) and the configured
-modes (:class:`StepModes`):
+Where a step may run:
 
 - **a disk unit** (master and states on disk, every copy of its parameters written
-  through shadows) is stepped in backward into shadows with ``overlap_step`` (the root
-  too, when its gradients are final at backward's end), taking the gradients with
-  ``step_in_backward``, and what backward left of it (a clip that bit) runs in the next
-  forward with ``step_in_forward``;
-- **a host-memory unit** (master and torch's fp32 states in host memory, stepped flat)
-  is never stepped in backward (:mod:`hetstore.optim.in_memory` says why); on a GPU its
-  ordinary step runs in place in the next forward with ``step_in_forward`` when its
-  parameters are fetched from host memory;
-- **read ahead** during backward (when no step is taken in it): the first
-  ``READ_AHEAD_UNITS`` disk units in fp32 in the order their steps run.
+  through shadows): in backward into shadows with ``overlap_step`` (the root too, when
+  its gradients are final at backward's end), taking the gradients with
+  ``step_in_backward``; what backward left of it (a clip that bit) in the next forward
+  with ``step_in_forward``;
+- **a host-memory unit** (master and torch's fp32 states in host memory, stepped flat):
+  never in backward (:mod:`hetstore.optim.in_memory`); on a GPU, in place in the next
+  forward with ``step_in_forward`` when its parameters are fetched from host memory;
+- **read ahead** during backward when no step is taken in it: the first
+  ``READ_AHEAD_UNITS`` disk units with fp32 states, in the order their steps run.
 
-Each rule names a place a unit's step *may* run; the runtime finds at run time whether it
-does (room, a clip that bit, a rollback), the planner predicts it.
+The runtime finds at run time whether a step does run there (room, a clip that bit, a
+rollback); the planner predicts it. At run time:
 
-And, at run time:
-
-A unit's step runs ahead, during backward (speculatively, into shadows), or at
-``optimizer.step()``, or during the next forward; :mod:`hetstore.optim.step_ahead`
-runs the jobs, this module decides. Every rule here only picks which of two exact paths
-a unit takes, never what it computes:
-
-- **which backward is the last before a step**: the one whose count since the last step
-  reaches the count the last step had (1 at first), so a plain loop speculates on every
-  backward and one accumulating N micro-batches learns N after its first step
+- **the last backward before a step** is the one whose count since the last step
+  reaches the count the last step had (1 at first): a plain loop speculates on every
+  backward, one accumulating N micro-batches learns N at its first step
   (``hetstore.no_sync`` says it at once);
 - **hold-back**: after a step whose clip scaled the gradients, the next step's
-  speculations would most likely roll back: none is started until a step whose clip did
-  not bite;
-- **back-off**: a unit rolled back for another reason (its ``p.grad`` handed out,
-  torch's own clip, a changed lr) is not stepped ahead for the next 1, 2, 4, ... 64
-  steps; a commit resets it.
-
-Whether to overlap at all (``OverlapTrial``, ``overlap_step='auto'``):
-
-Whether stepping away from ``optimizer.step()`` pays at all depends on the machine: on a
-GPU the worker's copies and arithmetic share the host's memory bandwidth, cores and the
-interpreter with the thread that feeds the device (a 185M GPT at 4K tokens a step ran
-1.47-1.50x plain PyTorch with host units stepped in backward, against 1.41x without
-overlap; docs/dev/BENCHMARKS.md). No model here predicts that, so it is measured: after
-``TRIAL_AFTER`` steps, the time between the last ``TRIAL_STEPS`` steps (one
-``optimizer.step()`` to the next: forward, backward and step, every micro-batch) is kept,
-the other way (overlap off: no step in backward, no read-ahead, no step in the next
-forward, as ``overlap_step=False, step_in_forward=False``) runs for one step that is not
-counted (it still carries the last way's work: steps landing in its forward) and
-``TRIAL_STEPS`` that are; the other way is kept only if each of its steps was faster
-than each of the kept way's (by chance 1 time in 20 when the ways do not differ, so
-steps whose times vary keep the way they had), else the kept way is taken back; again
-every ``TRIAL_EVERY`` steps (the batch, the sequence length or the machine's other load
-may have changed). Sharded, every rank must find it faster (the votes are summed over
-the ranks), so every rank takes the same way. Both ways are exact: the trial only picks
-which of two exact paths every unit takes, never what it computes. It runs under
-``overlap_step='auto'`` with ``step_in_forward`` not forced on and without
-``step_in_backward`` (which a user sets for its memory, not its speed).
+  speculations would most likely roll back: none starts until a step whose clip did not
+  bite;
+- **back-off**: a unit rolled back for another reason (its ``p.grad`` handed out, torch's
+  own clip, a changed lr) is not stepped ahead for the next 1, 2, 4, ... 64 steps; a
+  commit resets it;
+- **whether to overlap at all** (``overlap_step='auto'``, :class:`OverlapTrial`): on a GPU
+  the worker shares the host's bandwidth, cores and interpreter with the thread that feeds
+  the device, and no model here predicts what that costs (docs/dev/BENCHMARKS.md), so it
+  is measured. After ``TRIAL_AFTER`` steps, and again every ``TRIAL_EVERY``, the other way
+  (no step in backward, no read-ahead, no step in the next forward) runs one step not
+  counted (it still carries the last way's work) and ``TRIAL_STEPS`` that are; it is kept
+  only if each of its steps (one ``optimizer.step()`` to the next) was faster than each
+  of the kept way's last ones. Sharded, every rank must find it faster (votes summed over
+  the ranks), so all take the same way. Not under ``step_in_forward=True`` or
+  ``step_in_backward`` (which a user sets for its memory, not its speed).
 """
 
 from __future__ import annotations
@@ -213,11 +193,8 @@ class OverlapTrial:
         self._tried.append(interval)
         if len(self._tried) < self.steps:
             return
-        # the tried way is kept only if each of its steps was faster than each of the
-        # kept way's: with no difference between the ways that happens by chance 1 time
-        # in 20 (3 and 3 steps), so steps whose times vary (lengths of sequences, a
-        # pause) keep the way the step had, and a way slower by more than that noise
-        # is left
+        # with no difference between the ways, each of 3 steps faster than each of 3
+        # happens by chance 1 time in 20: steps whose times vary keep the way they had
         faster = max(self._tried) < min(self._kept)
         if self._agree is not None:  # every rank must find it faster
             votes, ranks = self._agree(float(faster), 1.0)

@@ -1,67 +1,16 @@
-"""Step a unit as soon as its gradients are final, beside the rest of backward: exact.
+"""The scheduler of every unit step taken outside ``optimizer.step()``'s own loop.
 
-Without this, every unit's streamed step (read master and moments from disk, step, write
-them back) waits for ``optimizer.step()``, after backward; it is the phase users of
-offloaded training complain about most. Here, when backward has produced a unit's last
-gradient, a worker thread steps that unit *speculatively* while backward goes on with the
-units before it: the same arithmetic as the real step (same chunks, same fused kernel),
-into shadow regions of its master, moments and compute-dtype copy. Nothing the model
-reads changes. ``optimizer.step()`` then commits each speculation whose assumptions still
-hold (a swap of disk regions: no IO), and discards the others and steps those units the
-ordinary way. The result is the ordinary step's, bit for bit, either way.
-
-A speculation assumes that what the step would read is what it read:
-
-- the gradients did not change since: no gradient was added (``Unit.grads.version``:
-  another micro-batch's backward) and a buffer in memory was not changed in place
-  (``Tensor._version``: clipping through ``p.grad``, a user's hook);
-  ``optimizer.clip_grad_norm_`` leaves it alone when it does not clip;
-- the same parameters have a gradient (``model.zero_grad()`` clears the flags);
-- every param group's values (lr, betas, weight decay, ...) are the ones it used;
-- the master and the states were not rewritten since (a checkpoint or state-dict load).
-
-A speculation that was wrong costs the disk traffic of one step, never correctness.
-After a step whose ``clip_grad_norm_`` scaled the gradients, the next step's would most
-likely be wrong too: they are held back (``held_back``) until a step whose clip did not
-bite. (The clip itself reads no gradient back from disk either way: its norms are taken
-in backward, :mod:`hetstore.optim.grad_norms`.)
-
-Which backward is the last before a step: by default the one whose count since the last
-step reaches the count the last step had (1 at first), so a plain loop speculates on
-every backward and a loop accumulating N micro-batches learns N after its first step.
-``with hetstore.no_sync(model):`` around the backward of the micro-batches that are not
-the last (the DDP/FSDP convention) says it at once.
-
-Eligible units: master and states on disk (the streamed step), parameters homed on disk
-or in the master itself (so every copy is shadowed), sharded too (a rank steps its
-shard). Units whose master and states are in host memory are not stepped in backward:
-a speculation there would copy the live master and states into shadows first, about 3x
-the ordinary step's bytes, and on an H100 that was the slowest way in every case
-measured (docs/dev/BENCHMARKS.md, 2026-11-28); on a GPU their ordinary step runs in the
-next forward instead (:mod:`hetstore.optim.in_forward`). With fp16 loss
-scaling a speculation unscales by the current scale itself (into its own buffer); the
-optimizer's unscale of gradients in memory, in place, is then the one change it expects
-(:meth:`StepAhead.unscaling`), and an overflow skips the step and drops them all. Gradients in memory are read where they
-are. Gradients on disk are read from the gradient stager's host buffer when it can lend one
-(until the speculation is done; its write to disk goes on: a rollback reads that), else
-read back from disk once written. A clip that scales gradients on disk (a
-factor the ordinary step applies as it reads them) rolls the speculation back.
-
-With ``step_in_backward`` the step in backward is not a speculation
-but the step itself: it takes the unit's gathered gradients from the gradient stager
-(never written to disk), and its shadows are committed as soon as it is done, still
-during backward (a unit still resident is committed once backward has released it).
-``optimizer.step()`` then only checks that the param groups are the ones those steps
-used. What would need the gradients later is refused instead of rolled back: clipping
-(:meth:`OffloadedOptimizer.clip_grad_norm_`), ``p.grad`` of a consumed unit, a second
-backward before ``optimizer.step()`` (micro-batches that are not the last go under
-``hetstore.no_sync(model)``, whose gradients are written to disk as before). A step that
-could not start (no room for its shadows or chunks) or failed leaves its gradients on
-disk for the ordinary step.
-
-Threads: the worker only submits disk IO (the AIO engine is thread-safe) and runs the
-step's arithmetic on buffers it was given; every allocation, commit and discard happens
-on the caller's thread.
+Without it, every disk unit's streamed step (read master and moments from disk, step,
+write them back) waits for ``optimizer.step()`` after backward: the phase users of
+offloaded training complain about most. ``StepAhead`` owns every such step as a job
+(:mod:`hetstore.optim.step_job`, one per unit at a time), the one worker thread that runs
+them (:mod:`hetstore.optim.step_worker`), the host memory they borrow
+(:mod:`hetstore.optim.borrowed`), and the runtime's events that start and land them
+(gradients final, backward started and ended, a unit about to be read, states rewritten).
+How a step in backward starts and is settled is :mod:`hetstore.optim.in_backward` (what a
+speculation assumes, and how it is checked); a step in the next forward,
+:mod:`hetstore.optim.in_forward`; when each runs, :mod:`hetstore.optim.policy`. Either
+way the result is the ordinary step's, bit for bit.
 """
 
 from __future__ import annotations

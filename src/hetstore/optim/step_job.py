@@ -5,19 +5,9 @@ one job: what it steps with (the param-group values, the gradients' state, the l
 scale's factor, the clip's factors for gradients on disk), where its result goes
 (``Target.SHADOWS``: new regions or buffers made current by a commit;
 ``Target.IN_PLACE``: the live master and states, once the step is known), when it runs
-(``When``), and one ``JobState`` for its life:
-
-```
-               submitted()          finished(ok)
-   PENDING ──────────────▶ RUNNING ──────────────▶ DONE_AHEAD ── move(COMMITTED) ──▶ COMMITTED
-      │                     │    │                     │   (shadows: a swap; its inputs held)
-      │                     │    │ finished(not ok)    │
-      │                     │    └──────────▶ FAILED ──┼── stepped again: move(LANDED) ──▶ LANDED
-      │ cancel()            │ finished(ok),     │      │
-      │                     │ in place          │      │ cancel(): inputs changed, superseded,
-      ▼                     ▼                   ▼      ▼ rolled back, zero_grad, a load, release
-   CANCELLED             LANDED              CANCELLED
-```
+(``When``), and one ``JobState`` for its life, which moves only along the arrows drawn in
+docs/how-it-works.md ("One unit's step away from optimizer.step()"; a test holds the
+drawing to ``_MOVES``).
 
 ``COMMITTED`` and ``LANDED`` are the two ways a step becomes the unit's: a shadowed
 step is committed (its inputs still held), an in-place step has landed once a reader
