@@ -3,12 +3,13 @@
 ``record_spans()`` wraps a fixed list of methods (the speculative step on the worker,
 its commit, the ordinary unit step, gradient-copy waits, the home refresh) so that each
 call appends ``(name, thread, start, end)``; the benchmark marks its own phases with
-``mark``. Used by ``offload_step.py --spans FILE`` to tell where an overlapped step's
-time goes on a GPU machine, where a profiler of CPU threads is not at hand.
+``mark``. Used by ``offload_step.py --spans FILE`` (written before ``profile_step`` saw
+every thread).
 
-``device_busy_fraction(step)``: the share of one step's wall time during which the GPU
-ran a kernel or a copy, from ``torch.profiler`` (offload_step.py's and step_table.py's
-GPU busy column).
+``profile_step(step, cuda)``: one step under ``torch.profiler``: the share of its wall
+time during which the GPU ran a kernel or a copy (step_table.py's GPU busy column;
+``device_busy_fraction`` for offload_step.py), and where the time went, per GPU activity
+and per CPU thread (step_table.py's breakdown lines).
 """
 
 from __future__ import annotations
@@ -103,33 +104,116 @@ def summary(spans: Spans) -> list[str]:
 
 
 def device_busy_fraction(step: Callable[[], T]) -> tuple[float, T]:
-    """Run ``step()`` once under ``torch.profiler``: the share of its wall time during
-    which the GPU ran a kernel or a copy (the union of every device event's interval:
-    streams overlap), and what ``step`` returned. The device is synchronized before and
-    at the end of the step."""
-    from torch.profiler import ProfilerActivity, profile
+    """:func:`profile_step` on the GPU: the busy share and what ``step`` returned."""
+    busy, _, result = profile_step(step, cuda=True)
+    return busy, result
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        result: Any = step()
+
+def profile_step(step: Callable[[], T], cuda: bool) -> tuple[float | None, dict, T]:
+    """Run ``step()`` once under ``torch.profiler`` (every thread's ops, where this torch
+    can: the optimizer's worker and autograd's threads too): the share of its wall time
+    during which the GPU ran a kernel or a copy (the union of every device event's
+    interval: streams overlap; None without ``cuda``), where the time went
+    (:func:`breakdown`), and what ``step`` returned. With ``cuda`` the device is
+    synchronized before and at the end of the step."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:  # (torch's option, experimental: absent in older releases)
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        options = {"experimental_config": config}
+    except (AttributeError, TypeError):
+        options = {}
+    if cuda:
         torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    intervals = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        # (a labelled region's GPU-side span, gpu_user_annotation, covers idle gaps too)
-        if e.device_type == torch.autograd.DeviceType.CUDA
-        and not getattr(e, "is_user_annotation", False)
+    with profile(activities=activities, **options) as prof:
+        with record_function(MAIN_THREAD):  # (tells the caller's thread in the events)
+            start = time.perf_counter()
+            result: Any = step()
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+    events = list(prof.events())
+    busy = None
+    if cuda:
+        intervals = sorted(
+            (e.time_range.start, e.time_range.end)
+            for e in events
+            # (a labelled region's GPU-side span, gpu_user_annotation, covers idle gaps too)
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False)
+        )
+        total, open_start, open_end = 0.0, None, None
+        for s, e in intervals:
+            if open_end is None or s > open_end:
+                if open_end is not None:
+                    total += open_end - open_start
+                open_start, open_end = s, e
+            else:
+                open_end = max(open_end, e)
+        if open_end is not None:
+            total += open_end - open_start
+        busy = total / 1e6 / wall
+    return busy, breakdown(events, wall), result
+
+
+MAIN_THREAD = "step_table: the caller's thread"
+
+
+def breakdown(events, wall: float, top: int = 4) -> dict:
+    """Where one profiled step's time went, in ms: the GPU's kernels and its copies each
+    way (summed over streams), and per CPU thread (the caller's first) the time its ops
+    ran (their self time) and its ``top`` ops by that."""
+    device = {"kernels": 0.0, "copies to device": 0.0, "copies to host": 0.0}
+    threads: dict[int, dict[str, float]] = {}
+    main = None
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            if getattr(e, "is_user_annotation", False):
+                continue
+            kind = (
+                "copies to device"
+                if "HtoD" in e.name
+                else "copies to host"
+                if "DtoH" in e.name
+                else "kernels"
+            )
+            device[kind] += (e.time_range.end - e.time_range.start) / 1e3
+            continue
+        if e.name == MAIN_THREAD:
+            main = e.thread
+            continue
+        ops = threads.setdefault(e.thread, {})
+        ops[e.name] = ops.get(e.name, 0.0) + e.self_cpu_time_total / 1e3
+    # (threads whose ops took under 0.05 ms: the profiler's own, idle pools)
+    busy = [t for t in threads if t == main or sum(threads[t].values()) >= 0.05]
+    order = sorted(busy, key=lambda t: (t != main, -sum(threads[t].values())))
+    return {
+        "wall ms": wall * 1e3,
+        **{f"GPU {kind} ms": ms for kind, ms in device.items()},
+        "threads": [
+            {
+                "thread": "caller" if t == main else f"thread {k}",
+                "ops ms": sum(threads[t].values()),
+                "top": sorted(threads[t].items(), key=lambda kv: -kv[1])[:top],
+            }
+            for k, t in enumerate(order)
+        ],
+    }
+
+
+def breakdown_line(b: dict) -> str:
+    """One line of :func:`breakdown`'s figures."""
+    threads = "; ".join(
+        f"{t['thread']} ops {t['ops ms']:.1f} ("
+        + ", ".join(f"{name} {ms:.1f}" for name, ms in t["top"])
+        + ")"
+        for t in b["threads"]
     )
-    busy, open_start, open_end = 0.0, None, None
-    for s, e in intervals:
-        if open_end is None or s > open_end:
-            if open_end is not None:
-                busy += open_end - open_start
-            open_start, open_end = s, e
-        else:
-            open_end = max(open_end, e)
-    if open_end is not None:
-        busy += open_end - open_start
-    return busy / 1e6 / wall, result
+    gpu = [b["GPU kernels ms"], b["GPU copies to device ms"], b["GPU copies to host ms"]]
+    if not any(gpu):  # (a CPU run)
+        return f"wall {b['wall ms']:.1f}; {threads}"
+    return (
+        f"wall {b['wall ms']:.1f}; GPU kernels {gpu[0]:.1f}, to device {gpu[1]:.1f}, "
+        f"to host {gpu[2]:.1f}; {threads}"
+    )

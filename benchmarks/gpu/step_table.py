@@ -55,10 +55,13 @@ Runners (every one under ``torch.autocast(device, bfloat16)``, fp32 master weigh
 
 Columns: median step time of the timed steps and its ratio to plain's median; the GPU
 busy fraction of one profiled step (the union of every kernel's and copy's interval
-over the step's wall time, ``spans.device_busy_fraction``); the CUDA allocator's peak
+over the step's wall time, ``spans.profile_step``); the CUDA allocator's peak
 of the runner's own (what it holds between steps plus the most a step allocates above
 that, as ``offload_step.py`` measures it); the largest |loss - plain's loss| over all of
-the shape's steps (bf16 device copies in hetstore and FSDP2 make it about 1e-3).
+the shape's steps (bf16 device copies in hetstore and FSDP2 make it about 1e-3). Below
+the table, where each runner's profiled step spent its time (``spans.breakdown``): the
+GPU's kernels and copies each way, and each CPU thread's ops (the caller's, autograd's,
+the optimizer's worker), with the longest of them.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # spans.py beside; _common.py above
 
-from spans import device_busy_fraction  # noqa: E402
+from spans import breakdown_line, profile_step  # noqa: E402
 
 import hetstore  # noqa: E402
 from _common import format_table, git_commit, size  # noqa: E402
@@ -437,6 +440,7 @@ class Samples:
     diffs: list[float] = field(default_factory=list)
     peak: int | None = None
     busy: float | None = None
+    breakdown: dict | None = None  # where the profiled step's time went (spans.breakdown)
 
 
 class Part:
@@ -526,8 +530,11 @@ class Part:
             try:
                 if kind == "busy":
                     with steady_state(runner, self.spec, idx, self.device) as finish:
-                        busy, (_, loss) = device_busy_fraction(
-                            lambda r=runner, f=finish: train_step(r, self.spec, idx, self.device, f)
+                        busy, got.breakdown, (_, loss) = profile_step(
+                            lambda r=runner, f=finish: train_step(
+                                r, self.spec, idx, self.device, f
+                            ),
+                            cuda,
                         )
                     got.busy = busy
                 elif kind == "warm-up" and runner.resident is None:
@@ -576,7 +583,7 @@ class Part:
     def run(self) -> None:
         shapes = [tuple(int(v) for v in s.split("x")) for s in self.args.batches.split(",")]
         generator = torch.Generator().manual_seed(1)
-        self.busy_rounds = 1 if self.device.type == "cuda" else 0
+        self.busy_rounds = 1  # (on a CPU too: the breakdown, and the smoke test's check)
         for index, (batch, ctx) in enumerate(shapes):
             label = f"{batch}x{ctx}"
             samples = {r.name: Samples() for r in self.runners}
@@ -654,6 +661,7 @@ class Part:
                     median_ms=median * 1e3,
                     ratio=median / plain_median if plain_median else None,
                     busy=got.busy,
+                    breakdown=got.breakdown,
                     peak=got.peak,
                     loss_diff=max(got.diffs) if got.diffs else None,
                     times_ms=[t * 1e3 for t in got.times],
@@ -780,6 +788,14 @@ def make_table(args) -> int:
         "",
         format_table(HEADER, cells),
     ]
+    profiled = [
+        f"# {r['model']} {r['tokens']} {r['runner']}: {breakdown_line(r['breakdown'])}"
+        for part in parts
+        for r in part.get("rows", [])
+        if r.get("breakdown")
+    ]
+    if profiled:
+        lines += ["", "# where each profiled step's time went, ms (spans.breakdown):", *profiled]
     for part in parts:
         for note in part.get("notes", []):
             if any(key in note for key in ("timed step", "failed:", "no profiled")):

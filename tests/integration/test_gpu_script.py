@@ -60,6 +60,19 @@ def test_smoke_run_prints_every_row_against_plain(tmp_path):
                     assert math.isfinite(float(median)), (model, tokens, runner, median)
                     assert math.isfinite(float(ratio)) and float(ratio) > 0, (runner, ratio)
     assert rows["gpt", "2x16", "plain"][1] == "1.00"
+    # below it, where each runner's profiled step spent its time, per CPU thread: the
+    # caller's, and for the disk row the optimizer's worker, stepping units in backward
+    profiled = {}  # (model, tokens, runner) -> its line
+    for line in done.stdout.split("where each profiled step's time went")[-1].splitlines():
+        match = re.match(r"# (gpt|llama) \S+ (\d+x\d+) ([^:]+): ", line)
+        if match:
+            profiled[match.groups()] = line
+    for model in ("gpt", "llama"):
+        for runner in ("plain", "hetstore host", "hetstore disk"):
+            line = profiled[model, "2x16", runner]
+            assert re.search(r"caller ops \d+\.\d", line), line
+    disk = profiled["gpt", "2x16", "hetstore disk"]
+    assert re.search(r"thread \d ops [\d.]+ \([^)]*aten::_fused_adamw_", disk), disk
     # the CPU has no CUDA for torchao's optimizer: the row says so instead of figures
     torchao = rows["gpt", "2x16", "torchao cpu-offload"][0]
     assert torchao.startswith(("needs CUDA", "unavailable:")), torchao
