@@ -2,10 +2,11 @@
 start and how a unit's use lands them.
 
 The units ``optimizer.step()`` would step after the steps in backward were settled (a clip
-that bit, rollbacks) are stepped by the worker while the caller goes on to the
-next forward; each lands before its unit's next use (``Unit.barrier``, the runtime's
-``UNIT_READ`` event, or a disk read of one of its arrays). The step is known: the ordinary
-step's arithmetic and inputs exactly (the group values, flags and factors of that call).
+that bit, rollbacks) are stepped by the worker while the caller goes on to the next
+forward; each lands before its unit's next use, at the one landing point every reader goes
+through (``Unit.barrier``, which publishes the runtime's ``UNIT_READ`` event; a disk read
+of one of the unit's arrays calls it too). The step is known: the ordinary step's
+arithmetic and inputs exactly (the group values, flags and factors of that call).
 Two targets:
 
 - **disk units** (``Target.SHADOWS``): into shadows, committed at the unit's use; one the
@@ -288,21 +289,16 @@ class ForwardSteps:
             self._stats.params_staged += 1
 
     def _arm(self, unit_step: StreamedUnitStep, on: bool) -> None:
-        """Make every use of the unit (and every disk read of its arrays) land its step
-        first; or, ``on=False``, stop."""
+        """Make every use of the unit land its step first, through the one landing point
+        (``Unit.barrier``, which every reader calls, and every disk read of the unit's
+        arrays, whatever reads them; the worker's own reads go on: :meth:`land`); or,
+        ``on=False``, stop."""
         unit = unit_step.unit
-        gate = (lambda: self._land_from_reader(unit)) if on else None
         arrays = [unit.master, *unit_step.states.values(), *unit_step.scales.values()]
         arrays += [a for a in (unit.home, unit.grad) if transfers_only(a)]
         for array in arrays:
-            array.before_read = gate
+            array.before_read = unit.barrier if on else None
         unit.work_pending = on
-
-    def _land_from_reader(self, unit: Unit) -> None:
-        """A disk read of one of ``unit``'s arrays: its step lands first, unless the read
-        is the worker's own (the step reading its inputs)."""
-        if not self._worker.on_worker_thread():
-            self.land(unit)
 
 
 def step_in_place(job: StepJob) -> None:
