@@ -7,7 +7,7 @@ import re
 import threading
 from pathlib import Path
 
-from hetstore.optim.step_job import _MOVES, JobState
+from hetstore.optim.step_job import MOVES, JobState
 from hetstore.optim.step_worker import AT_STEP, StepWorker, in_forward, outcome
 
 
@@ -48,7 +48,7 @@ def test_the_drawing_of_a_jobs_life_names_exactly_the_states_of_the_enum():
     drawing = section.split("```", 2)[1]
     drawn = set(re.findall(r"\b[A-Z][A-Z_]{3,}\b", drawing))
     assert drawn == {state.name for state in JobState}
-    assert set(_MOVES) == set(JobState)
+    assert set(MOVES) == set(JobState)
     # every state but the final ones has a way out, and every final one none
     final = {JobState.COMMITTED, JobState.LANDED, JobState.CANCELLED}
-    assert {s for s, to in _MOVES.items() if not to} == final
+    assert {s for s, to in MOVES.items() if not to} == final

@@ -7,7 +7,7 @@ scale's factor, the clip's factors for gradients on disk), where its result goes
 ``Target.IN_PLACE``: the live master and states, once the step is known), when it runs
 (``When``), and one ``JobState`` for its life, which moves only along the arrows drawn in
 docs/how-it-works.md ("One unit's step away from optimizer.step()"; a test holds the
-drawing to ``_MOVES``).
+drawing to ``MOVES``).
 
 ``COMMITTED`` and ``LANDED`` are the two ways a step becomes the unit's: a shadowed
 step is committed (its inputs still held), an in-place step has landed once a reader
@@ -53,7 +53,8 @@ class Target(Enum):
     IN_PLACE = "in place"  # the live master and states (the step is known)
 
 
-_MOVES = {
+# where a job may go from each state (StepJob.move refuses any other move)
+MOVES = {
     JobState.PENDING: {JobState.RUNNING, JobState.CANCELLED},
     # (cancelled while running: only after the caller waited for the worker)
     JobState.RUNNING: {JobState.DONE_AHEAD, JobState.FAILED, JobState.LANDED, JobState.CANCELLED},
@@ -101,7 +102,7 @@ class StepJob:
 
     def move(self, to: JobState) -> None:
         """The one way a job changes state: refused when the drawing has no such arrow."""
-        if to not in _MOVES[self.state]:
+        if to not in MOVES[self.state]:
             raise RuntimeError(
                 f"hetstore internal error: the step job of unit {self.unit.name!r} cannot go "
                 f"from {self.state.value!r} to {to.value!r}"
