@@ -3,8 +3,9 @@
 # of memory, no network; its python3 holds a CUDA torch and transformers; hetstore runs
 # from src/): the CUDA tests, then one table of training steps (step_table.py): the 185M
 # GPT and a 0.95B Llama, batches 8x512 and 32x512, plain PyTorch, hetstore (host, host
-# without overlap, disk), FSDP2 CPU offload and torchao's CPUOffloadOptimizer, every row
-# against plain PyTorch in the same process. About 8 minutes in all.
+# without overlap, states on host with the parameters on the GPU, disk), FSDP2 CPU offload
+# and torchao's CPUOffloadOptimizer, every row against plain PyTorch in the same process,
+# then where each profiled step's time went. About 8 minutes in all.
 #
 #   bash benchmarks/gpu/fetch_wheels.sh      # here, once: torchao's wheel into .wheels/
 #   GIT_COMMIT=<sha> bash benchmarks/gpu/run_all.sh   # there, with .wheels carried

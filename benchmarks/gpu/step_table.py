@@ -36,7 +36,10 @@ Runners (every one under ``torch.autocast(device, bfloat16)``, fp32 master weigh
   step_in_forward=False`` (the overlap must never be slower: in a run of more than 24
   steps ``'auto'`` keeps whichever of the two its trial measured faster,
   ``optim.policy.OverlapTrial``; these rows time the steps before any trial, so both
-  ways show); ``hetstore disk``:
+  ways show); ``hetstore states on host``: ``offload_param="none",
+  offload_optimizer="cpu"`` (the bf16 parameters stay on the GPU, the fp32 master and
+  states on the host: torchao's placement, so the two compare like for like);
+  ``hetstore disk``:
   ``offload_param="disk", offload_optimizer="disk"`` under ``--offload-dir``, defaults.
   Its step's time includes ``optimizer.finish_steps_in_forward()``: the unit steps that
   ``step_in_forward`` leaves to the next forward are finished inside the step that
@@ -108,6 +111,7 @@ RUNNERS = (
     "plain",
     "hetstore host",
     "hetstore host no-overlap",
+    "hetstore states on host",
     "hetstore disk",
     "fsdp2 cpu-offload",
     "torchao cpu-offload",
@@ -376,6 +380,8 @@ BUILDERS = {
     # (the defaults: on a GPU the host units' steps run in the next forward)
     "hetstore host": hetstore_builder("cpu", "cpu", "auto", steady=True),
     "hetstore host no-overlap": hetstore_builder("cpu", "cpu", False, False),
+    # (torchao's placement: the parameters stay on the GPU, master and states on the host)
+    "hetstore states on host": hetstore_builder("none", "cpu", "auto"),
     "hetstore disk": hetstore_builder("disk", "disk", "auto"),
     "fsdp2 cpu-offload": build_fsdp2,
     "torchao cpu-offload": build_torchao,

@@ -17,6 +17,7 @@ RUNNERS = (
     "plain",
     "hetstore host",
     "hetstore host no-overlap",
+    "hetstore states on host",
     "hetstore disk",
     "fsdp2 cpu-offload",
     "torchao cpu-offload",
