@@ -75,10 +75,6 @@ class GradHandling:
         if self._unscaled:
             return self._found_inf
         self._unscaled = True
-        self._found_inf = self._unscale_now()
-        return self._found_inf
-
-    def _unscale_now(self) -> bool:
         if self.step_ahead is not None:
             self.step_ahead.policy.step_called()
         inv = 1.0 / self.loss_scaler.scale
@@ -113,6 +109,7 @@ class GradHandling:
             flag = torch.tensor(float(found), device=self.units[0].device)
             self.shards.all_reduce(flag, "max", "the fp16 overflow check")
             found = bool(flag)
+        self._found_inf = found
         return found
 
     def prepare_grad_reads(self, norm_type: float) -> None:
