@@ -126,14 +126,27 @@ def profile_step(step: Callable[[], T], cuda: bool) -> tuple[float | None, dict,
         options = {}
     if cuda:
         torch.cuda.synchronize()
-    with profile(activities=activities, **options) as prof:
+    prof = profile(activities=activities, **options)
+    try:
+        prof.start()
+    except Exception:  # noqa: BLE001 - (the experimental option refused): without it
+        prof = profile(activities=activities)
+        prof.start()
+    try:
         with record_function(MAIN_THREAD):  # (tells the caller's thread in the events)
             start = time.perf_counter()
             result: Any = step()
             if cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start
-    events = list(prof.events())
+    finally:
+        try:
+            prof.stop()
+            events = list(prof.events())
+        except Exception as exc:  # noqa: BLE001 - the step ran: keep it, say why no profile
+            events, failed = None, f"{type(exc).__name__}: {exc}"[:200]
+    if events is None:
+        return None, {"wall ms": wall * 1e3, "error": failed}, result
     busy = None
     if cuda:
         intervals = sorted(
@@ -204,6 +217,8 @@ def breakdown(events, wall: float, top: int = 4) -> dict:
 
 def breakdown_line(b: dict) -> str:
     """One line of :func:`breakdown`'s figures."""
+    if "error" in b:
+        return f"wall {b['wall ms']:.1f}; no profile ({b['error']})"
     threads = "; ".join(
         f"{t['thread']} ops {t['ops ms']:.1f} ("
         + ", ".join(f"{name} {ms:.1f}" for name, ms in t["top"])
