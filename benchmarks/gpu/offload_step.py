@@ -72,8 +72,9 @@ def settled_allocated() -> int:
     return torch.cuda.memory_allocated()
 
 
-def busy_fraction(model, optimizer, x, y, max_norm=None) -> float:
-    """Share of one step's wall time during which the GPU ran a kernel or a copy."""
+def busy_fraction(model, optimizer, x, y, max_norm=None) -> float | None:
+    """Share of one step's wall time during which the GPU ran a kernel or a copy (None
+    when the profiler failed)."""
     from spans import device_busy_fraction
 
     def step():
@@ -214,7 +215,8 @@ def main() -> None:
         fwd, bwd, opt = (statistics.median(t[k] for t in phases[name]) for k in range(3))
         print(
             f"| {name} | {total:.3f} | {total / plain_median:.2f} | {fwd:.3f} | {bwd:.3f} | "
-            f"{opt:.3f} | {peaks[name] / 2**30:.2f} GiB | {busy[name]:.0%} |"
+            f"{opt:.3f} | {peaks[name] / 2**30:.2f} GiB | "
+            f"{'-' if busy[name] is None else format(busy[name], '.0%')} |"
         )
     print(f"max |loss difference| from plain = {diff:.2e}")
     for name, (_, opt) in runs.items():

@@ -103,8 +103,9 @@ def summary(spans: Spans) -> list[str]:
     return lines
 
 
-def device_busy_fraction(step: Callable[[], T]) -> tuple[float, T]:
-    """:func:`profile_step` on the GPU: the busy share and what ``step`` returned."""
+def device_busy_fraction(step: Callable[[], T]) -> tuple[float | None, T]:
+    """:func:`profile_step` on the GPU: the busy share (None when the profiler failed)
+    and what ``step`` returned."""
     busy, _, result = profile_step(step, cuda=True)
     return busy, result
 
@@ -126,12 +127,20 @@ def profile_step(step: Callable[[], T], cuda: bool) -> tuple[float | None, dict,
         options = {}
     if cuda:
         torch.cuda.synchronize()
-    prof = profile(activities=activities, **options)
-    try:
-        prof.start()
-    except Exception:  # noqa: BLE001 - (the experimental option refused): without it
-        prof = profile(activities=activities)
-        prof.start()
+    prof, failed = None, ""
+    for kwargs in (options, {}):  # (the experimental option refused: without it)
+        try:
+            prof = profile(activities=activities, **kwargs)
+            prof.start()
+            break
+        except Exception as exc:  # noqa: BLE001 - the step runs unprofiled, and says why
+            prof, failed = None, f"{type(exc).__name__}: {exc}"[:200]
+    if prof is None:
+        start = time.perf_counter()
+        result = step()
+        if cuda:
+            torch.cuda.synchronize()
+        return None, {"wall ms": (time.perf_counter() - start) * 1e3, "error": failed}, result
     try:
         with record_function(MAIN_THREAD):  # (tells the caller's thread in the events)
             start = time.perf_counter()
