@@ -15,8 +15,9 @@ GPT):
   steps in the next forward run);
 - the host cast of the master into a bf16 home (pinned where CUDA is there);
 - with CUDA: the bf16 home's copy to the device, against the fp32 master's copy and a
-  cast on the device (torchao's bytes and the other place for the cast); the fp32
-  gradient's copy to the host.
+  cast on the device (torchao's bytes and the other place for the cast); a device home's
+  refresh as ``offload_param='none'`` does it now (``copy_`` from the fp32 master: torch
+  casts on the host into a pageable temporary); the fp32 gradient's copy to the host.
 
 Before 2026-11-28 this probe compared the ordinary step with a speculative one (copies
 into shadows first, then the step): 1.3 against 6.4-6.9 ms on the H100's host; that
@@ -84,6 +85,12 @@ def rows(n: int) -> list[tuple[str, float]]:
             (
                 "bf16 home to the device (pinned)",
                 best(lambda: on_device.copy_(home, non_blocking=True), sync),
+            ),
+            (
+                # what a device home's refresh from a host master does now (sync_home:
+                # torch casts a CPU->GPU copy on the host, into a pageable temporary)
+                "fp32 master into the bf16 device copy by copy_ (host cast, pageable)",
+                best(lambda: on_device.copy_(master), sync),
             ),
             (
                 "fp32 master to the device, cast there",
