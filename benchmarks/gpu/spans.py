@@ -103,6 +103,10 @@ def summary(spans: Spans) -> list[str]:
     return lines
 
 
+# a region around the profiled step, telling the caller's thread among the profile's
+MAIN_THREAD = "spans: the caller's thread"
+
+
 def device_busy_fraction(step: Callable[[], T]) -> tuple[float | None, T]:
     """:func:`profile_step` on the GPU: the busy share (None when the profiler failed)
     and what ``step`` returned."""
@@ -177,9 +181,6 @@ def profile_step(step: Callable[[], T], cuda: bool) -> tuple[float | None, dict,
             total += open_end - open_start
         busy = total / 1e6 / wall
     return busy, breakdown(events, wall), result
-
-
-MAIN_THREAD = "step_table: the caller's thread"
 
 
 def breakdown(events, wall: float, top: int = 4) -> dict:

@@ -66,8 +66,6 @@ class BackwardSteps:
         self._worker = ahead.worker
         self._stats = ahead.stats
         self._loss_scaler = loss_scaler  # fp16: gradients are unscaled before the step
-        # step_in_backward: the steps take the gradients, and are committed in backward
-        self.consume = ahead.modes.in_backward
 
     # ------------------------------------------------------------------ starting
     def start(self, unit: Unit) -> StepJob | None:
@@ -77,7 +75,9 @@ class BackwardSteps:
         unit_step = ahead.step_of(unit)
         if unit_step is None:
             return None
-        if not ahead.disk_room(unit_step) and self.consume and ahead.pending():
+        # step_in_backward: the steps take the gradients, and are committed in backward
+        consume = ahead.modes.in_backward
+        if not ahead.disk_room(unit_step) and consume and ahead.pending():
             # in backward: the steps before hold their shadows until committed; their
             # commits free the regions they replace, so wait for them rather than spill
             # this unit's gradients to disk (the planner counts two shadows: this one
@@ -108,7 +108,7 @@ class BackwardSteps:
         grads = None
         if unit.grad_stager is not None:
             stager = unit.grad_stager
-            grads = stager.hand_over(unit) if self.consume else stager.lend(unit)
+            grads = stager.hand_over(unit) if consume else stager.lend(unit)
         job.lent_grads = grads is not None
         try:
             job.submitted(

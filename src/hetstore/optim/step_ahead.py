@@ -91,7 +91,6 @@ class StepAhead:
         # (overlap_step, or taking the gradients: step_in_backward), and steps left to the
         # next forward (step_in_forward; host units in place: in_place)
         self.modes = modes
-        self.speculate = modes.overlap_disk or modes.in_backward
         # when each unit's step runs: micro-batch counting, hold-back, back-off, the trial
         self.policy = StepPolicy(trial)
         # the units in the order the next forward uses them (the runtime's), else None
@@ -127,7 +126,7 @@ class StepAhead:
         self._events = first.unit.events
         # (a disk unit's step in backward reads the stager's buffer on this thread, so
         # it must wait for the gradient copies when the unit's backward is done)
-        reads_grads = self.speculate and bool(unit_steps)
+        reads_grads = (modes.overlap_disk or modes.in_backward) and bool(unit_steps)
         for event, handler in self._subscriptions():
             on_grads = event in (Event.GRADS_GATHERED, Event.GRADS_FINAL)
             self._events.subscribe(event, handler, reads_grads=reads_grads and on_grads)
@@ -267,7 +266,7 @@ class StepAhead:
             or self.suspended
             or not self.policy.last_backward  # not the last micro-batch's backward
             or not self.policy.overlapping  # (the trial's way without overlap)
-            or (self.speculate and not self.policy.hold_back)  # steps taken in backward
+            or (self.modes.overlap_disk and not self.policy.hold_back)  # taken in backward
             or (self.modes.in_forward and self.use_order is None)
         ):
             return

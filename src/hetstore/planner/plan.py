@@ -5,12 +5,12 @@ cost model predicts for it. Manual settings are a plan too (:meth:`Plan.uniform`
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from hetstore._sizes import format_duration, format_size
 from hetstore.planner.cost import Estimate, UnitChoice, consumed, estimate, optimizer_bytes
-from hetstore.planner.trace import Trace
+from hetstore.planner.trace import Trace, saved_fields
 from hetstore.tier import TIER_LABELS, Tier, by_label
 
 __all__ = ["Capacities", "Plan", "UnitPlan", "confidence", "spread_line"]
@@ -316,8 +316,7 @@ class Plan:
             predicted["peaks"] = {tier: predicted.pop(tier.label) for tier in Tier}
             # (a plan saved by an older version may name a figure no longer kept: the host
             # shadows and lent masters, until 2026-11-28)
-            known = {f.name for f in fields(Estimate)}
-            predicted = {k: v for k, v in predicted.items() if k in known}
+            predicted = saved_fields(Estimate, predicted)
         return cls(
             units,
             data["prefetch_depth"],

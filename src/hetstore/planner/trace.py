@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hetstore.tier import Tier
 
-__all__ = ["MachineRates", "UnitTrace", "Trace", "StepProfile"]
+__all__ = ["MachineRates", "UnitTrace", "Trace", "StepProfile", "saved_fields"]
 
 
 @dataclass(frozen=True)
@@ -230,13 +230,12 @@ class Trace:
     @classmethod
     def from_json(cls, text: str) -> Trace:
         data = json.loads(text)
-        unit_keys = {f.name for f in fields(UnitTrace)}
         units = tuple(
             UnitTrace(
                 **{
                     k: v
-                    for k, v in u.items()
-                    if k in unit_keys and k not in ("saved_sizes", "segment_numels")
+                    for k, v in saved_fields(UnitTrace, u).items()
+                    if k not in ("saved_sizes", "segment_numels")
                 },
                 saved_sizes=tuple(tuple(s) for s in u.get("saved_sizes", ())),
                 segment_numels=tuple(u.get("segment_numels", ())),
@@ -249,9 +248,7 @@ class Trace:
             # (a trace saved by an older version may name a rate, and its probe's
             # spread, no longer kept: the host copy rate, until 2026-11-28)
             spread = tuple(tuple(p) for p in rates.get("spread", ()) if p[0] != "host copy")
-            known = {f.name for f in fields(MachineRates)}
-            rates = {k: v for k, v in rates.items() if k in known}
-            machine = MachineRates(**{**rates, "spread": spread})
+            machine = MachineRates(**{**saved_fields(MachineRates, rates), "spread": spread})
         shapes = tuple(tuple(s) for s in data.get("batch_shapes", ()))
         keys = (
             "buffer_bytes",
@@ -289,3 +286,10 @@ class StepProfile:
 
     def of(self, label: str) -> float:
         return self.seconds.get(label, 0.0)
+
+
+def saved_fields(cls: type, data: dict) -> dict:
+    """The entries of ``data`` (a dataclass saved as JSON) that ``cls`` still has: a file
+    saved by an older version may name a field no longer kept."""
+    known = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in known}
