@@ -54,9 +54,10 @@ def cpu_name() -> str:
 
 
 def machine_line() -> str:
-    """One line saying what the numbers were measured on."""
+    """One line saying what the numbers were measured on (the GPU first, where there is one)."""
+    gpu = f"{torch.cuda.get_device_name()}, " if torch.cuda.is_available() else ""
     return (
-        f"{os.cpu_count()} vCPU {cpu_name()}, torch {torch.__version__}, "
+        f"{gpu}{os.cpu_count()} vCPU {cpu_name()}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} intra-op threads, Python {platform.python_version()}"
     )
 

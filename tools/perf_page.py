@@ -248,7 +248,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "gpu_step_table",
-        "GPU (H100): the step table under bf16",
+        "GPU: the step table under bf16",
         "`benchmarks/gpu/run_all.sh` (`benchmarks/gpu/step_table.py`): the 185M GPT and a "
         "0.95B transformers Llama under `torch.autocast(bfloat16)`, fp32 master weights, "
         "fused AdamW, each row against plain PyTorch (the model and AdamW on the GPU) in "
