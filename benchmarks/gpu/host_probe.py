@@ -16,8 +16,9 @@ GPT):
 - the host cast of the master into a bf16 home (pinned where CUDA is there);
 - with CUDA: the bf16 home's copy to the device, against the fp32 master's copy and a
   cast on the device (torchao's bytes and the other place for the cast); a device home's
-  refresh as ``offload_param='none'`` does it now (``copy_`` from the fp32 master: torch
-  casts on the host into a pageable temporary); the fp32 gradient's copy to the host.
+  refresh from the fp32 master by ``copy_`` (torch casts on the host into a pageable
+  temporary: ``offload_param='none'``'s way until 2026-11-28) and by ``runtime.upload``
+  (its way since); the fp32 gradient's copy to the host.
 
 Before 2026-11-28 this probe compared the ordinary step with a speculative one (copies
 into shadows first, then the step): 1.3 against 6.4-6.9 ms on the H100's host; that
@@ -33,6 +34,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from hetstore.runtime import upload
 
 ADAMW = dict(
     lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False
@@ -81,16 +84,22 @@ def rows(n: int) -> list[tuple[str, float]]:
         on_device = torch.empty(n, dtype=torch.bfloat16, device=device)
         fp32_on_device = torch.empty(n, device=device)
         grad_on_device = torch.randn(n, device=device)
+        staging = torch.empty(upload.staging_numel(n), dtype=torch.bfloat16, pin_memory=True)
         out += [
             (
                 "bf16 home to the device (pinned)",
                 best(lambda: on_device.copy_(home, non_blocking=True), sync),
             ),
             (
-                # what a device home's refresh from a host master does now (sync_home:
-                # torch casts a CPU->GPU copy on the host, into a pageable temporary)
+                # what a device home's refresh from a host master did until 2026-11-28
+                # (torch casts a CPU->GPU copy on the host, into a pageable temporary)
                 "fp32 master into the bf16 device copy by copy_ (host cast, pageable)",
                 best(lambda: on_device.copy_(master), sync),
+            ),
+            (
+                # and what it does since (UnitForms.sync_home -> copy_cast)
+                "the same by runtime.upload (host cast into pinned staging, in chunks)",
+                best(lambda: upload.upload_cast(on_device, master, staging), sync),
             ),
             (
                 "fp32 master to the device, cast there",

@@ -56,6 +56,7 @@ nvidia-smi -L
 PER_TEST=$("$PYTHON" -c 'import pytest_timeout' 2>/dev/null && echo "--timeout 60")
 timeout "${TESTS_S:-90}" "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda $PER_TEST \
     tests/api/test_cuda.py tests/tiers/test_device_tier.py tests/runtime/test_grad_contract.py \
+    tests/runtime/test_upload.py \
     2>&1 | tee "$OUT/cuda_tests.log"
 TESTS=$(grep -E '(passed|failed|error|no tests ran)' "$OUT/cuda_tests.log" | tail -n 1)
 

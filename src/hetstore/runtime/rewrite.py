@@ -244,7 +244,7 @@ class ChunkedRewrite:
                     handles.append(unit.home.write(compute, span.start, into=shadows.get("home")))
                 elif unit.home is not unit.master:
                     self._touched_memory = True
-                    unit.home[span.start : span.end].copy_(master)
+                    unit.copy_cast(unit.home[span.start : span.end], master)
                 out = None if params_out is None else params_out[span.start : span.end]
                 if out is not None and out.data_ptr() != compute.data_ptr():
                     out.copy_(compute)
@@ -308,7 +308,7 @@ class ChunkedRewrite:
             master = scratch.tensor[:n]
             unit.master.read(master).wait()
             if not self.home_on_disk and unit.home is not unit.master:
-                unit.home[:n].copy_(master)
+                unit.copy_cast(unit.home[:n], master)
             unit.write_device_copy(master)
         finally:
             unit.tiers.host.free(scratch)

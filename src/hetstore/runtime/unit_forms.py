@@ -242,7 +242,7 @@ class UnitForms:
                 if self.home is not self.master:
                     self._write_home(master)
             elif self.home.data_ptr() != master.data_ptr():  # else home is the master
-                self.home[:n].copy_(master)
+                self.copy_cast(self.home[:n], master)
             if self.materialized and self.shards is not None:
                 self.release()  # the next fetch gathers every rank's new shard
             else:
