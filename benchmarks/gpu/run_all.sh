@@ -35,6 +35,10 @@
 # GPU memory: the Llama's plain runner holds 15 GB between steps, torchao's 4 GB, a 32x512
 # step's activations about 40 GB at most. Disk: ~30 GB free under OFFLOAD_DIR (else the
 # Llama's disk row says OutOfTierMemory and the rest of the table is unaffected).
+# Measured on the H200 of 2026-11-28: 288 s in all, the GPT part 83 s, the Llama's 145 s;
+# the disk rows' steps (3.4 s GPT, 19 s Llama) took most of the parts' time, so they now
+# take one timed step per shape (--one-step-s), and the rows with an overlap trial run it
+# alone after each warm-up round (8 steps: about 25 s for the Llama's two host rows).
 set -u
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}

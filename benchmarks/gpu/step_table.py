@@ -13,7 +13,10 @@ same random weights, then for each batch shape runs one warm-up round and timed 
 in which every runner takes one step on the same batch, in a fresh seeded order per
 round (machine noise hits all alike), then one profiled round for the GPU busy fraction.
 So each row's ratio is to plain PyTorch measured in the same process on the same
-batches, and the loss difference is step by step. ``--budget-s`` bounds the part: rounds
+batches, and the loss difference is step by step (until a runner steps more often than
+plain: the steady row, or a row after its overlap trial). A runner whose warm-up step
+took over ``--one-step-s`` takes one timed step per shape, so that the disk rows do
+not take the time of the others' rounds. ``--budget-s`` bounds the part: rounds
 are dropped (never below one timed round per batch shape) so that every shape gets the
 same number of timed steps where the time allows; the row's ``steps`` says how many ran.
 It writes its rows as JSON after each timed round, so a part stopped by its ``timeout``
@@ -33,10 +36,12 @@ Runners (every one under ``torch.autocast(device, bfloat16)``, fp32 master weigh
   timing, so its time is one period of a training loop; it takes two steps a round, so
   its losses are not compared with plain's (its exactness is the CUDA tests').
   ``hetstore host no-overlap``: the same with ``overlap_step=False,
-  step_in_forward=False`` (the overlap must never be slower: in a run of more than 24
-  steps ``'auto'`` keeps whichever of the two its trial measured faster,
-  ``optim.policy.OverlapTrial``; these rows time the steps before any trial, so both
-  ways show); ``hetstore states on host``: ``offload_param="none",
+  step_in_forward=False`` (the overlap must never be slower: ``'auto'`` keeps
+  whichever of the two its trial measured faster, ``optim.policy.OverlapTrial``, which a
+  run starts after 20 steps; here each hetstore row with a trial runs it alone after
+  each shape's warm-up round, ``OverlapTrial.restart``, so its timed steps take the way
+  a long run keeps, and a note says which; rows whose steps take over ``--settle-s``
+  keep the untried default); ``hetstore states on host``: ``offload_param="none",
   offload_optimizer="cpu"`` (the bf16 parameters stay on the GPU, the fp32 master and
   states on the host: torchao's placement, so the two compare like for like);
   ``hetstore disk``:
@@ -230,6 +235,9 @@ class Runner:
     note: str = ""
     built_bytes: int = 0
     resident: int | None = None
+    # stepped more often than plain (steady, or its overlap trial run alone): its losses
+    # are not plain's step by step any more
+    ahead_of_plain: bool = False
 
     @property
     def ok(self) -> bool:
@@ -447,6 +455,7 @@ class Samples:
     peak: int | None = None
     busy: float | None = None
     breakdown: dict | None = None  # where the profiled step's time went (spans.breakdown)
+    warm_s: float = 0.0  # the warm-up round's step
 
 
 class Part:
@@ -533,6 +542,8 @@ class Part:
         cuda = self.device.type == "cuda"
         for runner in self.order.sample(self.active(), len(self.active())):
             got = samples[runner.name]
+            if kind == "timed" and got.times and got.warm_s > self.args.one_step_s:
+                continue  # (a slow row: one timed step, the others' rounds go faster)
             try:
                 if kind == "busy":
                     with steady_state(runner, self.spec, idx, self.device) as finish:
@@ -545,8 +556,10 @@ class Part:
                     got.busy = busy
                 elif kind == "warm-up" and runner.resident is None:
                     before = settled_allocated(self.device)
-                    _, loss = train_step(runner, self.spec, idx, self.device)
+                    got.warm_s, loss = train_step(runner, self.spec, idx, self.device)
                     runner.resident = settled_allocated(self.device) - before + runner.built_bytes
+                elif kind == "warm-up":
+                    got.warm_s, loss = train_step(runner, self.spec, idx, self.device)
                 elif kind == "timed":
                     start = settled_allocated(self.device)
                     if cuda:
@@ -565,13 +578,49 @@ class Part:
                 runner.drop(f"failed: {one_line(exc)}")
                 self.note(f"{runner.name}: {runner.status} (in a {kind} step)")
         plain = losses.get("plain")
-        steady = {r.name for r in self.runners if r.steady}  # (more steps than plain's)
+        ahead = {r.name for r in self.runners if r.steady or r.ahead_of_plain}
         for name, loss in losses.items():
-            if plain is not None and name != "plain" and name not in steady:
+            if plain is not None and name != "plain" and name not in ahead:
                 samples[name].diffs.append(abs(loss - plain))
             if not math.isfinite(loss):
                 samples[name].diffs.append(math.inf)
         return time.perf_counter() - t0
+
+    def settle_overlap(self, label: str, idx: torch.Tensor, samples) -> None:
+        """Each runner whose steps choose their overlap by trial (hetstore under
+        ``overlap_step='auto'``: ``optimizer.overlap_trial``) runs that trial for this
+        batch shape, alone, before the timed rounds, so that they time the way a long
+        run keeps. Left to itself the trial would start after 20 steps (each row here
+        takes a few), and in the rounds the other runners' steps would land in the
+        intervals it compares. A runner whose warm-up step took over ``--settle-s``
+        keeps its untried default (the note says so)."""
+        for runner in self.active():
+            trial = getattr(runner.opt, "overlap_trial", None)
+            if trial is None:
+                continue
+            took = samples[runner.name].warm_s
+            limit = 4 * (trial.steps + 1)  # (it ends after 2 * (steps + 1) steps)
+            if took > self.args.settle_s or not self.fits(limit * took):
+                why = f"steps of {took:.1f} s" if took > self.args.settle_s else "time"
+                self.note(f"{label}: {runner.name}: overlap trial not run ({why})")
+                continue
+            trials, steps = trial.trials, 0
+            trial.restart()
+            runner.ahead_of_plain = True
+            try:
+                while trial.trials == trials and steps < limit:
+                    train_step(runner, self.spec, idx, self.device, finish=False)
+                    steps += 1
+                if runner.finish is not None:
+                    runner.finish()
+                sync(self.device)
+            except Exception as exc:
+                traceback.print_exc()
+                runner.drop(f"failed: {one_line(exc)}")
+                self.note(f"{runner.name}: {runner.status} (in its overlap trial)")
+                continue
+            way = "overlap" if trial.overlapping else "no overlap"
+            self.note(f"{label}: {runner.name}: overlap trial kept {way} ({steps} steps alone)")
 
     def later_rounds(self, shapes, index: int, estimate: float, timed: int) -> float:
         """Seconds the shapes after ``shapes[index]`` need for a warm-up, ``timed`` timed
@@ -603,6 +652,7 @@ class Part:
 
             estimate = self.round(tokens(), samples, "warm-up")
             say("warm-up round", estimate)
+            self.settle_overlap(label, tokens(), samples)
             finished = list(self.out["rows"])  # the shapes before this one
             timed = 0
             while timed < self.args.steps and self.active():
@@ -804,7 +854,7 @@ def make_table(args) -> int:
         lines += ["", "# where each profiled step's time went, ms (spans.breakdown):", *profiled]
     for part in parts:
         for note in part.get("notes", []):
-            if any(key in note for key in ("timed step", "failed:", "no profiled")):
+            if any(key in note for key in ("timed step", "failed:", "no profiled", "trial")):
                 lines.append(f"# {part.get('label', part['model'])}: {note}")
     text = "\n".join(lines) + "\n"
     print(text, end="", flush=True)
@@ -841,6 +891,8 @@ def smoke(args) -> int:
             offload_dir=args.offload_dir,
             runners=None,
             slow_s=args.slow_s,
+            settle_s=2.0,
+            one_step_s=2.0,
             smoke=True,
         )
         run_part(part_args, device)
@@ -881,6 +933,19 @@ def main() -> int:
         default=0,
         help="a runner whose median timed step took longer is not run at the later batch "
         "shapes (0: no limit), so that one slow row cannot take the others' time",
+    )
+    part.add_argument(
+        "--settle-s",
+        type=float,
+        default=2.0,
+        help="a runner with an overlap trial runs it alone before each shape's timed rounds "
+        "if its warm-up step took at most this",
+    )
+    part.add_argument(
+        "--one-step-s",
+        type=float,
+        default=2.0,
+        help="a runner whose warm-up step took longer takes one timed step per shape",
     )
     part.add_argument("--json", required=True)
     part.add_argument("--runners", type=lambda s: s.split(","), default=None)

@@ -10,7 +10,10 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNERS = (
@@ -72,13 +75,43 @@ def test_smoke_run_prints_every_row_against_plain(tmp_path):
         for runner in ("plain", "hetstore host", "hetstore disk"):
             line = profiled[model, "2x16", runner]
             assert re.search(r"caller ops \d+\.\d", line), line
-    disk = profiled["gpt", "2x16", "hetstore disk"]
-    assert re.search(r"thread \d+ ops [\d.]+ \([^)]*(?i:adamw)", disk), disk
+    # before each shape's timed rounds the disk row ran its overlap trial alone, and
+    # where it kept the overlap, its profiled step shows the worker's AdamW
+    kept = re.findall(
+        r"# (gpt|llama) \S+: (\d+x\d+): hetstore disk: overlap trial kept (.+) \(", done.stdout
+    )
+    assert len(kept) == 4, done.stdout[-3000:]
+    for model, tokens, way in kept:
+        if way == "overlap":
+            disk = profiled[model, tokens, "hetstore disk"]
+            assert re.search(r"thread \d+ ops [\d.]+ \([^)]*(?i:adamw)", disk), disk
     # the CPU has no CUDA for torchao's optimizer: the row says so instead of figures
     torchao = rows["gpt", "2x16", "torchao cpu-offload"][0]
     assert torchao.startswith(("needs CUDA", "unavailable:")), torchao
     # the disk tier's files are gone with the run
     assert not list(tmp_path.glob("hetstore-step-table-*"))
+
+
+def test_the_profiled_step_sees_a_worker_threads_ops():
+    """spans.profile_step records every thread's ops (the optimizer's worker's, as on a
+    GPU): a step that hands a matrix product to a worker thread shows it there."""
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+    try:
+        import spans
+    finally:
+        sys.path.pop(0)
+    worker = ThreadPoolExecutor(1)
+    a = torch.randn(256, 256)
+    worker.submit(torch.mm, a, a).result()  # (the thread exists before the profile)
+
+    def step():
+        return worker.submit(lambda: [torch.mm(a, a) for _ in range(20)]).result()
+
+    _, breakdown, result = spans.profile_step(step, cuda=False)
+    worker.shutdown()
+    assert len(result) == 20
+    others = [t for t in breakdown["threads"] if t["thread"] != "caller"]
+    assert any(name == "aten::mm" for t in others for name, _ in t["top"]), breakdown
 
 
 def test_smoke_run_leaves_a_slow_runner_out_of_the_later_shapes(tmp_path):

@@ -236,3 +236,27 @@ def test_a_step_without_a_backward_takes_the_way_the_trial_set(tmp_path):
     opt.step()  # (the same gradients again, no backward)
     assert opt.speculation_stats["in_forward"] == handed
     assert not opt.step_ahead.in_forward_jobs()
+
+
+def test_a_restarted_trial_measures_both_ways_again_at_once():
+    """restart(): after a change of batch shape the ways are compared again without the
+    schedule's wait: the kept way's next steps, then the other's."""
+    costs = {True: 1.0, False: 1.3}
+    clock = Steps(lambda overlapping: costs[overlapping])
+    trial = scheduled(clock, after=5, steps=3, every=100)
+    run(trial, clock, 10)
+    assert trial.trials == 1 and trial.overlapping  # overlap paid and was kept
+    costs[True] = 2.0  # (the new shape: overlap slower than none)
+    trial.restart()
+    ways = run(trial, clock, 12)
+    # the first step ended has no interval; 3 counted with overlap, then 1 + 3 without
+    assert ways[:4] == [True] * 4
+    assert ways[4:] == [False] * 8
+    assert trial.trials == 2
+
+    trial.restart()  # restarted in the middle of its trial: the kept way comes back
+    run(trial, clock, 5)  # (the kept way's 4, and the switch to overlap)
+    assert trial.overlapping
+    trial.restart()
+    assert not trial.overlapping
+    assert trial.trials == 2

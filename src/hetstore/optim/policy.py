@@ -169,6 +169,18 @@ class OverlapTrial:
         self._kept: list[float] = []  # the way kept: its last intervals
         self._tried: list[float] | None = None  # the other way's, during a trial
         self._skip = 0  # the step after a switch: not counted
+        self._restarted = False  # (restart: due once the kept way has its intervals)
+
+    def restart(self) -> None:
+        """Measure again now, not after the schedule's wait: the way kept so far for
+        ``steps`` counted steps, then the other way's. For a change that may move the
+        balance between the ways (another batch shape or sequence length, another load
+        on the host); a trial under way is dropped and its kept way taken back. Sharded
+        over ranks, every rank must call it before the same step."""
+        if self._tried is not None:
+            self.overlapping = not self.overlapping
+        self._tried, self._kept, self._since, self._skip = None, [], 0, 0
+        self._last, self._restarted = None, True
 
     def step_ended(self) -> None:
         """A step ended (taken, or skipped by fp16): count its interval, and switch the
@@ -182,9 +194,9 @@ class OverlapTrial:
             self._since += 1
             if interval is not None:
                 self._kept = [*self._kept, interval][-self.steps :]
-            due = self.every if self.trials else self.after
+            due = 0 if self._restarted else self.every if self.trials else self.after
             if self._since >= due and len(self._kept) == self.steps:
-                self._tried, self._skip = [], 1
+                self._tried, self._skip, self._restarted = [], 1, False
                 self.overlapping = not self.overlapping
             return
         if self._skip:  # (the way before's steps landed in this one's forward)
