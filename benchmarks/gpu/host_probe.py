@@ -18,7 +18,9 @@ GPT):
   cast on the device (torchao's bytes and the other place for the cast); a device home's
   refresh from the fp32 master by ``copy_`` (torch casts on the host into a pageable
   temporary: ``offload_param='none'``'s way until 2026-11-28) and by ``runtime.upload``
-  (its way since); the fp32 gradient's copy to the host.
+  (its way since); the fp32 gradient's copy to the host;
+- what a worker's AdamW costs the thread that feeds the device, by the worker's
+  intra-op threads (:func:`contention_rows`).
 
 Before 2026-11-28 this probe compared the ordinary step with a speculative one (copies
 into shadows first, then the step): 1.3 against 6.4-6.9 ms on the H100's host; that
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -117,6 +120,55 @@ def rows(n: int) -> list[tuple[str, float]]:
             ),
         ]
     worker.shutdown()
+    return out + contention_rows(adamw, cuda)
+
+
+def contention_rows(adamw: Callable[[], None], cuda: bool) -> list[tuple[str, float]]:
+    """What a worker's AdamW costs the thread that feeds the device, by the worker's
+    intra-op threads (``torch.set_num_threads`` is per thread under OpenMP): a fixed
+    amount of feeding work (small kernels launched one after another, as a forward
+    launches them; small matrix products on the CPU) alone, then while the worker steps
+    in a loop, and the worker's step time at that thread count. On the H200 run of
+    2026-11-28 autograd's thread spent 20.5 ms in ``AccumulateGrad`` with the worker's
+    16-thread AdamW beside it, against 13.3 ms without."""
+    if cuda:
+        x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+
+        def feed() -> None:
+            for _ in range(500):
+                torch.mm(x, x).add_(1.0)
+
+        sync = torch.cuda.synchronize
+    else:
+        x = torch.randn(96, 96)
+
+        def feed() -> None:
+            for _ in range(500):
+                torch.mm(x, x).add_(1.0)
+
+        sync = lambda: None  # noqa: E731
+    out = [("feeding work alone (500 launches)", best(feed, sync))]
+    threads = torch.get_num_threads()
+    for count in dict.fromkeys((threads, max(1, threads // 2), max(1, threads // 4))):
+        worker = ThreadPoolExecutor(1)
+        worker.submit(torch.set_num_threads, count).result()
+        stepped = worker.submit(best, adamw).result()
+        stop = threading.Event()
+
+        def loop(stop=stop) -> None:
+            while not stop.is_set():
+                adamw()
+
+        running = worker.submit(loop)
+        beside = best(feed, sync)
+        stop.set()
+        running.result()
+        worker.shutdown()
+        out += [
+            (f"fused AdamW step, worker thread with {count} intra-op thread(s)", stepped),
+            (f"feeding work beside that worker's steps ({count} thread(s))", beside),
+        ]
+    torch.set_num_threads(threads)  # (the setting the workers changed for new threads)
     return out
 
 

@@ -162,4 +162,10 @@ def test_the_host_probe_times_each_piece_of_a_host_units_step():
     for piece in ("fused AdamW step", "cast of the master into the bf16 home"):
         for thread in ("main thread", "worker thread"):
             assert float(rows[f"{piece}, {thread}"]) > 0, (piece, thread, done.stdout)
-    assert len(rows) == 4, done.stdout
+    # what the worker's AdamW costs the feeding thread, by the worker's thread count
+    assert float(rows["feeding work alone (500 launches)"]) > 0, done.stdout
+    counts = re.findall(r"worker thread with (\d+) intra-op thread", done.stdout)
+    assert counts and len(counts) == len(set(counts)), done.stdout
+    for count in counts:
+        assert float(rows[f"feeding work beside that worker's steps ({count} thread(s))"]) > 0
+    assert len(rows) == 4 + 1 + 2 * len(counts), done.stdout
