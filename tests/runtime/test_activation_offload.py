@@ -288,3 +288,54 @@ def test_a_full_host_waits_for_activation_writes_in_flight_instead_of_failing(
     )
     with pytest.raises(OutOfTierMemory, match="activations"):
         train(capacity=short)
+
+
+class _ViewsBlock(torch.nn.Linear):
+    """Autograd saves views and aliases of its weight, not the Parameter: ``w.t()`` for
+    the product, ``w.detach()`` beside an input that requires grad."""
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight.t() + self.bias) * self.weight.detach()[0]
+
+
+class _SavesWeightViews(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_ViewsBlock(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("param", ["none", "cpu"])
+def test_saved_views_of_the_weights_are_not_offloaded_as_activations(tmp_path, param):
+    """A saved tensor in a unit's parameter storage is the model's, found by that storage
+    (the parameters of host units sit in shared host blocks on a CPU device): only the
+    activations' bytes are copied out."""
+    torch.manual_seed(0)
+    model = _SavesWeightViews()
+    x = torch.randn(4, 16, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).backward()
+    activations = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in saved
+        if t.untyped_storage().data_ptr() not in weights
+    }
+    views = [t for t in saved if t.untyped_storage().data_ptr() in weights]
+    assert any(not isinstance(t, torch.nn.Parameter) for t in views)  # (the case at hand)
+    mine, _ = hetstore.offload(model, None, act_config(tmp_path, "cpu", param, "cpu"))
+    stash = hetstore.state_of(mine).runtime.activations
+    for _ in range(2):  # (the second forward: every unit fetched before)
+        before = stash.packed_bytes
+        mine(x).backward()
+        assert stash.packed_bytes - before == sum(activations.values())

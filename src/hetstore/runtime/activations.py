@@ -291,6 +291,7 @@ class ActivationHooks:
         self.stream = stream
         self._unit_tiers: dict[str, Tier] = {}
         self.note_buffers(model)
+        self._flat_owners: dict[int, list] = {}  # (note_flats)
         self._records: dict[tuple[int, int], tuple[StorageWeakRef, _Storage]] = {}
         self._counted: dict[int, tuple[StorageWeakRef, _Counted]] = {}
         self._context = None
@@ -332,6 +333,7 @@ class ActivationHooks:
     # ------------------------------------------------------------------ context
     def enter(self) -> None:
         if self._context is None:
+            self.note_flats()
             self._groups = [[]]
             self._prefetched = set()
             self._current = self.tier_of("root")
@@ -409,15 +411,34 @@ class ActivationHooks:
 
     # ------------------------------------------------------------------ hooks
     def _managed(self, tensor: torch.Tensor) -> bool:
+        """A parameter (or a view of a unit's parameters) or a buffer: the model's, not
+        an activation. One lookup per saved tensor: a scan of every unit was the largest
+        part of hetstore's own time in a forward of small ops (a third of it, at 13
+        units)."""
         if isinstance(tensor, nn.Parameter):
             return True
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr in self._buffer_ptrs:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in self._buffer_ptrs:
             return True
-        return any(
-            u.materialized and u.compute_flat.untyped_storage().data_ptr() == ptr
-            for u in self.units
+        units = self._flat_owners.get(storage._cdata)
+        return units is not None and any(
+            u.materialized and u.compute_flat.untyped_storage()._cdata == storage._cdata
+            for u in units
         )
+
+    def note_flats(self) -> None:
+        """The storages a unit's parameters can be views of (its device copy and its home,
+        the one ``compute_flat`` names while fetched) and their units, by the storage's
+        identity (``_cdata``), which fetches, releases, evictions and restores keep: they
+        resize a storage, and its address moves. Taken at each forward's start, after the
+        batch guard, which alone moves a home (``replan``); homes in host memory are
+        slices of shared blocks, so one storage may be several units'."""
+        owners: dict[int, list] = {}
+        for u in self.units:
+            for flat in (u.device_flat, u.home):
+                if isinstance(flat, torch.Tensor):
+                    owners.setdefault(flat.untyped_storage()._cdata, []).append(u)
+        self._flat_owners = {key: list(dict.fromkeys(us)) for key, us in owners.items()}
 
     def note_buffers(self, model: nn.Module) -> None:
         """Where the model's buffers are (a saved buffer is the model's, not an
