@@ -89,12 +89,39 @@ def test_cuda_parity_with_plain_pytorch(tmp_path, param, optim):
         torch.testing.assert_close(got, value, **ALL_GPU)
 
 
-@pytest.mark.parametrize("placement", ["cpu", "disk"])
-def test_cuda_bf16_compute_matches_a_bf16_model_with_an_fp32_host_master(tmp_path, placement):
+@pytest.mark.parametrize(
+    "param, optim, staging",
+    [
+        ("cpu", "cpu", True),
+        ("disk", "disk", True),
+        # the bf16 parameters kept on the GPU, refreshed from the host master after each
+        # step through pinned staging (runtime.upload), or torch's copy_ where the host
+        # budget has no room for the staging
+        ("none", "cpu", True),
+        ("none", "cpu", False),
+    ],
+)
+def test_cuda_bf16_compute_matches_a_bf16_model_with_an_fp32_host_master(
+    tmp_path, monkeypatch, param, optim, staging
+):
     """``compute_dtype="bf16"`` (what benchmarks/gpu/step_table.py's hetstore rows run):
     bf16 copies on the GPU, the fp32 master and AdamW on the host. Reference: a bf16
     model on the GPU whose gradients, in fp32, step an fp32 master on the host, copied
     back: the same arithmetic, so losses and weights bit for bit."""
+    if not staging:
+        from hetstore.errors import OutOfTierMemory
+        from hetstore.tiers.host import HostTier
+
+        allocate = HostTier.allocate
+
+        def no_room_to_stage(self, nbytes, label, *args, **kwargs):
+            if "upload staging" in label:
+                raise OutOfTierMemory(
+                    f"no room for {label}", tier="host", requested=nbytes, capacity=0
+                )
+            return allocate(self, nbytes, label, *args, **kwargs)
+
+        monkeypatch.setattr(HostTier, "allocate", no_room_to_stage)
     torch.manual_seed(0)
     base = GPT(width=64, depth=4)
     master = copy.deepcopy(base)
@@ -104,7 +131,7 @@ def test_cuda_bf16_compute_matches_a_bf16_model_with_an_fp32_host_master(tmp_pat
     mine, opt = hetstore.offload(
         mine,
         torch.optim.AdamW(mine.parameters(), lr=1e-3, fused=True),
-        cuda_config(placement, placement, offload_path=str(tmp_path), compute_dtype="bf16"),
+        cuda_config(param, optim, offload_path=str(tmp_path), compute_dtype="bf16"),
     )
     for x, y in batches(4):
         x, y = x.cuda(), y.cuda()

@@ -19,6 +19,7 @@ from enum import Enum
 
 import torch
 
+from hetstore.errors import OutOfTierMemory
 from hetstore.runtime import released, upload
 from hetstore.runtime.layout import ParamEntry
 from hetstore.tiers.store import read_into, transfers_only
@@ -256,7 +257,13 @@ class DeviceResidency:
             dst.copy_(values)
             return
         numel = upload.staging_numel(values.numel())
-        staged = self.scratch(numel, dst.dtype, "upload staging")
+        try:
+            staged = self.tiers.host.allocate(
+                numel * dst.dtype.itemsize, self.label("upload staging"), dst.dtype, transient=True
+            )
+        except OutOfTierMemory:  # a host budget with no room for it: torch's way, slower
+            dst.copy_(values)
+            return
         try:
             upload.upload_cast(dst, values, staged.tensor[:numel])
         finally:
