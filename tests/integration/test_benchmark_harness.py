@@ -113,3 +113,26 @@ def test_overlap_trial_benchmark_prints_its_table(tmp_path):
     assert all(row.rstrip(" |").endswith("| 0.0e+00") for row in rows)
     assert "'overlap_trials': 1" in done.stdout  # (auto's stats: the tiny trial ran)
     assert not list(tmp_path.iterdir())  # each run's offload directory is gone
+
+
+def test_hook_overhead_benchmark_prints_its_table(tmp_path):
+    out = tmp_path / "table.txt"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "hook_overhead.py"),
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for runner in ("plain", "host", "states on host"):
+        assert f"| {runner} |" in done.stdout, done.stdout
+    assert out.read_text() == done.stdout
