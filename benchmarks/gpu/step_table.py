@@ -13,10 +13,11 @@ same random weights, then for each batch shape runs one warm-up round and timed 
 in which every runner takes one step on the same batch, in a fresh seeded order per
 round (machine noise hits all alike), then one profiled round for the GPU busy fraction.
 So each row's ratio is to plain PyTorch measured in the same process on the same
-batches, and the loss difference is step by step (until a runner steps more often than
-plain: the steady row, or a row after its overlap trial). A runner whose warm-up step
-took over ``--one-step-s`` takes one timed step per shape, so that the disk rows do
-not take the time of the others' rounds. ``--budget-s`` bounds the part: rounds
+batches, and the loss difference is step by step: compared only while a runner has
+taken as many optimizer steps as plain (not after the steady row's extra steps, an
+overlap trial run alone, or a slow row's skipped rounds). A runner other than plain
+whose warm-up step took over ``--one-step-s`` takes one timed step per shape, so that
+the disk rows do not take the time of the others' rounds. ``--budget-s`` bounds the part: rounds
 are dropped (never below one timed round per batch shape) so that every shape gets the
 same number of timed steps where the time allows; the row's ``steps`` says how many ran.
 It writes its rows as JSON after each timed round, so a part stopped by its ``timeout``
@@ -235,9 +236,10 @@ class Runner:
     note: str = ""
     built_bytes: int = 0
     resident: int | None = None
-    # stepped more often than plain (steady, or its overlap trial run alone): its losses
-    # are not plain's step by step any more
-    ahead_of_plain: bool = False
+    # optimizer steps taken: a loss is compared with plain's only when both have taken
+    # as many (not after a steady round's extra step, an overlap trial run alone, or a
+    # slow row's skipped timed rounds)
+    steps_taken: int = 0
 
     @property
     def ok(self) -> bool:
@@ -428,6 +430,7 @@ def train_step(
         loss = spec.loss(runner.model, idx)
     loss.backward()
     runner.opt.step()
+    runner.steps_taken += 1
     runner.opt.zero_grad()
     if finish and runner.finish is not None:
         runner.finish()
@@ -542,7 +545,12 @@ class Part:
         cuda = self.device.type == "cuda"
         for runner in self.order.sample(self.active(), len(self.active())):
             got = samples[runner.name]
-            if kind == "timed" and got.times and got.warm_s > self.args.one_step_s:
+            if (
+                kind == "timed"
+                and runner.name != "plain"  # (every row's reference)
+                and got.times
+                and got.warm_s > self.args.one_step_s
+            ):
                 continue  # (a slow row: one timed step, the others' rounds go faster)
             try:
                 if kind == "busy":
@@ -578,9 +586,9 @@ class Part:
                 runner.drop(f"failed: {one_line(exc)}")
                 self.note(f"{runner.name}: {runner.status} (in a {kind} step)")
         plain = losses.get("plain")
-        ahead = {r.name for r in self.runners if r.steady or r.ahead_of_plain}
+        taken = {r.name: r.steps_taken for r in self.runners}
         for name, loss in losses.items():
-            if plain is not None and name != "plain" and name not in ahead:
+            if plain is not None and name != "plain" and taken[name] == taken["plain"]:
                 samples[name].diffs.append(abs(loss - plain))
             if not math.isfinite(loss):
                 samples[name].diffs.append(math.inf)
@@ -606,7 +614,6 @@ class Part:
                 continue
             trials, steps = trial.trials, 0
             trial.restart()
-            runner.ahead_of_plain = True
             try:
                 while trial.trials == trials and steps < limit:
                     train_step(runner, self.spec, idx, self.device, finish=False)
@@ -618,6 +625,9 @@ class Part:
                 traceback.print_exc()
                 runner.drop(f"failed: {one_line(exc)}")
                 self.note(f"{runner.name}: {runner.status} (in its overlap trial)")
+                continue
+            if trial.trials == trials:
+                self.note(f"{label}: {runner.name}: overlap trial unfinished after {steps} steps")
                 continue
             way = "overlap" if trial.overlapping else "no overlap"
             self.note(f"{label}: {runner.name}: overlap trial kept {way} ({steps} steps alone)")

@@ -44,3 +44,20 @@ def test_a_pinned_master_lands_on_the_device_as_copy_gives_it():
     expected = torch.empty_like(dst)
     expected.copy_(src)  # torch's own (slow) path
     assert torch.equal(dst.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_step_worker_thread_never_stages():
+    """The staging comes from the host tier, which only the caller's thread allocates
+    from: on the optimizer's worker thread (optim.step_worker marks it) a copy takes
+    torch's way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = torch.randn(16).pin_memory()
+    dst = torch.empty(16, dtype=torch.bfloat16, device="cuda")
+    assert upload.needs_staging(dst, src)
+    assert not upload.needs_staging(dst, src[:0])  # (nothing to copy)
+    with ThreadPoolExecutor(1, initializer=upload.mark_step_worker) as worker:
+        assert not worker.submit(upload.needs_staging, dst, src).result()
+    assert upload.needs_staging(dst, src)  # (the mark is the worker thread's only)

@@ -99,9 +99,10 @@ class ForwardSteps:
             id(unit) in self._in_place_steps
             and not unit.materialized  # a device copy would be stale until it lands
             # the policy's params_in_memory, asked now (a plan may have moved the home):
-            # fetched from host memory, not the device's own, nor disk (whose write
-            # allocates)
+            # fetched from host memory, not the device's own (a sharded one is released
+            # between uses too), nor disk (whose write allocates)
             and isinstance(unit.home, torch.Tensor)
+            and unit.home.device.type == "cpu"
             and unit.grads.any()
         )
 

@@ -30,6 +30,7 @@ import torch
 
 from hetstore.errors import OutOfTierMemory
 from hetstore.optim.step_job import StepJob
+from hetstore.runtime import upload
 from hetstore.runtime.rewrite import chunk_buffers
 from hetstore.tiers.aio import background_io
 from hetstore.tiers.hostmem import PAGE_SIZE, round_up
@@ -246,6 +247,7 @@ def _run_first(queue: list, lock: threading.Lock) -> None:
 
 def _mark_thread(box: list) -> None:
     box[0] = threading.get_ident()
+    upload.mark_step_worker()  # (it allocates no host memory: runtime.upload's staging)
     # its disk IO (a step's master and states, read-ahead) waits behind the compute
     # path's (the parameter fetches forward and backward wait for)
     background_io()

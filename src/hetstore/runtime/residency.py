@@ -253,15 +253,19 @@ class DeviceResidency:
         """``dst.copy_(values)``; host values cast onto the device go through pinned host
         scratch of ``dst``'s dtype (runtime.upload: torch's own way is a pageable,
         synchronous copy after a cast on the host, 4x slower)."""
-        if not upload.needs_staging(dst, values):
+        host = self.tiers.host
+        numel = upload.staging_numel(values.numel())
+        nbytes = numel * dst.dtype.itemsize
+        # pageable staging would gain nothing; with no room in the host budget, torch's
+        # way (slower) rather than taking back memory held to save time, or failing
+        if not (
+            upload.needs_staging(dst, values) and host.pinned and host.account.would_fit(nbytes)
+        ):
             dst.copy_(values)
             return
-        numel = upload.staging_numel(values.numel())
         try:
-            staged = self.tiers.host.allocate(
-                numel * dst.dtype.itemsize, self.label("upload staging"), dst.dtype, transient=True
-            )
-        except OutOfTierMemory:  # a host budget with no room for it: torch's way, slower
+            staged = host.allocate(nbytes, self.label("upload staging"), dst.dtype, transient=True)
+        except OutOfTierMemory:
             dst.copy_(values)
             return
         try:

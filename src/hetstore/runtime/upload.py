@@ -19,16 +19,40 @@ bitwise what ``copy_`` gives.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-__all__ = ["CHUNK_ELEMENTS", "needs_staging", "staging_numel", "upload_cast"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "mark_step_worker",
+    "needs_staging",
+    "staging_numel",
+    "upload_cast",
+]
 
 CHUNK_ELEMENTS = 4 * 2**20  # 8 MiB of bf16 per half: each copy well past its launch cost
 
+_thread = threading.local()
+
+
+def mark_step_worker() -> None:
+    """Called on the optimizer's worker thread when it starts (optim.step_worker): the
+    staging comes from the host tier, which only the caller's thread allocates from (the
+    worker's jobs are handed their buffers), so a copy made there takes torch's way."""
+    _thread.step_worker = True
+
 
 def needs_staging(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether ``dst.copy_(src)`` would take torch's host-cast, pageable path."""
-    return dst.device.type == "cuda" and src.device.type == "cpu" and dst.dtype != src.dtype
+    """Whether ``dst.copy_(src)`` would take torch's host-cast, pageable path and this
+    thread may stage it instead."""
+    return (
+        dst.device.type == "cuda"
+        and src.device.type == "cpu"
+        and dst.dtype != src.dtype
+        and src.numel() > 0
+        and not getattr(_thread, "step_worker", False)
+    )
 
 
 def staging_numel(numel: int) -> int:
@@ -44,16 +68,18 @@ def upload_cast(dst: torch.Tensor, src: torch.Tensor, staging: torch.Tensor) -> 
     chunk = -(-staging_numel(numel) // 2) if numel > CHUNK_ELEMENTS else max(numel, 1)
     halves = [staging[:chunk], staging[chunk : 2 * chunk]]
     done: list[torch.cuda.Event | None] = [None, None]
-    for index, start in enumerate(range(0, numel, chunk)):
-        half, end = index % 2, min(start + chunk, numel)
-        if done[half] is not None:
-            done[half].synchronize()  # its previous copy has read it
-        staged = halves[half][: end - start]
-        staged.copy_(src[start:end])
-        dst[start:end].copy_(staged, non_blocking=dst.is_cuda)
-        if dst.is_cuda:
-            done[half] = torch.cuda.Event()
-            done[half].record(torch.cuda.current_stream(dst.device))
-    for event in done:
-        if event is not None:
-            event.synchronize()
+    try:
+        for index, start in enumerate(range(0, numel, chunk)):
+            half, end = index % 2, min(start + chunk, numel)
+            if done[half] is not None:
+                done[half].synchronize()  # its previous copy has read it
+            staged = halves[half][: end - start]
+            staged.copy_(src[start:end])
+            dst[start:end].copy_(staged, non_blocking=dst.is_cuda)
+            if dst.is_cuda:
+                done[half] = torch.cuda.Event()
+                done[half].record(torch.cuda.current_stream(dst.device))
+    finally:  # (even after an error: the staging is freed once this returns)
+        for event in done:
+            if event is not None:
+                event.synchronize()
