@@ -266,7 +266,12 @@ SCENARIOS: tuple[Scenario, ...] = (
         "finished inside its timed step: an upper bound). Peers: FSDP2 `CPUOffloadPolicy` "
         "(one rank, bf16 `MixedPrecisionPolicy`) and torchao's `CPUOffloadOptimizer`. "
         "*GPU busy*: the share of one profiled step in which any kernel or copy ran. "
-        "*steps*: the timed steps per row (the script's time budget).",
+        "*steps*: the timed steps per row (the script's time budget). From `9ac651c` each "
+        "hetstore row whose `overlap_step='auto'` measures overlap against none runs that "
+        "trial alone after each batch shape's warm-up round, so its timed steps take the "
+        "way a long run keeps (before, they timed the untried default: the trial starts "
+        "after 20 steps), and a row whose warm-up step took over 2 s (the disk rows) takes "
+        "one timed step per shape.",
         (
             col("median step ms", "step_ms"),
             col("/ plain", "ratio", strong=True),
