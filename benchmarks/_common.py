@@ -19,12 +19,14 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 import hetstore
 from hetstore._sizes import format_size
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_VENV = REPO / ".bench-venv"
@@ -68,9 +70,10 @@ def peak_rss_bytes() -> int:
 
 
 def interleaved(
-    variants: dict[str, Callable[[], float]], repeats: int, settle: float = 0.05
-) -> dict[str, list[float]]:
-    """Run every variant once per round, ``repeats`` rounds; return each one's samples.
+    variants: dict[str, Callable[[], T]], repeats: int, settle: float = 0.05
+) -> dict[str, list[T]]:
+    """Run every variant once per round, ``repeats`` rounds; return each one's samples
+    (what it returned: its seconds, or a tuple of several).
 
     Each round runs the variants in a fresh random order (seeded, so runs are
     comparable): a fixed or merely rotated order would always put the same variant right

@@ -7,7 +7,7 @@ kernels, not by the GPU (the H200 run of 2026-11-28: GPT 185M at 8x512, GPU kern
 the step. This measures that time on the CPU, where it is the same Python: a GPT of tiny
 ops (width 64, depth 12, one 16-token sequence, one intra-op thread), so that the ops
 cost little and the hooks show. Plain PyTorch and each placement run in one process,
-their steps interleaved, each phase timed apart (forward, backward, optimizer step and
+their steps interleaved in a seeded random order each round, each phase timed apart (forward, backward, optimizer step and
 zero_grad); the table gives the medians and what each adds to plain's.
 
     .venv/bin/python benchmarks/hook_overhead.py [--steps 80] [--out FILE]
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import time
@@ -80,30 +81,28 @@ def main() -> None:
     base = GPT(vocab=VOCAB, width=64, depth=12, heads=4, ctx=CTX)
     runners = {"plain": build(base, None), **{p: build(base, p) for p in PLACEMENTS}}
     idx = torch.randint(0, VOCAB, (1, CTX + 1))
-    times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in runners}
-    for i in range(args.warmup + args.steps):
-        for name, (model, opt) in runners.items():
-            took = step(model, opt, idx)
-            if i >= args.warmup:
-                times[name].append(took)
+    variants = {name: functools.partial(step, *runner, idx) for name, runner in runners.items()}
+    # (1 intra-op thread: no OpenMP team spins on after a step, so no settling between)
+    _common.interleaved(variants, args.warmup, settle=0)
+    times = _common.interleaved(variants, args.steps, settle=0)
     medians = {
         name: [statistics.median(phase) * 1e3 for phase in zip(*samples, strict=True)]
         for name, samples in times.items()
     }
-    plain = medians["plain"]
+    plain = sum(medians["plain"])
+    rows = []
+    for name, phases in medians.items():
+        total = sum(phases)
+        added = "-" if name == "plain" else f"{total - plain:+.2f}"
+        rows.append(
+            [name, *(f"{ms:.2f}" for ms in (*phases, total)), added, f"{total / plain:.2f}"]
+        )
+    header = ("runner", "forward", "backward", "step + zero_grad", "total", "added to plain")
     lines = [
         f"# hetstore's own CPU time per step: tiny GPT (width 64, depth 12, 1x{CTX} tokens, "
         f"{sum(p.numel() for p in base.parameters()) / 1e3:.0f}K parameters), 1 intra-op "
         f"thread, median of {args.steps} interleaved steps, ms",
-        "| runner | forward | backward | step + zero_grad | total | added to plain | / plain |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, phases in medians.items():
-        total = sum(phases)
-        cells = [f"{ms:.2f}" for ms in phases] + [f"{total:.2f}"]
-        added = "-" if name == "plain" else f"{total - sum(plain):+.2f}"
-        lines.append(f"| {name} | {' | '.join(cells)} | {added} | {total / sum(plain):.2f} |")
-    lines += [
+        _common.format_table((*header, "/ plain"), rows),
         "",
         f"machine: {_common.machine_line()}",
         f"command: python benchmarks/hook_overhead.py {' '.join(sys.argv[1:])}".rstrip(),

@@ -132,21 +132,14 @@ def contention_rows(adamw: Callable[[], None], cuda: bool) -> list[tuple[str, fl
     2026-11-28 autograd's thread spent 20.5 ms in ``AccumulateGrad`` with the worker's
     16-thread AdamW beside it, against 13.3 ms without."""
     if cuda:
-        x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
-
-        def feed() -> None:
-            for _ in range(500):
-                torch.mm(x, x).add_(1.0)
-
-        sync = torch.cuda.synchronize
+        x, sync = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16), torch.cuda.synchronize
     else:
-        x = torch.randn(96, 96)
+        x, sync = torch.randn(96, 96), lambda: None
 
-        def feed() -> None:
-            for _ in range(500):
-                torch.mm(x, x).add_(1.0)
+    def feed() -> None:
+        for _ in range(500):
+            torch.mm(x, x).add_(1.0)
 
-        sync = lambda: None  # noqa: E731
     out = [("feeding work alone (500 launches)", best(feed, sync))]
     threads = torch.get_num_threads()
     for count in dict.fromkeys((threads, max(1, threads // 2), max(1, threads // 4))):

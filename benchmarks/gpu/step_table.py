@@ -17,11 +17,12 @@ batches, and the loss difference is step by step: compared only while a runner h
 taken as many optimizer steps as plain (not after the steady row's extra steps, an
 overlap trial run alone, or a slow row's skipped rounds). A runner other than plain
 whose warm-up step took over ``--one-step-s`` takes one timed step per shape, so that
-the disk rows do not take the time of the others' rounds. ``--budget-s`` bounds the part: rounds
-are dropped (never below one timed round per batch shape) so that every shape gets the
-same number of timed steps where the time allows; the row's ``steps`` says how many ran.
-It writes its rows as JSON after each timed round, so a part stopped by its ``timeout``
-keeps what it finished (a shape cut short, the steps it took); ``table`` merges the parts into one table (a row missing says
+the disk rows do not take the time of the others' rounds. ``--budget-s`` bounds the
+part: rounds are dropped (never below one timed round per batch shape) so that every
+shape gets the same number of timed steps where the time allows; the row's ``steps``
+says how many ran. It writes its rows as JSON after each timed round, so a part stopped
+by its ``timeout`` keeps what it finished (a shape cut short, the steps it took);
+``table`` merges the parts into one table (a row missing says
 so) and, with ``--results-dir``, writes ``gpu_step_engine_<date>_<device>.txt``.
 
 Runners (every one under ``torch.autocast(device, bfloat16)``, fp32 master weights,
@@ -35,7 +36,8 @@ Runners (every one under ``torch.autocast(device, bfloat16)``, fp32 master weigh
   fetch. It is timed in steady state: an untimed step before each timed one (whose
   steps the timed step's forward lands) and the timed step's own finished after the
   timing, so its time is one period of a training loop; it takes two steps a round, so
-  its losses are not compared with plain's (its exactness is the CUDA tests').
+  its losses are compared with plain's only in the warm-up round (its exactness is the
+  CUDA tests').
   ``hetstore host no-overlap``: the same with ``overlap_step=False,
   step_in_forward=False`` (the overlap must never be slower: ``'auto'`` keeps
   whichever of the two its trial measured faster, ``optim.policy.OverlapTrial``, which a
@@ -582,9 +584,7 @@ class Part:
                     _, loss = train_step(runner, self.spec, idx, self.device)
                 losses[runner.name] = loss
             except Exception as exc:
-                traceback.print_exc()
-                runner.drop(f"failed: {one_line(exc)}")
-                self.note(f"{runner.name}: {runner.status} (in a {kind} step)")
+                self.failed(runner, exc, f"in a {kind} step")
         plain = losses.get("plain")
         taken = {r.name: r.steps_taken for r in self.runners}
         for name, loss in losses.items():
@@ -593,6 +593,12 @@ class Part:
             if not math.isfinite(loss):
                 samples[name].diffs.append(math.inf)
         return time.perf_counter() - t0
+
+    def failed(self, runner: Runner, exc: Exception, where: str) -> None:
+        """``runner`` raised: its rows say so from here on, the others go on."""
+        traceback.print_exc()
+        runner.drop(f"failed: {one_line(exc)}")
+        self.note(f"{runner.name}: {runner.status} ({where})")
 
     def settle_overlap(self, label: str, idx: torch.Tensor, samples) -> None:
         """Each runner whose steps choose their overlap by trial (hetstore under
@@ -622,9 +628,7 @@ class Part:
                     runner.finish()
                 sync(self.device)
             except Exception as exc:
-                traceback.print_exc()
-                runner.drop(f"failed: {one_line(exc)}")
-                self.note(f"{runner.name}: {runner.status} (in its overlap trial)")
+                self.failed(runner, exc, "in its overlap trial")
                 continue
             if trial.trials == trials:
                 self.note(f"{label}: {runner.name}: overlap trial unfinished after {steps} steps")

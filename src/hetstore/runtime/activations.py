@@ -435,10 +435,10 @@ class ActivationHooks:
         slices of shared blocks, so one storage may be several units'."""
         owners: dict[int, list] = {}
         for u in self.units:
-            for flat in (u.device_flat, u.home):
-                if isinstance(flat, torch.Tensor):
-                    owners.setdefault(flat.untyped_storage()._cdata, []).append(u)
-        self._flat_owners = {key: list(dict.fromkeys(us)) for key, us in owners.items()}
+            flats = (u.device_flat, u.home)
+            for key in {f.untyped_storage()._cdata for f in flats if isinstance(f, torch.Tensor)}:
+                owners.setdefault(key, []).append(u)
+        self._flat_owners = owners
 
     def note_buffers(self, model: nn.Module) -> None:
         """Where the model's buffers are (a saved buffer is the model's, not an

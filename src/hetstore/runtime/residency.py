@@ -254,24 +254,22 @@ class DeviceResidency:
         scratch of ``dst``'s dtype (runtime.upload: torch's own way is a pageable,
         synchronous copy after a cast on the host, 4x slower)."""
         host = self.tiers.host
-        numel = upload.staging_numel(values.numel())
-        nbytes = numel * dst.dtype.itemsize
+        nbytes = upload.staging_numel(values.numel()) * dst.dtype.itemsize
+        staged = None
         # pageable staging would gain nothing; with no room in the host budget, torch's
         # way (slower) rather than taking back memory held to save time, or failing
-        if not (
-            upload.needs_staging(dst, values) and host.pinned and host.account.would_fit(nbytes)
-        ):
+        if upload.needs_staging(dst, values) and host.pinned and host.account.would_fit(nbytes):
+            with contextlib.suppress(OutOfTierMemory):
+                staged = host.allocate(
+                    nbytes, self.label("upload staging"), dst.dtype, transient=True
+                )
+        if staged is None:
             dst.copy_(values)
             return
         try:
-            staged = host.allocate(nbytes, self.label("upload staging"), dst.dtype, transient=True)
-        except OutOfTierMemory:
-            dst.copy_(values)
-            return
-        try:
-            upload.upload_cast(dst, values, staged.tensor[:numel])
+            upload.upload_cast(dst, values, staged.tensor)
         finally:
-            self.tiers.host.free(staged)
+            host.free(staged)
 
     @contextlib.contextmanager
     def device_scratch(self, numel: int, dtype: torch.dtype, what: str):
