@@ -44,7 +44,11 @@ Runners (every one under ``torch.autocast(device, bfloat16)``, fp32 master weigh
   run starts after 20 steps; here each hetstore row with a trial runs it alone after
   each shape's warm-up round, ``OverlapTrial.restart``, so its timed steps take the way
   a long run keeps, and a note says which; rows whose steps take over ``--settle-s``
-  keep the untried default); ``hetstore states on host``: ``offload_param="none",
+  keep the untried default); ``hetstore host step_in_backward``: the same placement
+  with ``step_in_backward=True`` (each block's ordinary host step in place on the worker
+  as soon as its gradients are on the host, beside the rest of backward; the root's in
+  the next forward; timed in steady state like ``hetstore host``; no clipping, which it
+  refuses); ``hetstore states on host``: ``offload_param="none",
   offload_optimizer="cpu"`` (the bf16 parameters stay on the GPU, the fp32 master and
   states on the host: torchao's placement, so the two compare like for like);
   ``hetstore disk``:
@@ -119,6 +123,7 @@ RUNNERS = (
     "plain",
     "hetstore host",
     "hetstore host no-overlap",
+    "hetstore host step_in_backward",
     "hetstore states on host",
     "hetstore disk",
     "fsdp2 cpu-offload",
@@ -290,7 +295,14 @@ def build_plain(runner: Runner, make: Callable[[], nn.Module], ctx: Context) -> 
     runner.opt = torch.optim.AdamW(runner.model.parameters(), lr=LR, fused=True)
 
 
-def hetstore_builder(param: str, optim: str, overlap, in_forward="auto", steady: bool = False):
+def hetstore_builder(
+    param: str,
+    optim: str,
+    overlap,
+    in_forward="auto",
+    steady: bool = False,
+    in_backward: bool = False,
+):
     def build(runner: Runner, make: Callable[[], nn.Module], ctx: Context) -> None:
         model = make()
         config = hetstore.OffloadConfig(
@@ -301,6 +313,7 @@ def hetstore_builder(param: str, optim: str, overlap, in_forward="auto", steady:
             offload_path=ctx.offload_dir,
             overlap_step=overlap,
             step_in_forward=in_forward,
+            step_in_backward=in_backward,
         )
         opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
         runner.model, runner.opt = hetstore.offload(model, opt, config, process_group=False)
@@ -392,6 +405,11 @@ BUILDERS = {
     # (the defaults: on a GPU the host units' steps run in the next forward)
     "hetstore host": hetstore_builder("cpu", "cpu", "auto", steady=True),
     "hetstore host no-overlap": hetstore_builder("cpu", "cpu", False, False),
+    # (each block's host step in place beside the rest of backward; the root's left to
+    # the next forward)
+    "hetstore host step_in_backward": hetstore_builder(
+        "cpu", "cpu", "auto", steady=True, in_backward=True
+    ),
     # (torchao's placement: the parameters stay on the GPU, master and states on the host)
     "hetstore states on host": hetstore_builder("none", "cpu", "auto"),
     "hetstore disk": hetstore_builder("disk", "disk", "auto"),

@@ -265,9 +265,15 @@ class OffloadConfig:
     step_in_backward: bool = field(
         default=False,
         metadata=_doc(
-            "Step each unit whose optimizer states are on disk inside backward, as soon as "
-            "its gradients are final, and keep no gradient for it: gradients never go to "
-            "disk (4 bytes per parameter less there, 8 less disk traffic per step). Exact "
+            "Step each unit inside backward, as soon as its gradients are final, and keep "
+            "no gradient for it. Units whose optimizer states are on disk: gradients never "
+            "go to disk (4 bytes per parameter less there, 8 less disk traffic per step). "
+            "Units whose optimizer states and parameters are in host memory "
+            "(offload_optimizer='cpu', offload_param='cpu'): the ordinary step runs in "
+            "place on the host beside the rest of backward, once the unit's gradients are "
+            "there, and optimizer.step() waits for what is still running (on a GPU that "
+            "hides the host step behind backward; the root unit, and units whose frozen "
+            "weights backward still reads, are stepped in optimizer.step()). Exact "
             "(the same arithmetic as optimizer.step()), so it refuses what needs every "
             "gradient before any step: clipping, fp16 loss scaling, reading p.grad, a "
             "param group changed between backward and optimizer.step(), and a second "
@@ -326,7 +332,7 @@ class OffloadConfig:
         next forward, on a GPU (on a CPU device that forward would compute on the cores
         the step needs): with ``step_in_forward=True``, and with 'auto' while
         ``overlap_step`` is not False (under 'auto' the overlap trial keeps it only while
-        it is faster than none). Never during backward: see optim.in_memory."""
+        it is faster than none). During backward instead with ``step_in_backward``."""
         device = torch.device(device) if device is not None else self.resolved_device()
         return self.steps_disk_in_forward and device.type == "cuda"
 

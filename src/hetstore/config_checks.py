@@ -118,11 +118,14 @@ def validate(config: OffloadConfig) -> None:
         config.step_in_backward
         and not config.auto_offload
         and config.offload_optimizer is not Tier.DISK
+        and (config.offload_optimizer, config.offload_param) != (Tier.HOST, Tier.HOST)
     ):
         raise ConfigError(
-            f"step_in_backward=True with offload_optimizer='{config.offload_optimizer}': it "
-            "steps units whose optimizer states are on disk; set offload_optimizer='disk' "
-            "(with offload_param='disk'), or step_in_backward=False"
+            f"step_in_backward=True with offload_optimizer='{config.offload_optimizer}' and "
+            f"offload_param='{config.offload_param}': it steps units whose optimizer states "
+            "are on disk, or in host memory with the parameters fetched from there; set "
+            "offload_optimizer='disk' (with offload_param='disk'), or "
+            "offload_optimizer='cpu' with offload_param='cpu', or step_in_backward=False"
         )
     if config.step_in_backward and config.compute_dtype == "fp16":
         raise ConfigError(

@@ -90,19 +90,22 @@ def test_cuda_parity_with_plain_pytorch(tmp_path, param, optim):
 
 
 @pytest.mark.parametrize(
-    "param, optim, staging",
+    "param, optim, staging, in_backward",
     [
-        ("cpu", "cpu", True),
-        ("disk", "disk", True),
+        ("cpu", "cpu", True, False),
+        # each block's host step in place on the worker during backward, once its
+        # gradients' copies to the host have landed (the worker waits for their event)
+        ("cpu", "cpu", True, True),
+        ("disk", "disk", True, False),
         # the bf16 parameters kept on the GPU, refreshed from the host master after each
         # step through pinned staging (runtime.upload), or torch's copy_ where the host
         # budget has no room for the staging
-        ("none", "cpu", True),
-        ("none", "cpu", False),
+        ("none", "cpu", True, False),
+        ("none", "cpu", False, False),
     ],
 )
 def test_cuda_bf16_compute_matches_a_bf16_model_with_an_fp32_host_master(
-    tmp_path, monkeypatch, param, optim, staging
+    tmp_path, monkeypatch, param, optim, staging, in_backward
 ):
     """``compute_dtype="bf16"`` (what benchmarks/gpu/step_table.py's hetstore rows run):
     bf16 copies on the GPU, the fp32 master and AdamW on the host. Reference: a bf16
@@ -131,7 +134,13 @@ def test_cuda_bf16_compute_matches_a_bf16_model_with_an_fp32_host_master(
     mine, opt = hetstore.offload(
         mine,
         torch.optim.AdamW(mine.parameters(), lr=1e-3, fused=True),
-        cuda_config(param, optim, offload_path=str(tmp_path), compute_dtype="bf16"),
+        cuda_config(
+            param,
+            optim,
+            offload_path=str(tmp_path),
+            compute_dtype="bf16",
+            step_in_backward=in_backward,
+        ),
     )
     for x, y in batches(4):
         x, y = x.cuda(), y.cuda()
@@ -153,6 +162,9 @@ def test_cuda_bf16_compute_matches_a_bf16_model_with_an_fp32_host_master(
         assert loss.item() == ref_loss.item()
     for key, value in master.state_dict().items():
         assert torch.equal(mine.state_dict()[key].cpu(), value), key
+    if in_backward:  # (every block, each step: the root's in optimizer.step())
+        blocks = len(hetstore.state_of(mine).runtime.units) - 1
+        assert opt.speculation_stats["committed"] == 4 * blocks
 
 
 @pytest.mark.parametrize("placement", ["cpu", "disk"])

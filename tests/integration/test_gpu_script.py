@@ -20,6 +20,7 @@ RUNNERS = (
     "plain",
     "hetstore host",
     "hetstore host no-overlap",
+    "hetstore host step_in_backward",
     "hetstore states on host",
     "hetstore disk",
     "fsdp2 cpu-offload",

@@ -154,7 +154,7 @@ def test_the_pending_steps_use_the_values_of_the_optimizer_step_call(tmp_path, m
     the steps still use the lr of that call, as the ordinary step does."""
     import threading
 
-    from hetstore.optim import in_forward as forward_steps
+    from hetstore.optim import in_memory as forward_steps
 
     gate = threading.Event()
     original = forward_steps.step_in_place
@@ -188,7 +188,7 @@ def held(monkeypatch):
     """The worker's in-place steps wait for this gate (set: they run at once)."""
     import threading
 
-    from hetstore.optim import in_forward as forward_steps
+    from hetstore.optim import in_memory as forward_steps
 
     gate = threading.Event()
     gate.set()

@@ -352,10 +352,10 @@ def test_activations_on_host_and_the_disk_staging_peak_at_different_moments():
 ON_HOST = UnitChoice(param="cpu", optimizer="cpu")
 
 
-def test_host_units_are_never_stepped_in_backward():
-    """Units with states in host memory are not stepped during backward, with or
-    without ``overlap_step`` (optim.in_memory says why): nothing of their steps hides
-    behind backward, on a GPU or a CPU device; what is left is the ordinary step."""
+def test_host_units_are_not_stepped_ahead_in_backward():
+    """Units with states in host memory are not stepped speculatively during backward
+    (``overlap_step``; optim.in_memory says why): nothing of their steps hides behind
+    backward, on a GPU or a CPU device; what is left is the ordinary step."""
     for machine in (GPU, CPU):
         trace = disk_trace(forward_s=10.0, machine=machine)
         serial = estimate(trace, [ON_HOST] * 5, 1, overlap=False)
@@ -365,6 +365,26 @@ def test_host_units_are_never_stepped_in_backward():
 
 
 HOST_HOME = UnitChoice(param="cpu", optimizer="cpu")
+
+
+def test_host_steps_in_backward_hide_behind_it_except_the_roots():
+    """``step_in_backward``: each block's ordinary host step runs in place on the worker
+    once its gradients are final, behind the rest of backward; the root, resident until
+    backward's end, is stepped in optimizer.step() (or, with host steps in the next
+    forward, there: counted once). On a CPU device the worker's arithmetic takes
+    backward's cores: nothing is hidden."""
+    root_n = 2 * MiB
+    base = disk_trace(forward_s=10.0)
+    serial = estimate(base, [HOST_HOME] * 5, 1, overlap=False)
+    inside = estimate(replace(base, step_in_backward=True), [HOST_HOME] * 5, 1)
+    assert inside.optimizer_s == pytest.approx(root_n / GPU.host_step)
+    assert inside.optimizer_s + inside.optimizer_hidden_s == pytest.approx(serial.optimizer_s)
+    both = replace(base, step_in_backward=True, step_in_forward_memory=True)
+    e = estimate(both, [HOST_HOME] * 5, 1)
+    assert e.optimizer_hidden_s == pytest.approx(inside.optimizer_hidden_s)
+    assert e.optimizer_s == pytest.approx(root_n / GPU.host_step)  # its wait in forward
+    on_cpu = replace(disk_trace(10.0, CPU), step_in_backward=True)
+    assert estimate(on_cpu, [HOST_HOME] * 5, 1).optimizer_hidden_s == 0
 
 
 def test_host_steps_in_the_next_forward_hide_behind_it_on_a_gpu_except_the_roots():

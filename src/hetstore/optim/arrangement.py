@@ -49,16 +49,18 @@ class StepArrangement:
         self.grad_norms = RecordedNorms(streamed) if self.shards is None and streamed else None
         # where each unit's step may run is the step policy's (optim.policy), which the
         # planner asks too: disk units stepped ahead, and host units whose ordinary step
-        # runs on in place during the next forward (a GPU); sharded
-        # too: a rank steps its own shard, with nothing collective in it
+        # runs on in place during backward (step_in_backward) or the next forward (a
+        # GPU); sharded too: a rank steps its own shard, with nothing collective in it
         sites = [(s, site_of(s)) for s in self._unit_steps]
         ahead = [s for s, site in sites if policy.streamed_ahead(site, modes)]
-        # (where the parameters are is asked at each hand-over, ForwardSteps: a later
-        # plan may bring a unit's home from the device into host memory, keeping these)
+        # (where the parameters are is asked as each starts, InMemoryUnitStep.
+        # can_step_on_worker: a later plan may bring a unit's home from the device into
+        # host memory, keeping these)
         in_place = [
             s
             for s, site in sites
             if policy.memory_in_forward(site._replace(params_in_memory=True), modes)
+            or policy.memory_in_backward(site._replace(params_in_memory=True), modes)
         ]
         # whether overlap pays, measured ('auto'): on every rank when sharded, each
         # ending every step and voting, whether or not it holds a unit stepped ahead (a

@@ -28,7 +28,13 @@ changes until it is committed (a swap of disk regions: no IO). Two kinds:
 
 Eligible units (:func:`eligible`): master and states on disk, parameters homed on disk or
 in the master itself (every copy shadowed), sharded too (a rank steps its own shard).
-Host-memory units are not stepped in backward (:mod:`hetstore.optim.in_memory` says why).
+
+A host-memory unit (master and states in host memory, parameters fetched from there) is
+stepped in backward only taking its gradients (``step_in_backward``), and then in place
+(``Target.IN_PLACE``, :meth:`BackwardSteps.start_in_place`): the ordinary step, on the
+worker, once its gradients' copies to the host have landed; the unit's next use lands it,
+and ``optimizer.step()`` waits for every one still running. Never speculatively
+(:mod:`hetstore.optim.in_memory` says why).
 """
 
 from __future__ import annotations
@@ -40,10 +46,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetstore.errors import OutOfTierMemory
-from hetstore.optim.in_memory import InMemoryUnitStep
+from hetstore.optim import in_memory
+from hetstore.optim.in_memory import InMemoryUnitStep, in_place_failure
 from hetstore.optim.policy import StepSite
 from hetstore.optim.step_job import JobState, StepJob, Target, When
-from hetstore.optim.step_worker import AT_STEP
+from hetstore.optim.step_worker import AT_STEP, in_forward
 from hetstore.optim.streamed import StreamedUnitStep, UnitStates
 from hetstore.runtime.rewrite import ChunkedRewrite
 from hetstore.runtime.staging import GradStager
@@ -129,6 +136,32 @@ class BackwardSteps:
         self._stats.started += 1
         return job
 
+    def start_in_place(self, unit_step: InMemoryUnitStep) -> bool:
+        """Taking the gradients: hand ``unit_step``'s ordinary step to the worker, in
+        place, with the group values of now (``settle_consumed`` checks them at
+        ``optimizer.step()``). False where it cannot run on the worker now (a unit still
+        resident: the root, frozen weights backward may read), which
+        ``optimizer.step()`` then steps."""
+        if not unit_step.can_step_on_worker():
+            return False
+        ahead = self._ahead
+        unit = unit_step.unit
+        unit.grads.fill_missing()  # what optimizer.step() does before the ordinary step
+        job = StepJob(unit_step, When.IN_BACKWARD, Target.IN_PLACE, ahead.hyper_now(unit))
+        # on a GPU the gradients may still be crossing to the host: the worker waits
+        copies = unit.grads.copies_in_flight()
+        unit.param_version += 1  # as the ordinary step moves it before stepping
+        order = ahead.use_order() if ahead.use_order else []
+        position = next((i for i, u in enumerate(order) if u is unit), len(order))
+        job.submitted(
+            self._worker.submit(_in_place_after, job, copies, next_use=in_forward(position))
+        )
+        ahead.add_job(unit, job)
+        unit.work_pending = True  # every reader lands it first (Unit.barrier)
+        unit.grads.consumed = True
+        self._stats.started += 1
+        return True
+
     def _job(self, unit_step, shadows) -> StepJob:
         """What a step of ``unit_step`` into ``shadows`` assumes, taken now."""
         unit = unit_step.unit
@@ -195,13 +228,24 @@ class BackwardSteps:
             self._stats.committed += 1
 
     def settle_consumed(self, committed: set[int]) -> None:
-        """optimizer.step() after a backward that stepped units: they are done, if the
-        param groups are still the values they used."""
+        """optimizer.step() after a backward that stepped units: they are done (the
+        steps in place still running are waited for), if the param groups are still the
+        values they used."""
         self.collect(block=True)
         consumed = self._ahead.consumed()
-        for key in consumed:
-            del self._ahead.jobs[key]
+        try:
+            for job in consumed.values():
+                if job.target is Target.IN_PLACE:
+                    self._worker.wait(job)
+                    job.unit.work_pending = False
+        finally:
+            for key in consumed:
+                del self._ahead.jobs[key]
         committed.update(consumed)
+        self._stats.committed += sum(j.target is Target.IN_PLACE for j in consumed.values())
+        failed = [j for j in consumed.values() if j.state is JobState.FAILED]
+        if failed:
+            raise in_place_failure(failed[0])
         groups = {group for job in consumed.values() for group in job.hyper}
         now = {group: self._ahead.hyper(group) for group in groups}
         for job in consumed.values():
@@ -229,7 +273,7 @@ class BackwardSteps:
                 "backward; to accumulate micro-batches, run the backward of every one but "
                 "the last under `with hetstore.no_sync(model):`"
             )
-        stale = [s.unit.name for s in self._ahead.unit_steps if s.unit.grads.consumed]
+        stale = [u.name for u in self._ahead.units if u.grads.consumed]
         if stale:
             raise RuntimeError(
                 f"step_in_backward=True: units {stale[:3]} still count the gradients their "
@@ -357,3 +401,11 @@ def changed_keys(a: dict, b: dict) -> list[str]:
         if not same:
             changed.append(key)
     return sorted(changed)
+
+
+def _in_place_after(job: StepJob, copies) -> None:
+    """The worker: ``job``'s step in place once ``copies`` (the CUDA event of the
+    unit's last gradient copy to the host, or None) has landed."""
+    if copies is not None:
+        copies.synchronize()
+    in_memory.step_in_place(job)

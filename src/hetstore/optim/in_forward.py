@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetstore.errors import OutOfTierMemory
+from hetstore.optim import in_memory
 from hetstore.optim.in_backward import eligible
-from hetstore.optim.in_memory import InMemoryUnitStep
+from hetstore.optim.in_memory import InMemoryUnitStep, in_place_failure
 from hetstore.optim.step_job import JobState, StepJob, Target, When
 from hetstore.optim.step_worker import in_forward
 from hetstore.tiers.store import transfers_only
@@ -42,12 +43,10 @@ __all__ = ["ForwardSteps"]
 class ForwardSteps:
     """The steps in the next forward of one step ahead (see the module doc)."""
 
-    def __init__(self, ahead: StepAhead, in_place_steps: list[InMemoryUnitStep]):
+    def __init__(self, ahead: StepAhead):
         self._ahead = weakref.proxy(ahead)  # (the owner: see BackwardSteps)
         self._worker = ahead.worker
         self._stats = ahead.stats
-        # host-memory units whose ordinary step runs on in place (step_in_forward on a GPU)
-        self._in_place_steps = {id(s.unit): s for s in in_place_steps}
 
     # ------------------------------------------------------------------ handing over
     def hand_over(
@@ -94,16 +93,12 @@ class ForwardSteps:
         )
 
     def _can_step_in_place(self, unit_step) -> bool:
-        unit = unit_step.unit
+        """A host-memory unit's step for the next forward (on a GPU: the policy's
+        ``memory_in_forward``), where it can run on the worker now."""
         return (
-            id(unit) in self._in_place_steps
-            and not unit.materialized  # a device copy would be stale until it lands
-            # the policy's params_in_memory, asked now (a plan may have moved the home):
-            # fetched from host memory, not the device's own (a sharded one is released
-            # between uses too), nor disk (whose write allocates)
-            and isinstance(unit.home, torch.Tensor)
-            and unit.home.device.type == "cpu"
-            and unit.grads.any()
+            self._ahead.modes.in_forward_memory
+            and self._ahead.in_place_step_of(unit_step.unit) is unit_step
+            and unit_step.can_step_on_worker()
         )
 
     def _start_in_place(self, unit_step: InMemoryUnitStep, next_use: tuple[int, int]) -> None:
@@ -113,7 +108,7 @@ class ForwardSteps:
         unit.grads.fill_missing()
         job = StepJob(unit_step, When.IN_FORWARD, Target.IN_PLACE, self._ahead.hyper_now(unit))
         unit.param_version += 1  # as the ordinary step moves it before stepping
-        job.submitted(self._worker.submit(step_in_place, job, next_use=next_use))
+        job.submitted(self._worker.submit(in_memory.step_in_place, job, next_use=next_use))
         self._ahead.add_job(unit, job)
         unit.work_pending = True
         self._stats.in_forward += 1
@@ -201,10 +196,13 @@ class ForwardSteps:
         if self._worker.on_worker_thread():
             return  # the worker's own use of the unit, inside its step
         job = self._ahead.jobs.get(id(unit))
-        if job is None or job.when is not When.IN_FORWARD:
+        if job is None:
             return
-        if job.target is Target.IN_PLACE:
-            self._land_in_place(job)
+        if job.target is Target.IN_PLACE:  # (in backward too: BackwardSteps.start_in_place)
+            if job.state is JobState.RUNNING:
+                self._land_in_place(job)
+            return
+        if job.when is not When.IN_FORWARD:
             return
         self._ahead.lending.forward_runs()
         unit_step = job.unit_step
@@ -239,20 +237,19 @@ class ForwardSteps:
         self._ahead.stop_worker_if_idle()
 
     def _land_in_place(self, job: StepJob) -> None:
-        """Wait for ``job``'s step. One that failed on the worker may have stepped part
-        of the unit, as a failure inside ``optimizer.step()`` would: its error is raised
-        here, once, and the unit is left as the worker left it."""
+        """Wait for ``job``'s step in place. One that failed on the worker may have
+        stepped part of the unit, as a failure inside ``optimizer.step()`` would: its
+        error is raised here, once, and the unit is left as the worker left it. A step
+        taken in backward stays recorded, landed or failed, until ``optimizer.step()``
+        settles it (``BackwardSteps.settle_consumed``)."""
         unit = job.unit
         ok = self._worker.wait(job)
-        del self._ahead.jobs[id(unit)]
         unit.work_pending = False
-        self._ahead.stop_worker_if_idle()
+        if job.when is When.IN_FORWARD:
+            del self._ahead.jobs[id(unit)]
+            self._ahead.stop_worker_if_idle()
         if not ok:
-            raise RuntimeError(
-                f"hetstore: the optimizer step of unit {unit.name!r}, run on during the next "
-                "forward (step_in_forward), failed part-way; its weights and states "
-                "may be partly stepped, as after a failure inside optimizer.step()"
-            ) from job.future.exception()
+            raise in_place_failure(job)
 
     def forget(self, key: int) -> None:
         """Drop the job of the unit ``key`` (landed, or the model is released)."""
@@ -300,9 +297,3 @@ class ForwardSteps:
         for array in arrays:
             array.before_read = unit.barrier if on else None
         unit.work_pending = on
-
-
-def step_in_place(job: StepJob) -> None:
-    """The worker: a host-memory unit's ordinary step, with the group values of the
-    ``optimizer.step()`` call that handed it over."""
-    job.unit_step.step(job.hyper.__getitem__)

@@ -3,12 +3,14 @@
 ``InMemoryUnitStep`` is one unit's inner optimizer (the user's class) over the unit's
 fp32 master: one fused call per param-group segment for the flat families
 (:mod:`hetstore.optim.registry`), per-parameter views for any other class. Its step is
-the ordinary one, in place, at ``optimizer.step()`` or, on a GPU, on the worker during
-the next forward (:mod:`hetstore.optim.in_forward`). It is never stepped ahead into
-shadows during backward: after ``optimizer.step()`` the step is known, so in place is
-exact with nothing copied, where a speculation would first copy the live master and
-states into shadows (about 3x the ordinary step's bytes; on an H100 the slowest way in
-every case measured, docs/dev/BENCHMARKS.md, 2026-11-28).
+the ordinary one, in place, at ``optimizer.step()``, or on the worker: during backward
+as soon as the unit's gradients are on the host with ``step_in_backward``
+(:mod:`hetstore.optim.in_backward`), or on a GPU during the next forward
+(:mod:`hetstore.optim.in_forward`). Either way the step is known when it starts (after
+``optimizer.step()``, or under ``step_in_backward``, which refuses what would change it),
+so in place is exact with nothing copied. It is never stepped speculatively into shadows:
+that would first copy the live master and states (about 3x the ordinary step's bytes;
+on an H100 the slowest way in every case measured, docs/dev/BENCHMARKS.md, 2026-11-28).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import torch
 from torch.optim import Optimizer
 
 from hetstore.optim.registry import flat_spec
+from hetstore.optim.step_job import StepJob, When
 from hetstore.optim.streamed import placeholder_optimizers, step_flat
 from hetstore.runtime.unit import Unit
 from hetstore.tier import Tier
 
-__all__ = ["InMemoryUnitStep"]
+__all__ = ["InMemoryUnitStep", "in_place_failure", "step_in_place"]
 
 
 class InMemoryUnitStep:
@@ -103,6 +106,21 @@ class InMemoryUnitStep:
                 self.optimizer.state[tensor] = {**state, **made}
 
     # ------------------------------------------------------------------ where it steps
+    def can_step_on_worker(self) -> bool:
+        """Its ordinary step can run on the worker now: the unit has gradients and no
+        device copy (one would be stale until the step lands; a root or a unit with
+        frozen weights is still resident in backward), and its parameters are fetched
+        from host memory (the policy's ``params_in_memory``, asked now: a plan may have
+        moved the home; not the device's own, which a sharded unit releases between
+        uses too, nor disk, whose write allocates)."""
+        unit = self.unit
+        return (
+            not unit.materialized
+            and isinstance(unit.home, torch.Tensor)
+            and unit.home.device.type == "cpu"
+            and unit.grads.any()
+        )
+
     def steps_flat_in_memory(self) -> bool:
         """A flat step (one fused call per segment) of a master in host memory whose
         states are torch's own fp32 tensors: the step the next forward can run in place
@@ -116,3 +134,25 @@ class InMemoryUnitStep:
             and isinstance(unit.grad, torch.Tensor)
             and unit.grad.device.type == "cpu"
         )
+
+
+def step_in_place(job: StepJob) -> None:
+    """The worker: a host-memory unit's ordinary step, with the group values of the
+    ``optimizer.step()`` call that handed it over (or, in backward, of that moment)."""
+    job.unit_step.step(job.hyper.__getitem__)
+
+
+def in_place_failure(job: StepJob) -> RuntimeError:
+    """The error of a step in place that failed on the worker (its cause attached)."""
+    where = (
+        "during the next forward (step_in_forward)"
+        if job.when is When.IN_FORWARD
+        else "in place during backward (step_in_backward)"
+    )
+    error = RuntimeError(
+        f"hetstore: the optimizer step of unit {job.unit.name!r}, run {where}, failed "
+        "part-way; its weights and states may be partly stepped, as after a failure "
+        "inside optimizer.step()"
+    )
+    error.__cause__ = job.future.exception()
+    return error

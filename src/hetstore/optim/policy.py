@@ -11,9 +11,11 @@ Where a step may run:
   its gradients are final at backward's end), taking the gradients with
   ``step_in_backward``; what backward left of it (a clip that bit) in the next forward
   with ``step_in_forward``;
-- **a host-memory unit** (master and torch's fp32 states in host memory, stepped flat):
-  never in backward (:mod:`hetstore.optim.in_memory`); on a GPU, in place in the next
-  forward with ``step_in_forward`` when its parameters are fetched from host memory;
+- **a host-memory unit** (master and torch's fp32 states in host memory, stepped flat)
+  whose parameters are fetched from host memory: in place during backward, as soon as its
+  gradients are on the host, with ``step_in_backward`` (the step is known there: it refuses
+  what would change it); on a GPU, in place in the next forward with ``step_in_forward``.
+  Never into shadows (:mod:`hetstore.optim.in_memory` says why);
 - **read ahead** during backward when no step is taken in it: the first
   ``READ_AHEAD_UNITS`` disk units with fp32 states, in the order their steps run.
 
@@ -57,6 +59,7 @@ __all__ = [
     "streamed_ahead",
     "streamed_in_backward",
     "streamed_in_forward",
+    "memory_in_backward",
     "memory_in_forward",
     "read_ahead",
     "reads_ahead",
@@ -107,6 +110,14 @@ def streamed_in_forward(site: StepSite, modes: StepModes) -> bool:
         and not modes.in_backward
         and not modes.overlap_disk
     )
+
+
+def memory_in_backward(site: StepSite, modes: StepModes) -> bool:
+    """A host-memory unit whose ordinary step runs in place on the worker during backward,
+    as soon as its gradients are on the host (``step_in_backward``), its parameters
+    fetched from host memory: no device copy to keep in step, and the next fetch lands
+    the step first."""
+    return site.in_memory and site.trainable and site.params_in_memory and modes.in_backward
 
 
 def memory_in_forward(site: StepSite, modes: StepModes) -> bool:

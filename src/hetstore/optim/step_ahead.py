@@ -86,6 +86,9 @@ class StepAhead:
         in_place: list[InMemoryUnitStep] = (),
     ):
         self._steps = {id(s.unit): s for s in unit_steps}
+        # host-memory units whose ordinary step may run in place on the worker: in
+        # backward (step_in_backward), in the next forward (step_in_forward on a GPU)
+        self._in_place = {id(s.unit): s for s in in_place}
         first = (list(unit_steps) or list(in_place))[0]  # (the tiers of either)
         # the configured modes (optim.policy): disk units stepped during backward
         # (overlap_step, or taking the gradients: step_in_backward), and steps left to the
@@ -114,7 +117,7 @@ class StepAhead:
         self.read_aheads = ReadAheads(self._host, self.worker, self.stats)
         self.lending = ParamLending(self.worker, self)
         self.backward = BackwardSteps(self, loss_scaler)
-        self.forward = ForwardSteps(self, list(in_place))
+        self.forward = ForwardSteps(self)
         self.suspended = 0  # depth of hetstore.no_sync
         # host memory held only to save time: given back when an allocation needs it
         # (activations restored in backward, a later micro-batch's forward)
@@ -137,9 +140,18 @@ class StepAhead:
         """The unit steps this object may step in backward."""
         return tuple(self._steps.values())
 
+    @property
+    def units(self) -> list[Unit]:
+        """Every unit whose step this object may take outside ``optimizer.step()``."""
+        return [s.unit for s in (*self._steps.values(), *self._in_place.values())]
+
     def step_of(self, unit: Unit) -> StreamedUnitStep | None:
         """``unit``'s step, or None where this object takes none of it in backward."""
         return self._steps.get(id(unit))
+
+    def in_place_step_of(self, unit: Unit) -> InMemoryUnitStep | None:
+        """``unit``'s host-memory step, where the worker may run it in place."""
+        return self._in_place.get(id(unit))
 
     # ------------------------------------------------------------------ the jobs
     def add_job(self, unit: Unit, job: StepJob) -> None:
@@ -158,11 +170,12 @@ class StepAhead:
         return {k: j for k, j in self.jobs.items() if kind(j)}
 
     def pending(self) -> dict[int, StepJob]:
-        """Steps in backward not settled yet (running, done ahead, or failed)."""
+        """Steps in backward into shadows not settled yet (running, done ahead, or failed)."""
         return self._where(_settling)
 
     def consumed(self) -> dict[int, StepJob]:
-        """step_in_backward: steps taken and committed in backward, until optimizer.step()."""
+        """step_in_backward: steps taken in backward (committed, or in place), until
+        optimizer.step()."""
         return self._where(_taken)
 
     def in_forward_jobs(self) -> list[StepJob]:
@@ -174,11 +187,12 @@ class StepAhead:
         ]
 
     def in_place(self) -> list[StepJob]:
-        """Host-memory units' ordinary steps handed to the next forward, in place."""
+        """Host-memory units' ordinary steps running in place, not landed yet (handed to
+        the next forward, or taken in backward)."""
         return [
             j
             for j in self.jobs.values()
-            if j.when is When.IN_FORWARD and j.target is Target.IN_PLACE
+            if j.target is Target.IN_PLACE and j.state is JobState.RUNNING
         ]
 
     def hyper_now(self, unit: Unit) -> dict[int, dict]:
@@ -227,6 +241,9 @@ class StepAhead:
         them. True when the step took the gradients (nothing is to be written to disk)."""
         if not self.modes.in_backward or self.suspended:
             return False
+        in_place = self._in_place.get(id(unit))
+        if in_place is not None:
+            return self.backward.start_in_place(in_place)
         if id(unit) not in self._steps:
             return False
         self.backward.collect(block=False)
@@ -315,9 +332,11 @@ class StepAhead:
         self.stop_worker_if_idle()
 
     def stop_worker_if_idle(self, closing: bool = False) -> None:
-        """No job left (but steps taken in backward, which hold nothing of the worker's)
-        and nothing read ahead: the worker and its buffers go (``StepWorker.stop``)."""
-        if any(not _taken(j) for j in self.jobs.values()) or self.read_aheads:
+        """No job left (but steps taken in backward that are over, which hold nothing of
+        the worker's) and nothing read ahead: the worker and its buffers go
+        (``StepWorker.stop``)."""
+        busy = any(not _taken(j) or j.state is JobState.RUNNING for j in self.jobs.values())
+        if busy or self.read_aheads:
             return
         self.worker.stop(closing)
 
@@ -379,10 +398,17 @@ class StepAhead:
 
 
 def _settling(job: StepJob) -> bool:
-    """A step in backward not settled yet (running, done ahead, or failed)."""
-    return job.when is When.IN_BACKWARD and job.state is not JobState.COMMITTED
+    """A step in backward into shadows not settled yet (running, done ahead, or failed)."""
+    return (
+        job.when is When.IN_BACKWARD
+        and job.target is Target.SHADOWS
+        and job.state is not JobState.COMMITTED
+    )
 
 
 def _taken(job: StepJob) -> bool:
-    """A step taken and committed in backward (step_in_backward), until optimizer.step()."""
-    return job.when is When.IN_BACKWARD and job.state is JobState.COMMITTED
+    """A step taken in backward (step_in_backward), committed or in place, until
+    optimizer.step()."""
+    return job.when is When.IN_BACKWARD and (
+        job.state is JobState.COMMITTED or job.target is Target.IN_PLACE
+    )

@@ -134,6 +134,11 @@ class GradSink:
         source.record_stream(stream)
         self._copies = event  # copies on one stream finish in order: the last covers all
 
+    def copies_in_flight(self) -> torch.cuda.Event | None:
+        """The event of the last gradient copy to the host still in flight, or None: a
+        step on another thread waits for it there instead of blocking backward's."""
+        return self._copies
+
     def wait_copies(self) -> None:
         """Block until every gradient copy to the host issued so far has landed. Called
         before anything reads or changes the buffer (the runtime when the unit's

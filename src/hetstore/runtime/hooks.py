@@ -341,6 +341,16 @@ class OffloadRuntime:
                 unit.grads.wait_copies()
             if unit.grads.has_bucket:  # sharded: average across ranks, keep this rank's shard
                 unit.grads.reduce()
+            if unit is not self.root:
+                # released before the events below: backward reads none of its trainable
+                # weights again (each one's gradient is in), and a step taken in place in
+                # backward may only start on a unit nothing reads through a device copy
+                if unit.has_untracked_params:
+                    # frozen weights may still be needed for the gradient of the unit's
+                    # input: released when backward moves to an earlier unit
+                    self.backward_state.release_later(unit)
+                else:
+                    unit.release()
             # step_in_backward: a subscriber steps the unit now, taking the gradients
             consumed = self.events.publish(Event.GRADS_GATHERED, unit)
             if not consumed:
@@ -349,12 +359,6 @@ class OffloadRuntime:
                 # the clip's recorded norms, a step overlapping the rest of backward
                 self.events.publish(Event.GRADS_FINAL, unit)
             if unit is not self.root:
-                if unit.has_untracked_params:
-                    # frozen weights may still be needed for the gradient of the unit's
-                    # input: released when backward moves to an earlier unit
-                    self.backward_state.release_later(unit)
-                else:
-                    unit.release()
                 if self.heap_bound is not None:
                     self.heap_bound.check()
                 self._mark((self._root_name, "backward"))
