@@ -51,3 +51,34 @@ def test_the_planner_prices_the_steps_the_runtime_takes_ahead(tmp_path, placemen
     assert priced == taken
     if overlap and placement.get("offload_param") == "disk":
         assert taken  # (disk units: not two empty sets)
+
+
+def test_the_planner_prices_the_host_steps_the_runtime_takes_in_backward(tmp_path):
+    """``step_in_backward`` with everything in host memory: the units the planner prices
+    as stepped during backward are those a backward hands to the worker (every block,
+    not the root)."""
+    from tests.models.gpt import batches
+
+    model = GPT(width=32, depth=6)
+    config = OffloadConfig(
+        device="cpu",
+        enable_pinned_mem=False,
+        offload_path=str(tmp_path),
+        offload_param="cpu",
+        offload_optimizer="cpu",
+        step_in_backward=True,
+    )
+    model, optimizer = hetstore.offload(model, adamw(model.parameters()), config)
+    runtime = hetstore.state_of(model).runtime
+    trace, plan = runtime.trace, runtime.plan
+    modes = cost.step_modes(trace)
+    priced = {
+        u.name
+        for u, planned in zip(trace.units, plan.units, strict=True)
+        if cost.stepped_in_backward(u, planned.choice, modes)
+    }
+    x, y = batches(1, vocab=64)[0]
+    model(x, y).backward()
+    taken = {job.unit.name for job in optimizer.step_ahead.consumed().values()}
+    optimizer.step()
+    assert priced == taken and len(taken) == len(runtime.units) - 1

@@ -473,7 +473,7 @@ def _fetched_in_place(c: UnitChoice, m: MachineRates) -> bool:
     return _in_memory(c.param) and m.device == "cpu"
 
 
-def _stepped_in_backward(u: UnitTrace, c: UnitChoice, modes: StepModes) -> bool:
+def stepped_in_backward(u: UnitTrace, c: UnitChoice, modes: StepModes) -> bool:
     """The policy's rules for a step during backward: a disk unit's, or a host-memory
     unit's in place (``step_in_backward``) but the root's, which is still resident when
     its gradients are final (``InMemoryUnitStep.can_step_on_worker``)."""
@@ -493,7 +493,7 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
     work = [0.0] * len(units)  # what the worker spends on it, and takes off the step
     arithmetic = 0.0  # all it computes
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
-        if _stepped_in_backward(u, c, modes):
+        if stepped_in_backward(u, c, modes):
             work[k] = steps[k]
             arithmetic += _host_step_s(u, m)
     if not any(work):
@@ -574,7 +574,7 @@ def _hidden_behind_forward(trace: Trace, choices, steps: list[float]) -> float:
     arithmetic = 0.0
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
         site = step_site(u, c)
-        if _stepped_in_backward(u, c, modes):
+        if stepped_in_backward(u, c, modes):
             continue
         if policy.memory_in_forward(site, modes) or policy.streamed_in_forward(site, modes):
             left[k] = steps[k]
