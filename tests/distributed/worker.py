@@ -18,6 +18,7 @@ records the error it gets.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import os
@@ -68,6 +69,7 @@ def stepped_ahead(name: str, path: str, mine, result: dict) -> None:
     forward. The test compares bitwise."""
     if name == "cpu":
         in_next_forward(path, mine, result)
+        in_backward(path, mine, result)
         return
     runs = [
         ("ahead", CLIP, True),
@@ -148,6 +150,35 @@ def in_next_forward(path: str, mine, result: dict) -> None:
     result["in_forward_weights"] = weights(model)  # (reading them lands the last steps)
     result["in_forward_speculation"] = optimizer.speculation_stats
     hetstore.release(model)
+
+
+def in_backward(path: str, mine, result: dict) -> None:
+    """``step_in_backward=True`` on host placement, sharded: each rank steps its own
+    shard of a unit in place on its worker as soon as the unit's gradients are
+    reduce-scattered, landed before the unit's next fetch gathers the shards. No clip
+    (which it refuses), the micro-batches before the last under ``hetstore.no_sync``;
+    against the same loop with the step in ``optimizer.step()``, bitwise."""
+    for key, consume in (("in_backward", True), ("after_backward", False)):
+        model = make_model()
+        model, optimizer = hetstore.offload(
+            model,
+            adamw(model.parameters()),
+            scenario_config("cpu", path, overlap_step=False, step_in_backward=consume),
+        )
+        losses = []
+        for i, (x, y) in enumerate(mine):
+            last = (i + 1) % ACCUMULATE == 0
+            with hetstore.no_sync(model) if not last else contextlib.nullcontext():
+                loss = model(x, y) / ACCUMULATE
+                loss.backward()
+            losses.append(float(loss))
+            if last:
+                optimizer.step()
+                optimizer.zero_grad()
+        result[f"{key}_losses"] = losses
+        result[f"{key}_weights"] = weights(model)
+        result[f"{key}_speculation"] = optimizer.speculation_stats
+        hetstore.release(model)
 
 
 def make_model() -> GPT:
@@ -370,6 +401,13 @@ def run_refusals(out: str, path: str) -> None:
         found["bad_group"] = "no error"
     except hetstore.ConfigError as exc:
         found["bad_group"] = str(exc)
+    try:  # (in host memory it is taken: in_backward above)
+        model = make_model()
+        config = scenario_config("disk", path, step_in_backward=True)
+        hetstore.offload(model, adamw(model.parameters()), config)
+        found["disk_in_backward"] = "no error"
+    except hetstore.ConfigError as exc:
+        found["disk_in_backward"] = str(exc)
     model = make_model()
     model, optimizer = hetstore.offload(
         model, adamw(model.parameters()), scenario_config("cpu", path)

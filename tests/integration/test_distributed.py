@@ -91,6 +91,19 @@ def test_two_ranks_step_their_host_shards_in_the_next_forward_exactly(results, r
 
 
 @pytest.mark.parametrize("rank", [0, 1])
+def test_two_ranks_step_their_host_shards_in_backward_exactly(results, rank):
+    """``step_in_backward=True`` on host placement, sharded: each rank's ordinary step of
+    its shard runs in place on its worker as soon as the unit's gradients are
+    reduce-scattered. Bitwise the sharded run that steps in ``optimizer.step()``."""
+    got = results("cpu", rank)
+    assert got["in_backward_losses"] == got["after_backward_losses"]
+    assert_same(got["in_backward_weights"], got["after_backward_weights"])
+    stats = got["in_backward_speculation"]
+    blocks = 3  # every block, every step (the root's in optimizer.step())
+    assert stats["committed"] == stats["started"] == blocks * STEPS, stats
+
+
+@pytest.mark.parametrize("rank", [0, 1])
 def test_two_ranks_step_their_disk_shards_ahead_exactly(results, rank):
     """``overlap_step=True`` with everything on disk, sharded: each rank steps its shard
     of a unit into disk shadows as soon as the unit's gradients are reduce-scattered
@@ -240,6 +253,8 @@ def test_what_sharding_refuses_is_named(results):
     assert "RMSprop" in found["rmsprop"] and "Adam, AdamW and SGD" in found["rmsprop"]
     assert "process_group must be" in found["bad_group"] and "str" in found["bad_group"]
     assert "hetstore.save" in found["optimizer_state_dict"]
+    assert "step_in_backward=True sharded" in found["disk_in_backward"]
+    assert "offload_optimizer='cpu'" in found["disk_in_backward"]
     assert "'blocks.0.fc.weight'" in found["sharded_read"]
     assert "model.state_dict() on every rank" in found["sharded_read"]
 

@@ -114,9 +114,10 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         # why it cannot be used now (hetstore.release freed the units' buffers; evict
         # moved those on the device away until restore), None when it can
         self.refusal: str | None = None
-        # where unit steps may run besides optimizer.step() (optim.policy); sharded units
-        # are not stepped taking their gradients in backward
-        self.modes = modes._replace(in_backward=modes.in_backward and shards is None)
+        # where unit steps may run besides optimizer.step() (optim.policy); sharded, only
+        # host units are stepped taking their gradients in backward (offload() refuses
+        # step_in_backward with states on disk)
+        self.modes = modes
         self._trial_overlap = trial_overlap  # (OverlapTrial: whether overlap pays)
         self.overlap_trial: OverlapTrial | None = None  # (made by arrange_steps)
         self.step_ahead: StepAhead | None = None
