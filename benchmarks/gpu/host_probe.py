@@ -20,7 +20,7 @@ GPT):
   temporary: ``offload_param='none'``'s way until 2026-11-28) and by ``runtime.upload``
   (its way since); the fp32 gradient's copy to the host;
 - what a worker's AdamW costs the thread that feeds the device, by the worker's
-  intra-op threads (:func:`contention_rows`).
+  intra-op threads: all, all but two, half, a quarter (:func:`contention_rows`).
 
 Before 2026-11-28 this probe compared the ordinary step with a speculative one (copies
 into shadows first, then the step): 1.3 against 6.4-6.9 ms on the H100's host; that
@@ -142,7 +142,9 @@ def contention_rows(adamw: Callable[[], None], cuda: bool) -> list[tuple[str, fl
 
     out = [("feeding work alone (500 launches)", best(feed, sync))]
     threads = torch.get_num_threads()
-    for count in dict.fromkeys((threads, max(1, threads // 2), max(1, threads // 4))):
+    # (all; all but the two that feed a GPU, the caller's and autograd's; half; a quarter)
+    counts = (threads, max(1, threads - 2), max(1, threads // 2), max(1, threads // 4))
+    for count in dict.fromkeys(counts):
         worker = ThreadPoolExecutor(1)
         worker.submit(torch.set_num_threads, count).result()
         stepped = worker.submit(best, adamw).result()
