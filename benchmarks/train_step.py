@@ -10,10 +10,7 @@ batches with ``torch.optim.AdamW(fused=True)``, in fp32:
 * ``plain``: the model and optimizer as they are;
 * ``offloaded``: ``hetstore.offload(model, optimizer, config)`` with offload_param=cpu and
   offload_optimizer=cpu (each block a unit; fp32 master, gradients and Adam states in the
-  host tier; a block's parameters are copied in before its forward and backward);
-* ``in-backward`` (with ``--step-in-backward``): the same with ``step_in_backward=True``
-  (each block's host step in place on the optimizer's worker thread beside the rest of
-  backward).
+  host tier; a block's parameters are copied in before its forward and backward).
 
 Each variant runs in its own worker process (so its peak RSS is its own), and the two
 are driven in lockstep: step i of one, then step i of the other (random order per step,
@@ -145,16 +142,12 @@ def batch(cfg: GPTConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------- worker
-VARIANTS = ("plain", "offloaded", "in-backward")
-
-
 def build(variant: str, cfg: GPTConfig, max_device_memory: str):
     torch.manual_seed(0)
     model = GPT(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-    if variant != "plain":
+    if variant == "offloaded":
         config = hetstore.OffloadConfig(
-            step_in_backward=variant == "in-backward",
             offload_param="cpu",
             offload_optimizer="cpu",
             max_device_memory=max_device_memory,
@@ -189,7 +182,7 @@ def worker(variant: str, cfg: GPTConfig, max_device_memory: str) -> None:
         if command["op"] == "step":
             reply(train_step(model, optimizer, cfg, command["step"]))
         elif command["op"] == "stats":
-            stats = hetstore.memory_stats(model) if variant != "plain" else None
+            stats = hetstore.memory_stats(model) if variant == "offloaded" else None
             reply({"rss": peak_rss_bytes(), "memory_stats": stats})
         else:
             break
@@ -262,12 +255,7 @@ def main() -> None:
         help="also write the result as a record for docs/performance.md "
         "(benchmarks/results/*.json; then run tools/perf_page.py)",
     )
-    parser.add_argument(
-        "--step-in-backward",
-        action="store_true",
-        help="also run the offloaded model with step_in_backward=True (variant in-backward)",
-    )
-    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("plain", "offloaded"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny:
         args.size, args.steps, args.warmup = "tiny", 3, 1
@@ -278,8 +266,7 @@ def main() -> None:
 
     print(machine_line())
     argv = ["--size", args.size, "--max-device-memory", args.max_device_memory]
-    variants = VARIANTS if args.step_in_backward else VARIANTS[:2]
-    workers = [start_worker(__file__, v, argv) for v in variants]
+    workers = [start_worker(__file__, v, argv) for v in ("plain", "offloaded")]
     try:
         params = workers[0].params
         print(f"GPT {args.size}: {params / 1e6:.1f}M params, {asdict(cfg)}")

@@ -1,7 +1,10 @@
 """``step_in_backward`` for units whose master, states and parameters' home are in host
 memory: each unit's ordinary step runs in place on the worker during backward, as soon
 as its gradients are on the host; its next use lands it, and ``optimizer.step()`` waits
-for what still runs.
+for what still runs. That needs a device copy apart from the home (an accelerator's), so
+these tests fetch by copying, as on a GPU (``copied``); on a CPU device the parameters
+are the home itself, which backward may still read, and nothing is stepped in backward
+(the last test).
 
 Reference: the same offloaded model without ``step_in_backward`` (the ordinary host step
 in ``optimizer.step()``), compared with ``==`` on losses and ``torch.equal`` on weights
@@ -20,9 +23,17 @@ import torch
 import hetstore
 from hetstore import ConfigError, GradientAccessError, OffloadConfig
 from hetstore.optim import in_memory
+from hetstore.runtime.unit import Unit
 from tests.models.gpt import batches
 from tests.optim.helpers import assert_bitwise, assert_same_optimizer_state, fresh, train
 from tests.parity import TIGHT, adamw, assert_same_weights
+
+
+@pytest.fixture(autouse=True)
+def copied(request, monkeypatch):
+    """Fetch by copying, as on an accelerator (not for the CPU device's own test)."""
+    if "cpu_device" not in request.node.name:
+        monkeypatch.setattr(Unit, "fetches_in_place", property(lambda self: False))
 
 
 def host(tmp_path, name: str, consume: bool, make_opt=adamw, freeze=None, **kwargs):
@@ -150,8 +161,7 @@ def test_a_second_step_and_a_backward_without_zero_grad_are_refused(tmp_path):
     opt.step()
 
 
-def test_a_step_that_fails_on_the_worker_raises_at_optimizer_step(tmp_path, monkeypatch):
-    model, opt = host(tmp_path, "in", True)
+def failing_unit(model, monkeypatch) -> str:
     victim = units_of(model)[2].name
     original = in_memory.step_in_place
 
@@ -161,11 +171,114 @@ def test_a_step_that_fails_on_the_worker_raises_at_optimizer_step(tmp_path, monk
         original(job)
 
     monkeypatch.setattr(in_memory, "step_in_place", failing)
+    return victim
+
+
+def test_a_step_that_fails_on_the_worker_raises_at_optimizer_step(tmp_path, monkeypatch):
+    model, opt = host(tmp_path, "in", True)
+    victim = failing_unit(model, monkeypatch)
     x, y = batches(1, vocab=64)[0]
     model(x, y).backward()
     with pytest.raises(RuntimeError, match=f"{victim}.*in place during backward") as info:
         opt.step()
     assert isinstance(info.value.__cause__, OSError)
+    opt.step()  # raised once: the step goes on (the unit stays as the worker left it)
+    assert not opt.step_ahead.jobs
+
+
+def test_a_failure_raised_where_a_reader_landed_it_is_not_raised_again(tmp_path, monkeypatch):
+    model, opt = host(tmp_path, "in", True)
+    victim = failing_unit(model, monkeypatch)
+    x, y = batches(1, vocab=64)[0]
+    model(x, y).backward()
+    with pytest.raises(RuntimeError, match=f"{victim}.*in place during backward"):
+        model.state_dict()  # (reads every unit: lands its step first)
+    opt.step()
+    assert opt.speculation_stats["committed"] == len(units_of(model)) - 2  # (not the failed)
+
+
+@pytest.mark.parametrize("consume_disk", [False, True], ids=["host", "disk"])
+def test_what_would_drop_the_steps_taken_is_refused_before_any_change(tmp_path, consume_disk):
+    """Between a backward that stepped units and optimizer.step(), plain PyTorch would
+    drop (zero_grad) or replace (a load) what those steps already used: refused, naming
+    the way out, before anything is written; the step then trains as without them."""
+    if consume_disk:
+        from tests.optim.helpers import config as disk_config
+
+        model, opt = fresh()
+        cfg = disk_config(tmp_path / "disk", False, "disk", step_in_backward=True)
+        model, opt = hetstore.offload(model, opt, cfg)
+    else:
+        model, opt = host(tmp_path, "in", True)
+    ref, ref_opt = host(tmp_path, "ref", False)
+    (x, y), (x2, y2) = batches(2, vocab=64)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(x, y).backward()
+        o.step()
+        o.zero_grad()
+    hetstore.save(tmp_path / "ckpt", model, opt)
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = opt.state_dict()
+    for m in (model, ref):
+        m(x2, y2).backward()
+    attempts = {
+        "optimizer.zero_grad": opt.zero_grad,
+        "optimizer.load_state_dict": lambda: opt.load_state_dict(saved_opt),
+        "a load or edit": lambda: model.load_state_dict(saved_model),
+    }
+    for what, attempt in attempts.items():
+        with pytest.raises(RuntimeError, match=f"{what}.*optimizer.step\\(\\) first"):
+            attempt()
+    with pytest.raises(RuntimeError, match="a load or edit"):
+        hetstore.load(tmp_path / "ckpt", model, opt)
+    ref_opt.step()
+    opt.step()
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, **TIGHT)
+
+
+def test_on_a_cpu_device_nothing_is_stepped_in_backward(tmp_path):
+    """The parameters are the home itself there, and a tensor backward saved may share
+    its storage and be read after the unit's last gradient (a detached use of a weight):
+    no unit is stepped in backward, and training is the ordinary step's, bitwise."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(32, 32) / 32**0.5)
+
+        def forward(self, x):
+            w = self.w
+            return x + torch.tanh(torch.nn.functional.linear(x, w.detach()) + x @ w.t())
+
+    def run(consume: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(Block() for _ in range(3)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cfg = OffloadConfig(
+            offload_param="cpu",
+            offload_optimizer="cpu",
+            offload_path=str(tmp_path / str(consume)),
+            device="cpu",
+            step_in_backward=consume,
+            overlap_step=False,
+        )
+        model, opt = hetstore.offload(model, opt, cfg, units=list(model))
+        losses = []
+        for i in range(3):
+            x = torch.randn(64, 32, generator=torch.Generator().manual_seed(i))
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return model, opt, losses
+
+    inside, in_opt, in_losses = run(True)
+    after, _, after_losses = run(False)
+    assert in_losses == after_losses
+    assert_bitwise(inside, after)
+    assert in_opt.speculation_stats["started"] == 0
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,8 @@ ones the runtime's step ahead takes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import hetstore
@@ -13,6 +15,7 @@ from hetstore.optim import policy
 from hetstore.planner import cost
 from tests.models.gpt import GPT
 from tests.parity import adamw
+from tests.planner.helpers import CPU, GPU
 
 
 @pytest.mark.parametrize(
@@ -53,13 +56,21 @@ def test_the_planner_prices_the_steps_the_runtime_takes_ahead(tmp_path, placemen
         assert taken  # (disk units: not two empty sets)
 
 
-def test_the_planner_prices_the_host_steps_the_runtime_takes_in_backward(tmp_path):
+@pytest.mark.parametrize("copied", [True, False], ids=["fetch-copies", "cpu-device"])
+def test_the_planner_prices_the_host_steps_the_runtime_takes_in_backward(
+    tmp_path, monkeypatch, copied
+):
     """``step_in_backward`` with everything in host memory: the units the planner prices
-    as stepped during backward are those a backward hands to the worker (every block,
-    not the root)."""
+    as stepped during backward are those a backward hands to the worker: every block
+    but one with a frozen weight, not the root, where fetches copy (as on a GPU); none
+    on a CPU device, whose parameters are the home itself."""
+    from hetstore.runtime.unit import Unit
     from tests.models.gpt import batches
 
+    if copied:
+        monkeypatch.setattr(Unit, "fetches_in_place", property(lambda self: False))
     model = GPT(width=32, depth=6)
+    model.blocks[2].fc.weight.requires_grad_(False)
     config = OffloadConfig(
         device="cpu",
         enable_pinned_mem=False,
@@ -68,17 +79,20 @@ def test_the_planner_prices_the_host_steps_the_runtime_takes_in_backward(tmp_pat
         offload_optimizer="cpu",
         step_in_backward=True,
     )
-    model, optimizer = hetstore.offload(model, adamw(model.parameters()), config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    model, optimizer = hetstore.offload(model, adamw(trainable), config)
     runtime = hetstore.state_of(model).runtime
-    trace, plan = runtime.trace, runtime.plan
-    modes = cost.step_modes(trace)
+    # (a manual plan's trace has no machine rates: the planner prices it for one)
+    trace = replace(runtime.trace, machine=GPU if copied else CPU)
+    plan = runtime.plan
     priced = {
         u.name
         for u, planned in zip(trace.units, plan.units, strict=True)
-        if cost.stepped_in_backward(u, planned.choice, modes)
+        if cost.stepped_in_backward(u, planned.choice, trace)
     }
     x, y = batches(1, vocab=64)[0]
     model(x, y).backward()
     taken = {job.unit.name for job in optimizer.step_ahead.consumed().values()}
     optimizer.step()
-    assert priced == taken and len(taken) == len(runtime.units) - 1
+    assert priced == taken
+    assert len(taken) == (len(runtime.units) - 2 if copied else 0)

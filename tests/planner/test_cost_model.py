@@ -371,8 +371,8 @@ def test_host_steps_in_backward_hide_behind_it_except_the_roots():
     """``step_in_backward``: each block's ordinary host step runs in place on the worker
     once its gradients are final, behind the rest of backward; the root, resident until
     backward's end, is stepped in optimizer.step() (or, with host steps in the next
-    forward, there: counted once). On a CPU device the worker's arithmetic takes
-    backward's cores: nothing is hidden."""
+    forward, there: counted once). On a CPU device the parameters are the home itself,
+    which backward may still read: nothing is stepped in backward, nothing hidden."""
     root_n = 2 * MiB
     base = disk_trace(forward_s=10.0)
     serial = estimate(base, [HOST_HOME] * 5, 1, overlap=False)

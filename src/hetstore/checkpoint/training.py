@@ -889,6 +889,8 @@ def _apply(plan: _Plan, model: nn.Module, optimizer) -> None:
         with torch.no_grad():
             runtime = runtime_of(model)
             if runtime is not None:
+                for unit in runtime.units:  # (before any is written: a load may be refused)
+                    unit.before_state_change()
                 for unit in runtime.units:
                     _load_unit(unit, ckpt, names, optimizer, groups_tensors, buffers)
             else:

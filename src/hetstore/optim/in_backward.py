@@ -140,9 +140,9 @@ class BackwardSteps:
         """Taking the gradients: hand ``unit_step``'s ordinary step to the worker, in
         place, with the group values of now (``settle_consumed`` checks them at
         ``optimizer.step()``). False where it cannot run on the worker now (a unit still
-        resident: the root, frozen weights backward may read), which
-        ``optimizer.step()`` then steps."""
-        if not unit_step.can_step_on_worker():
+        resident: the root, frozen weights backward may read; on a CPU device, every
+        one), which ``optimizer.step()`` then steps."""
+        if not unit_step.can_step_on_worker(in_backward=True):
             return False
         ahead = self._ahead
         unit = unit_step.unit
@@ -238,11 +238,13 @@ class BackwardSteps:
                 if job.target is Target.IN_PLACE:
                     self._worker.wait(job)
                     job.unit.work_pending = False
-        finally:
-            for key in consumed:
-                del self._ahead.jobs[key]
+        finally:  # (interrupted: what still runs stays, for its unit's use to land)
+            for key, job in consumed.items():
+                if job.state is not JobState.RUNNING:
+                    del self._ahead.jobs[key]
         committed.update(consumed)
-        self._stats.committed += sum(j.target is Target.IN_PLACE for j in consumed.values())
+        self._stats.committed += sum(j.state is JobState.LANDED for j in consumed.values())
+        # (one whose failure a reader already raised at its landing was cancelled there)
         failed = [j for j in consumed.values() if j.state is JobState.FAILED]
         if failed:
             raise in_place_failure(failed[0])

@@ -249,6 +249,7 @@ class ForwardSteps:
             del self._ahead.jobs[id(unit)]
             self._ahead.stop_worker_if_idle()
         if not ok:
+            job.cancel()  # (raised here, once: optimizer.step() only skips it)
             raise in_place_failure(job)
 
     def forget(self, key: int) -> None:

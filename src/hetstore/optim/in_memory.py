@@ -106,18 +106,22 @@ class InMemoryUnitStep:
                 self.optimizer.state[tensor] = {**state, **made}
 
     # ------------------------------------------------------------------ where it steps
-    def can_step_on_worker(self) -> bool:
+    def can_step_on_worker(self, in_backward: bool = False) -> bool:
         """Its ordinary step can run on the worker now: the unit has gradients and no
         device copy (one would be stale until the step lands; a root or a unit with
         frozen weights is still resident in backward), and its parameters are fetched
         from host memory (the policy's ``params_in_memory``, asked now: a plan may have
         moved the home; not the device's own, which a sharded unit releases between
-        uses too, nor disk, whose write allocates)."""
+        uses too, nor disk, whose write allocates). ``in_backward``: not where the
+        parameters are the home itself (a CPU device, ``Unit.fetches_in_place``): a
+        tensor backward saved may share its storage (``w.detach()``) and be read after
+        the unit's last gradient."""
         unit = self.unit
         return (
             not unit.materialized
             and isinstance(unit.home, torch.Tensor)
             and unit.home.device.type == "cpu"
+            and not (in_backward and unit.fetches_in_place)
             and unit.grads.any()
         )
 

@@ -379,6 +379,8 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients (the buffers stay allocated for the next step)."""
         self._check_alive("zero_grad")
+        if self.step_ahead is not None:  # (step_in_backward: those steps are taken)
+            self.step_ahead.refuse_dropping("optimizer.zero_grad()")
         if self._resume_at:
             warnings.warn(
                 "zero_grad() after a step() that failed part-way: the units it had not "

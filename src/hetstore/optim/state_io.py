@@ -77,6 +77,8 @@ class StateIO:
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_alive("load_state_dict")
+        if self.step_ahead is not None:  # (step_in_backward: those steps are taken)
+            self.step_ahead.refuse_dropping("optimizer.load_state_dict()")
         self.finish_steps_in_forward()
         self._refuse_sharded("load_state_dict")
         saved_format = state_dict.get("state_format", "fp32")

@@ -178,6 +178,20 @@ class StepAhead:
         optimizer.step()."""
         return self._where(_taken)
 
+    def refuse_dropping(self, what: str) -> None:
+        """Taking the gradients, between a backward that stepped units and
+        ``optimizer.step()``: ``what`` (a zero_grad, a load) would drop or replace what
+        plain PyTorch steps next, but those steps are taken already. Refused."""
+        consumed = self.consumed()
+        if consumed:
+            names = [job.unit.name for job in consumed.values()][:3]
+            raise RuntimeError(
+                f"{what} between backward and optimizer.step() with step_in_backward=True: "
+                f"the backward already stepped {len(consumed)} units (e.g. {names}) with "
+                "its gradients, which plain PyTorch would step only at optimizer.step(). "
+                "Call optimizer.step() first, or set step_in_backward=False"
+            )
+
     def in_forward_jobs(self) -> list[StepJob]:
         """Disk units' steps handed to the next forward, into shadows."""
         return [
@@ -294,7 +308,11 @@ class StepAhead:
             self.read_aheads.fill(order, self.step_of)
 
     def _state_change(self, unit: Unit) -> None:
-        """The unit's master or states are about to be rewritten outside a step."""
+        """The unit's master or states are about to be rewritten outside a step: refused
+        for a unit stepped in backward, taking its gradients, before optimizer.step()."""
+        job = self.jobs.get(id(unit))
+        if job is not None and _taken(job):
+            self.refuse_dropping(f"a load or edit of unit {unit.name!r}'s weights or states")
         if id(unit) in self._steps:  # (only those stepped ahead hold anything of it)
             self.backward.cancel(id(unit))
             self.read_aheads.drop(unit)

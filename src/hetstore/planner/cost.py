@@ -473,13 +473,19 @@ def _fetched_in_place(c: UnitChoice, m: MachineRates) -> bool:
     return _in_memory(c.param) and m.device == "cpu"
 
 
-def stepped_in_backward(u: UnitTrace, c: UnitChoice, modes: StepModes) -> bool:
+def stepped_in_backward(u: UnitTrace, c: UnitChoice, trace: Trace) -> bool:
     """The policy's rules for a step during backward: a disk unit's, or a host-memory
-    unit's in place (``step_in_backward``) but the root's, which is still resident when
-    its gradients are final (``InMemoryUnitStep.can_step_on_worker``)."""
-    site = step_site(u, c)
+    unit's in place (``step_in_backward``) where it can start on the worker then
+    (``InMemoryUnitStep.can_step_on_worker``): not the root's nor a unit's with frozen
+    weights, still resident when its gradients are final, nor on a CPU device, whose
+    parameters are the home itself."""
+    site, modes = step_site(u, c), step_modes(trace)
     return policy.streamed_in_backward(site, modes) or (
-        policy.memory_in_backward(site, modes) and not u.is_root
+        policy.memory_in_backward(site, modes)
+        and not u.is_root
+        and u.trainable_numel == u.numel
+        and trace.machine is not None  # (no rates: nothing to price)
+        and not _fetched_in_place(c, trace.machine)
     )
 
 
@@ -489,11 +495,10 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
     what it does not finish by backward's end is what the ordinary step would have done
     anyway."""
     units, m = trace.units, trace.machine
-    modes = step_modes(trace)
     work = [0.0] * len(units)  # what the worker spends on it, and takes off the step
     arithmetic = 0.0  # all it computes
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
-        if stepped_in_backward(u, c, modes):
+        if stepped_in_backward(u, c, trace):
             work[k] = steps[k]
             arithmetic += _host_step_s(u, m)
     if not any(work):
@@ -574,7 +579,7 @@ def _hidden_behind_forward(trace: Trace, choices, steps: list[float]) -> float:
     arithmetic = 0.0
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
         site = step_site(u, c)
-        if stepped_in_backward(u, c, modes):
+        if stepped_in_backward(u, c, trace):
             continue
         if policy.memory_in_forward(site, modes) or policy.streamed_in_forward(site, modes):
             left[k] = steps[k]

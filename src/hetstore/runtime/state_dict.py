@@ -45,6 +45,9 @@ class _MasterViews:
         if self.depth > 1:
             return
         self.masters = [] if for_load else None
+        if for_load:  # (before anything is written: a subscriber may refuse the load)
+            for unit in self.units:
+                unit.before_state_change()
         for unit in self.units:
             master = unit.full_master()
             if for_load:
