@@ -105,3 +105,21 @@ def assert_same_optimizer_state(a, b):
         assert sa[index].keys() == sb[index].keys(), index
         for key, value in sa[index].items():
             assert torch.equal(value, sb[index][key]), (index, key)
+
+
+def train_both(build, data, **train_kwargs) -> list[tuple]:
+    """Train ``build(True)`` and ``build(False)`` (each a fresh model and optimizer, the
+    two ways to compare) on ``data`` with :func:`train` (``scheduler``: made from the
+    optimizer); the losses and the weights must be the same, bit for bit. Returns each
+    run's (model, optimizer, losses), the ``True`` one first."""
+    runs = []
+    for flag in (True, False):
+        model, opt = build(flag)
+        kwargs = dict(train_kwargs)
+        if "scheduler" in kwargs:
+            kwargs["scheduler"] = kwargs["scheduler"](opt)
+        runs.append((model, opt, train(model, opt, data, **kwargs)))
+    (first, _, first_losses), (second, _, second_losses) = runs
+    assert first_losses == second_losses
+    assert_bitwise(first, second)
+    return runs

@@ -20,8 +20,8 @@ from hetstore import ConfigError, GradientAccessError, OffloadConfig
 from hetstore.optim.step_worker import StepWorker
 from hetstore.tiers.flat import DiskArray
 from tests.models.gpt import batches
-from tests.optim.helpers import assert_bitwise, fresh, train
 from tests.optim.helpers import config as step_ahead_config
+from tests.optim.helpers import fresh, train, train_both
 from tests.parity import TIGHT, adamw, assert_same_weights
 
 
@@ -39,16 +39,11 @@ def offloaded(tmp_path, consume: bool, grad="disk", make_opt=adamw, **kwargs):
 
 def both(tmp_path, steps=3, grad="disk", make_opt=adamw, config_kwargs=None, **train_kwargs):
     data = batches(steps * train_kwargs.get("accumulate", 1), vocab=64)
-    results = []
-    for consume in (True, False):
-        model, opt = offloaded(tmp_path, consume, grad, make_opt, **(config_kwargs or {}))
-        kwargs = dict(train_kwargs)
-        if "scheduler" in kwargs:
-            kwargs["scheduler"] = kwargs["scheduler"](opt)
-        results.append((model, opt, train(model, opt, data, **kwargs)))
-    (inside, in_opt, in_losses), (after, _, after_losses) = results
-    assert in_losses == after_losses
-    assert_bitwise(inside, after)
+
+    def build(consume: bool):
+        return offloaded(tmp_path, consume, grad, make_opt, **(config_kwargs or {}))
+
+    (inside, in_opt, in_losses), _ = train_both(build, data, **train_kwargs)
     return inside, in_opt, in_losses, data
 
 

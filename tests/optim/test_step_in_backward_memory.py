@@ -25,7 +25,12 @@ from hetstore import ConfigError, GradientAccessError, OffloadConfig
 from hetstore.optim import in_memory
 from hetstore.runtime.unit import Unit
 from tests.models.gpt import batches
-from tests.optim.helpers import assert_bitwise, assert_same_optimizer_state, fresh, train
+from tests.optim.helpers import (
+    assert_bitwise,
+    assert_same_optimizer_state,
+    fresh,
+    train_both,
+)
 from tests.parity import TIGHT, adamw, assert_same_weights
 
 
@@ -60,17 +65,12 @@ def units_of(model):
 
 def both(tmp_path, steps=3, make_opt=adamw, freeze=None, config_kwargs=None, **train_kwargs):
     data = batches(steps * train_kwargs.get("accumulate", 1), vocab=64)
-    results = []
-    for consume in (True, False):
+
+    def build(consume: bool):
         name = "in" if consume else "after"
-        model, opt = host(tmp_path, name, consume, make_opt, freeze, **(config_kwargs or {}))
-        kwargs = dict(train_kwargs)
-        if "scheduler" in kwargs:
-            kwargs["scheduler"] = kwargs["scheduler"](opt)
-        results.append((model, opt, train(model, opt, data, **kwargs)))
-    (inside, in_opt, in_losses), (after, after_opt, after_losses) = results
-    assert in_losses == after_losses
-    assert_bitwise(inside, after)
+        return host(tmp_path, name, consume, make_opt, freeze, **(config_kwargs or {}))
+
+    (inside, in_opt, _), (_, after_opt, _) = train_both(build, data, **train_kwargs)
     assert_same_optimizer_state(in_opt, after_opt)
     return inside, in_opt, data
 
