@@ -41,13 +41,13 @@ class _MasterViews:
         why = self.refusal()
         if why is not None:
             raise ConfigError(why)
+        if for_load and self.depth == 0:  # (before anything: a subscriber may refuse it)
+            for unit in self.units:
+                unit.before_state_change()
         self.depth += 1
         if self.depth > 1:
             return
         self.masters = [] if for_load else None
-        if for_load:  # (before anything is written: a subscriber may refuse the load)
-            for unit in self.units:
-                unit.before_state_change()
         for unit in self.units:
             master = unit.full_master()
             if for_load:
