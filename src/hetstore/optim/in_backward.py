@@ -50,7 +50,7 @@ from hetstore.optim import in_memory
 from hetstore.optim.in_memory import InMemoryUnitStep, in_place_failure
 from hetstore.optim.policy import StepSite
 from hetstore.optim.step_job import JobState, StepJob, Target, When
-from hetstore.optim.step_worker import AT_STEP, in_forward
+from hetstore.optim.step_worker import AT_STEP
 from hetstore.optim.streamed import StreamedUnitStep, UnitStates
 from hetstore.runtime.rewrite import ChunkedRewrite
 from hetstore.runtime.staging import GradStager
@@ -151,11 +151,8 @@ class BackwardSteps:
         # on a GPU the gradients may still be crossing to the host: the worker waits
         copies = unit.grads.copies_in_flight()
         unit.param_version += 1  # as the ordinary step moves it before stepping
-        order = ahead.use_order() if ahead.use_order else []
-        position = next((i for i, u in enumerate(order) if u is unit), len(order))
-        job.submitted(
-            self._worker.submit(_in_place_after, job, copies, next_use=in_forward(position))
-        )
+        # (needed at optimizer.step(), which waits for every one: AT_STEP, as above)
+        job.submitted(self._worker.submit(_in_place_after, job, copies, next_use=AT_STEP))
         ahead.add_job(unit, job)
         unit.work_pending = True  # every reader lands it first (Unit.barrier)
         unit.grads.consumed = True
