@@ -77,6 +77,8 @@ BUDGETS = (
     (0.2, 1.0, False),
 )
 
+TINY_RSS_BUDGET = BUDGETS[3]
+
 
 def label(budget) -> str:
     device, host, given = budget
@@ -201,9 +203,13 @@ def rss_child(shape, args, device, folder, index: int) -> None:
 
 def rss_rows(shape, args) -> list:
     """Per budget, the predicted device + host peaks and start-up size against the
-    measured peak RSS of a process that trains that variant alone."""
+    measured peak RSS of a process that trains that variant alone. ``--tiny``: the
+    budget with a host cap only (each is a process that starts torch: a harness check
+    needs one)."""
     rows = []
     for index, budget in enumerate(BUDGETS):
+        if args.tiny and budget != TINY_RSS_BUDGET:
+            continue
         command = [sys.executable, __file__, "--rss-child", f"{shape.name}:{index}"]
         command += [f"--{k}={getattr(args, k)}" for k in ("width", "depth", "vocab", "batch")]
         command += [f"--ctx={args.ctx}", f"--device={args.device}", f"--dir={args.dir}"]

@@ -35,6 +35,11 @@ def test_planner_benchmark_prints_predictions_and_measurements(tmp_path):
         for budget in ("100%", "50%", "20%", "20%, host 100%"):
             assert f"| {model} | {budget} | device |" in done.stdout
             assert f"| {model} | {budget} | " in done.stdout.split("| model | budget |")[0]
+    # the peak RSS table (--tiny: one budget per model, each trained in its own process)
+    rss = done.stdout.split("| measured peak RSS |")[1]
+    for model in ("gpt", "llama"):
+        row = next(line for line in rss.splitlines() if line.startswith(f"| {model} | 20%, host"))
+        float(row.strip(" |").split(" | ")[-1])  # a ratio, not a failed child's "-"
 
 
 def test_evict_restore_benchmark_prints_its_table(tmp_path):

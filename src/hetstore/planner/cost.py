@@ -202,11 +202,15 @@ def _max(values) -> int:
     return max(values, default=0)
 
 
+# (the tier helpers below are cached: the search asks millions of times, a few per unit
+# per placement it weighs, of a handful of tiers)
+@functools.cache
 def _in_memory(tier: Tier) -> bool:
     """A memory tier beside the device (host memory): addressable, not the device."""
     return tier is not Tier.DEVICE and tier.addressable
 
 
+@functools.cache
 def _hop_into_device(tier: Tier) -> Tier:
     """The tier on ``tier``'s way to the device whose next tier is the device: the one
     whose link to it a copy takes (host memory, for disk too: it is staged there)."""
@@ -215,15 +219,16 @@ def _hop_into_device(tier: Tier) -> Tier:
     return tier
 
 
-def _hops_beyond(tier: Tier) -> list[Tier]:
+@functools.cache
+def _hops_beyond(tier: Tier) -> tuple[Tier, ...]:
     """The tiers on ``tier``'s way to the device before :func:`_hop_into_device`'s,
-    each priced at its own link (``MachineRates.inward`` / ``outward``): ``[disk]`` for
+    each priced at its own link (``MachineRates.inward`` / ``outward``): ``(disk,)`` for
     disk, none for host memory."""
     hops = []
     while tier.closer not in (None, Tier.DEVICE):
         hops.append(tier)
         tier = tier.closer
-    return hops
+    return tuple(hops)
 
 
 def memory(
@@ -473,13 +478,16 @@ def _fetched_in_place(c: UnitChoice, m: MachineRates) -> bool:
     return _in_memory(c.param) and m.device == "cpu"
 
 
-def stepped_in_backward(u: UnitTrace, c: UnitChoice, trace: Trace) -> bool:
+def stepped_in_backward(
+    u: UnitTrace, c: UnitChoice, trace: Trace, modes: StepModes | None = None
+) -> bool:
     """The policy's rules for a step during backward: a disk unit's, or a host-memory
     unit's in place (``step_in_backward``) where it can start on the worker then
     (``InMemoryUnitStep.can_step_on_worker``): not the root's nor a unit's with frozen
     weights, still resident when its gradients are final, nor on a CPU device, whose
-    parameters are the home itself."""
-    site, modes = step_site(u, c), step_modes(trace)
+    parameters are the home itself. ``modes``: ``step_modes(trace)``, when the caller
+    has them (the search asks once per unit per placement)."""
+    site, modes = step_site(u, c), modes or step_modes(trace)
     return policy.streamed_in_backward(site, modes) or (
         policy.memory_in_backward(site, modes)
         and not u.is_root
@@ -494,11 +502,11 @@ def _hidden_behind_backward(trace: Trace, choices, steps: list[float]) -> float:
     never below 0: on a CPU device the worker's arithmetic takes backward's cores, and
     what it does not finish by backward's end is what the ordinary step would have done
     anyway."""
-    units, m = trace.units, trace.machine
+    units, m, modes = trace.units, trace.machine, step_modes(trace)
     work = [0.0] * len(units)  # what the worker spends on it, and takes off the step
     arithmetic = 0.0  # all it computes
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
-        if stepped_in_backward(u, c, trace):
+        if stepped_in_backward(u, c, trace, modes):
             work[k] = steps[k]
             arithmetic += _host_step_s(u, m)
     if not any(work):
@@ -579,7 +587,7 @@ def _hidden_behind_forward(trace: Trace, choices, steps: list[float]) -> float:
     arithmetic = 0.0
     for k, (u, c) in enumerate(zip(units, choices, strict=True)):
         site = step_site(u, c)
-        if stepped_in_backward(u, c, trace):
+        if stepped_in_backward(u, c, trace, modes):
             continue
         if policy.memory_in_forward(site, modes) or policy.streamed_in_forward(site, modes):
             left[k] = steps[k]

@@ -228,6 +228,9 @@ def _make_plan(
         )
         for j in range(len(device_moves) + 1):
             base = _apply(host_opt, device_moves[:j])
+            device_base = memory(trace, base, depth, chunk)[Tier.DEVICE]
+            if not _fits(device_base, device_cap):
+                continue
             # optimizer states back on the device, most time saved per byte first
             returns = _order(
                 trace,
@@ -239,9 +242,6 @@ def _make_plan(
                 -1,
             )
             candidates = []
-            device_base = memory(trace, base, depth, chunk)[Tier.DEVICE]
-            if not _fits(device_base, device_cap):
-                continue
             all_back = _apply(base, returns)
             if _fits(memory(trace, all_back, depth, chunk)[Tier.DEVICE], device_cap):
                 candidates.append(all_back)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
+from functools import cached_property
 from pathlib import Path
 
 from hetstore.tier import Tier
@@ -121,7 +122,7 @@ class UnitTrace:
             most = max(most, restored)
         return replace(self, saved_bytes=saved, kept_bytes=kept, largest_node_bytes=most)
 
-    @property
+    @cached_property
     def longest_segment_numel(self) -> int:
         return max(self.segment_numels, default=0)
 
@@ -130,34 +131,34 @@ class UnitTrace:
         segment's own (a chunk never crosses one)."""
         return sum(-(-n // max(chunk_numel, 1)) for n in self.segment_numels)
 
-    @property
+    @cached_property
     def param_bytes(self) -> int:
         return self.numel * self.compute_itemsize
 
-    @property
+    @cached_property
     def master_bytes(self) -> int:
         """The fp32 master when it is not the parameters' home (see ``frozen_compute_numel``)."""
         return (self.numel - self.frozen_compute_numel) * 4
 
-    @property
+    @cached_property
     def grad_bytes(self) -> int:
         return self.trainable_numel * 4
 
-    @property
+    @cached_property
     def state_bytes(self) -> int:
         return math.ceil(self.trainable_numel * self.state_itemsize)
 
-    @property
+    @cached_property
     def per_state_itemsize(self) -> float:
         """Bytes per element of one state: 4 in fp32, 2 in bf16, 1 + 1/64 in 8-bit."""
         return self.state_itemsize / max(self.state_count, 1)
 
-    @property
+    @cached_property
     def compact_states(self) -> bool:
         """States stored narrower than fp32: a step decodes and encodes them."""
         return self.per_state_itemsize < 4
 
-    @property
+    @cached_property
     def state_arrays(self) -> int:
         """Arrays the states are stored in: one per state, and 8-bit's block scales."""
         return self.state_count * (2 if self.per_state_itemsize < 2 else 1)
@@ -217,7 +218,7 @@ class Trace:
         host-memory units' too)."""
         return self.step_in_forward or self.step_in_forward_memory
 
-    @property
+    @cached_property
     def state_bytes(self) -> int:
         """Model states of the whole model: params, master, grads, optimizer states."""
         return sum(
