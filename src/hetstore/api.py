@@ -156,18 +156,6 @@ class _Offloading:
                 )
         if optimizer is not None and config.optimizer_state_format != "fp32":
             _check_compact_states(optimizer, config.optimizer_state_format)
-        if (
-            config.step_in_backward
-            and shards is not None
-            and (config.auto_offload or config.offload_optimizer is not Tier.HOST)
-        ):
-            raise ConfigError(
-                f"step_in_backward=True sharded over {shards.world_size} ranks steps units "
-                "whose optimizer states and parameters are in host memory "
-                "(offload_optimizer='cpu', offload_param='cpu'); with states on disk, or "
-                "auto_offload, it is not supported yet: use step_in_backward=False "
-                "(overlap_step keeps the step beside backward), or process_group=False"
-            )
         self.device, self.shards = device, shards
         # (its warning points at the caller of offload(): validate, offload, the caller)
         self.groups_of = _group_index(model, optimizer, stacklevel=4)

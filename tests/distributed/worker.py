@@ -65,11 +65,12 @@ def stepped_ahead(name: str, path: str, mine, result: dict) -> None:
     each rank steps its own shard into disk shadows during backward, with the clip that
     bites every step (the rollback path, then the steps in the next forward) and with
     one that never bites (the commit path), each against the same without the overlap;
-    then the overlap trial. In host memory, never in backward: the steps in the next
-    forward. The test compares bitwise."""
+    then the overlap trial, then ``step_in_backward``. In host memory, never into
+    shadows: the steps in the next forward, and ``step_in_backward``. The test compares
+    bitwise."""
     if name == "cpu":
         in_next_forward(path, mine, result)
-        in_backward(path, mine, result)
+        in_backward(name, path, mine, result)
         return
     runs = [
         ("ahead", CLIP, True),
@@ -88,6 +89,7 @@ def stepped_ahead(name: str, path: str, mine, result: dict) -> None:
         result[f"{key}_speculation"] = optimizer.speculation_stats
         hetstore.release(model)
     overlap_trial(path, mine, result)
+    in_backward(name, path, mine, result)
 
 
 def overlap_trial(path: str, mine, result: dict) -> None:
@@ -152,18 +154,20 @@ def in_next_forward(path: str, mine, result: dict) -> None:
     hetstore.release(model)
 
 
-def in_backward(path: str, mine, result: dict) -> None:
-    """``step_in_backward=True`` on host placement, sharded: each rank steps its own
-    shard of a unit in place on its worker as soon as the unit's gradients are
-    reduce-scattered, landed before the unit's next fetch gathers the shards. No clip
-    (which it refuses), the micro-batches before the last under ``hetstore.no_sync``;
-    against the same loop with the step in ``optimizer.step()``, bitwise."""
+def in_backward(name: str, path: str, mine, result: dict) -> None:
+    """``step_in_backward=True``, sharded: each rank steps its own shard of a unit as
+    soon as the unit's gradients are reduce-scattered. In host memory in place on its
+    worker, landed before the unit's next fetch gathers the shards; on disk into
+    shadows, from the gradient shard in memory (never written to disk), committed once
+    backward has released the unit. No clip (which it refuses), the micro-batches before
+    the last under ``hetstore.no_sync``; against the same loop with the step in
+    ``optimizer.step()``, bitwise."""
     for key, consume in (("in_backward", True), ("after_backward", False)):
         model = make_model()
         model, optimizer = hetstore.offload(
             model,
             adamw(model.parameters()),
-            scenario_config("cpu", path, overlap_step=False, step_in_backward=consume),
+            scenario_config(name, path, overlap_step=False, step_in_backward=consume),
         )
         losses = []
         for i, (x, y) in enumerate(mine):
@@ -401,13 +405,6 @@ def run_refusals(out: str, path: str) -> None:
         found["bad_group"] = "no error"
     except hetstore.ConfigError as exc:
         found["bad_group"] = str(exc)
-    try:  # (in host memory it is taken: in_backward above)
-        model = make_model()
-        config = scenario_config("disk", path, step_in_backward=True)
-        hetstore.offload(model, adamw(model.parameters()), config)
-        found["disk_in_backward"] = "no error"
-    except hetstore.ConfigError as exc:
-        found["disk_in_backward"] = str(exc)
     model = make_model()
     model, optimizer = hetstore.offload(
         model, adamw(model.parameters()), scenario_config("cpu", path)
