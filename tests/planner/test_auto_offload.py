@@ -96,7 +96,7 @@ def test_the_seeds_auto_config_works_verbatim(tmp_path):
 
 
 def test_plan_dry_run_on_the_meta_device(tmp_path):
-    """A 7B-parameter GPT on the meta device: planned (about 30 s on two cores), nothing
+    """A 7B-parameter GPT on the meta device: planned (about 20 s on two cores), nothing
     allocated."""
     with torch.device("meta"):
         model = GPT(width=4096, depth=32, heads=32, vocab=32000)

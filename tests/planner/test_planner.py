@@ -344,3 +344,56 @@ def test_parameters_move_to_host_for_speed_only_on_a_cpu_device_and_outside_the_
         gpu, everything_on_device, 0, 32 << 20, caps(device=None, host=None), 0
     )
     assert kept == everything_on_device
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_search_that_remembers_its_costs_makes_the_same_plans(seed, monkeypatch):
+    """The search asks again and again for the same placements' costs and remembers them
+    while it runs (``planner._remembered``): the plans, and the refusals, are the ones it
+    makes computing every answer afresh, and nothing is held once it returns."""
+    rng = random.Random(seed)
+    trace = random_trace(rng, GPU if seed % 2 else CPU)
+    top = all_none_peak(trace)
+    budgets = [caps(device=int(top * f), host=h) for f in (0.05, 0.3, 0.7) for h in (None, top)]
+
+    def plans():
+        made = []
+        for capacities in budgets:
+            try:
+                made.append(make_plan(trace, capacities, config()))
+            except OutOfTierMemory as exc:
+                made.append(str(exc))
+        return made
+
+    remembered = plans()
+    assert not planner_module._REMEMBERED
+    monkeypatch.setattr(planner_module, "_recall", lambda trace, key, compute: compute())
+    assert plans() == remembered
+    assert any(not isinstance(p, str) and p.offloads_anything for p in remembered)
+
+
+def test_remembered_costs_are_those_of_the_placement_and_depth_asked():
+    """Within a search, each answer is the one computed afresh for the same placement and
+    prefetch depth, asked in any order and again; outside one nothing is kept."""
+    from hetstore.planner.cost import memory, times
+
+    rng = random.Random(7)
+    trace = random_trace(rng, GPU)
+    tiers = list(Tier)
+    placements = [
+        [UnitChoice(*(rng.choice(tiers) for _ in range(3))) for _ in trace.units] for _ in range(8)
+    ]
+    asks = [(c, depth) for c in placements for depth in (0, 1, 2)]
+    rng.shuffle(asks)
+    asks += asks[::-1]
+    fresh = [
+        (sum(times(trace, c, d)[:4]) + trace.overhead_s, memory(trace, c, d, 1 << 20))
+        for c, d in asks
+    ]
+    # the asks differ in what they cost, the same placement at another depth too
+    assert len({t for t, _ in fresh}) > len(placements)
+    with planner_module._remembered(trace):
+        for (choices, depth), (t, peaks) in zip(asks, fresh, strict=True):
+            assert planner_module._time(trace, choices, depth) == t
+            assert planner_module._memory(trace, choices, depth, 1 << 20) == peaks
+    assert not planner_module._REMEMBERED

@@ -30,6 +30,7 @@ names each short tier with the least capacity that would do.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 from hetstore._sizes import format_size
@@ -58,20 +59,66 @@ def _fits_every_tier(used: dict[Tier, int], capacities: Capacities) -> bool:
     return all(_fits(used[t], capacities.of(t)) for t in Tier)
 
 
+# The costs of the placements a search weighs, each computed once while it runs: the
+# search asks for the same ones again and again (planning a 7B GPT on the meta device:
+# 88,100 asks of 11,024 placements). Keyed by the trace's identity, and held only inside
+# ``_remembered`` (a trace is immutable, so a placement's cost in it never changes).
+_REMEMBERED: dict[int, tuple[Trace, dict]] = {}
+
+
+@contextlib.contextmanager
+def _remembered(trace: Trace):
+    """Within it, :func:`_time` and :func:`_memory` of ``trace`` remember their answers."""
+    key = id(trace)
+    if key in _REMEMBERED:  # (a nested search of the same trace)
+        yield
+        return
+    _REMEMBERED[key] = (trace, {})
+    try:
+        yield
+    finally:
+        del _REMEMBERED[key]
+
+
+def _recall(trace: Trace, key, compute):
+    entry = _REMEMBERED.get(id(trace))
+    if entry is None or entry[0] is not trace:
+        return compute()
+    answers = entry[1]
+    if key not in answers:
+        answers[key] = compute()
+    return answers[key]
+
+
 def _time(trace, choices, depth) -> float:
-    return sum(times(trace, choices, depth)[:4]) + trace.overhead_s  # not the hidden part
+    """The predicted step (not the optimizer's part hidden behind compute)."""
+    return _recall(
+        trace,
+        ("time", tuple(choices), depth),
+        lambda: sum(times(trace, choices, depth)[:4]) + trace.overhead_s,
+    )
+
+
+def _memory(trace, choices, depth, chunk) -> dict[Tier, int]:
+    """:func:`memory`'s peaks (a copy the caller may change)."""
+    peaks = _recall(
+        trace,
+        ("memory", tuple(choices), depth, chunk),
+        lambda: memory(trace, choices, depth, chunk),
+    )
+    return dict(peaks)
 
 
 def _order(trace: Trace, base: list[UnitChoice], moves, depth, chunk, tier: Tier, sign=1):
     """Sort ``moves`` (unit index, field, value) by added time per byte freed on
     ``tier``, each measured alone against ``base``."""
     t0 = _time(trace, base, depth)
-    m0 = memory(trace, base, depth, chunk)[tier]
+    m0 = _memory(trace, base, depth, chunk)[tier]
     keyed = []
     for i, field_, value in moves:
         trial = list(base)
         trial[i] = replace(trial[i], **{field_: value})
-        freed = sign * (m0 - memory(trace, trial, depth, chunk)[tier])
+        freed = sign * (m0 - _memory(trace, trial, depth, chunk)[tier])
         added = sign * (_time(trace, trial, depth) - t0)
         keyed.append((added / freed if freed > 0 else float("inf"), i, field_, value))
     keyed.sort(key=lambda k: (k[0], k[1]))
@@ -123,12 +170,15 @@ def _at_each_min_bytes(trace: Trace, config, plan_at) -> Plan:
     fits, with the figures of the lowest. Before a batch is traced there is nothing to
     split: ``plan_at(trace)``."""
     if not trace.activations_traced:
-        return plan_at(trace)
+        with _remembered(trace):
+            return plan_at(trace)
     start = config.activation_min_bytes
     best, refusal = None, None
     for min_bytes in [start] + [t for t in LOWER_MIN_BYTES if t < start]:
+        split = trace.at_min_bytes(min_bytes)
         try:
-            plan = plan_at(trace.at_min_bytes(min_bytes))
+            with _remembered(split):
+                plan = plan_at(split)
         except OutOfTierMemory as exc:  # (OutOfDeviceMemory too)
             refusal = exc
             continue
@@ -207,7 +257,7 @@ def _make_plan(
     chunk = config.optimizer_chunk_size
     n = len(trace.units)
     everything = [UnitChoice()] * n
-    if _fits_every_tier(memory(trace, everything, config.prefetch_depth, chunk), capacities):
+    if _fits_every_tier(_memory(trace, everything, config.prefetch_depth, chunk), capacities):
         return Plan.build(trace, everything, config.prefetch_depth, capacities, "auto", chunk)
 
     trainable = [i for i, u in enumerate(trace.units) if u.trainable_numel]
@@ -228,7 +278,7 @@ def _make_plan(
         )
         for j in range(len(device_moves) + 1):
             base = _apply(host_opt, device_moves[:j])
-            device_base = memory(trace, base, depth, chunk)[Tier.DEVICE]
+            device_base = _memory(trace, base, depth, chunk)[Tier.DEVICE]
             if not _fits(device_base, device_cap):
                 continue
             # optimizer states back on the device, most time saved per byte first
@@ -243,7 +293,7 @@ def _make_plan(
             )
             candidates = []
             all_back = _apply(base, returns)
-            if _fits(memory(trace, all_back, depth, chunk)[Tier.DEVICE], device_cap):
+            if _fits(_memory(trace, all_back, depth, chunk)[Tier.DEVICE], device_cap):
                 candidates.append(all_back)
             else:
                 margin = (device_cap - device_base) * config.gpu_margin_mem_ratio
@@ -256,7 +306,7 @@ def _make_plan(
                     margin=margin,
                     depth=depth,
                 ):
-                    used = memory(trace, _apply(base, returns[:k]), depth, chunk)[Tier.DEVICE]
+                    used = _memory(trace, _apply(base, returns[:k]), depth, chunk)[Tier.DEVICE]
                     return used - device_base <= margin
 
                 k = _largest_true(within, 0, len(returns))
@@ -288,8 +338,8 @@ def _within_margin(trace, choices, depth, chunk, capacities, ratio) -> bool:
     if cap is None or not kept or len(kept) == len(trainable):
         return True
     without = [replace(c, optimizer=_NEAR) if i in kept else c for i, c in enumerate(choices)]
-    rest = memory(trace, without, depth, chunk)[Tier.DEVICE]
-    used = memory(trace, choices, depth, chunk)[Tier.DEVICE]
+    rest = _memory(trace, without, depth, chunk)[Tier.DEVICE]
+    used = _memory(trace, choices, depth, chunk)[Tier.DEVICE]
     return used - rest <= (cap - rest) * ratio
 
 
@@ -315,7 +365,7 @@ def _bring_closer(trace, choices, depth, chunk, capacities, ratio) -> list[UnitC
                 trial = list(current)
                 trial[i] = replace(trial[i], **{field_: closer})
                 if not _fits_every_tier(
-                    memory(trace, trial, depth, chunk), capacities
+                    _memory(trace, trial, depth, chunk), capacities
                 ) or not _within_margin(trace, trial, depth, chunk, capacities, ratio):
                     continue
                 t_trial = _time(trace, trial, depth)
@@ -350,7 +400,7 @@ def _params_to_host(trace, choices, depth, chunk, capacities, keep_host) -> list
         near = capacities.of(_NEAR)
         if keep_host and near is not None and t_trial > t_current * (1 - HEADROOM_COST):
             room = capacities.less(_NEAR, keep_host)
-        if _fits_every_tier(memory(trace, trial, depth, chunk), room):
+        if _fits_every_tier(_memory(trace, trial, depth, chunk), room):
             current, t_current = trial, t_trial
     return current
 
@@ -366,7 +416,7 @@ def _fit_beyond(
     if farther is None:
         return (
             choices
-            if _fits(memory(trace, choices, depth, chunk)[tier], capacities.of(tier))
+            if _fits(_memory(trace, choices, depth, chunk)[tier], capacities.of(tier))
             else None
         )
     spills = _order(
@@ -385,7 +435,7 @@ def _fit_beyond(
     )
 
     def short(s: int) -> bool:
-        used = memory(trace, _spill(choices, spills, s), depth, chunk)[tier]
+        used = _memory(trace, _spill(choices, spills, s), depth, chunk)[tier]
         return not _fits(used, capacities.of(tier))
 
     # use falls as spills grow: find the first s where it fits
@@ -420,8 +470,8 @@ def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) 
         for u in trace.units
     ]
     # the device: at the leanest plan; the others: with everything as far as it goes
-    needs = {Tier.DEVICE: memory(trace, lean, 0, chunk)[Tier.DEVICE]}
-    far = memory(trace, on_last, 0, chunk)
+    needs = {Tier.DEVICE: _memory(trace, lean, 0, chunk)[Tier.DEVICE]}
+    far = _memory(trace, on_last, 0, chunk)
     needs.update((tier, far[tier]) for tier in Tier if tier is not Tier.DEVICE)
     # the last: what spills there when the tiers before it hold all they may, at the
     # leanest device plan
@@ -430,7 +480,7 @@ def _refusal(trace: Trace, capacities: Capacities, config, disk_optimizer=True) 
         held = Capacities(**{t.label: capacities.of(t) for t in between})
         plan = _fit_beyond(trace, lean, 0, chunk, held, disk_optimizer)
         if plan is not None:
-            needs[_LAST] = memory(trace, plan, 0, chunk)[_LAST]
+            needs[_LAST] = _memory(trace, plan, 0, chunk)[_LAST]
     lines = []
     short = []
     for tier, need in needs.items():
@@ -592,12 +642,12 @@ def _fit_moving(
     device_cap = capacities.of(Tier.DEVICE)
 
     def device_fits(j: int) -> bool:
-        used = memory(trace, _apply(choices, moves[:j]), depth, chunk)[Tier.DEVICE]
+        used = _memory(trace, _apply(choices, moves[:j]), depth, chunk)[Tier.DEVICE]
         return _fits(used, device_cap)
 
     first_fit = next((j for j in range(len(moves) + 1) if device_fits(j)), None)
     if first_fit is None:
-        need = memory(trace, _apply(choices, moves), depth, chunk)[Tier.DEVICE]
+        need = _memory(trace, _apply(choices, moves), depth, chunk)[Tier.DEVICE]
         raise OutOfDeviceMemory(
             f"{batch} needs more device memory than the plan allows: with {offloaded} "
             f"offloaded the device would hold {format_size(need)} ({need} bytes), and it "
@@ -627,7 +677,7 @@ def _fit_moving(
     )
     for s in range(len(spills) + 1):
         candidate = _spill(grown, spills, s)
-        used = memory(trace, candidate, depth, chunk)
+        used = _memory(trace, candidate, depth, chunk)
         used[_NEAR] += _holes_slack(trace, choices, candidate)
         short = [t for t in Tier if t is not Tier.DEVICE and not _fits(used[t], capacities.of(t))]
         if not short:
