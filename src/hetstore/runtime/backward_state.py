@@ -4,7 +4,8 @@ The hooks (:mod:`hetstore.runtime.hooks`) decide what moves when; this object ke
 state those decisions read across hook calls:
 
 - the backward now running (autograd's graph task), so that its first gradient hook is
-  seen once as its start (the runtime then queues its end-of-backward callback);
+  seen once as its start (the runtime then queues its end-of-backward callback), and a
+  backward run inside it (reentrant activation checkpointing) is part of it;
 - the graphs of forwards whose backward has not run: ``graph_alive`` while one is (its
   parameters and saved tensors may still be read, so ``hetstore.evict`` refuses);
 - the units whose trainable gradients are in but whose frozen weights may still be
@@ -55,12 +56,24 @@ class BackwardState:
 
     def starts(self) -> bool:
         """Whether a backward is running that was not seen before (it is recorded now):
-        its first gradient hook calls this."""
+        its first gradient hook calls this. A backward that starts while the recorded one
+        has not ended is run inside it: reentrant activation checkpointing
+        (``use_reentrant=True``, transformers' default) re-runs each block's forward and
+        backward as a graph task of its own within the outer backward's. Its gradients
+        are the outer backward's, which ends once for all of them (before, each inner
+        task was taken for a new backward: every unit's pending gradients counted again,
+        and everything released and committed at each block's end)."""
         task = torch._C._current_graph_task_id()
-        if task == -1 or task == self._task:
+        if task == -1 or task == self._task or self._task is not None:
             return False
         self._task = task
         return True
+
+    def forward_starts(self) -> None:
+        """A forward outside any backward: a backward recorded as running did not end
+        (it raised before autograd's end-of-backward callback); the next one starts anew."""
+        if self._task is not None:
+            self.ended()
 
     def await_backward(self, tensor: torch.Tensor, hook) -> None:
         """Hang ``hook`` (a tensor gradient hook holding nothing strongly but itself) on

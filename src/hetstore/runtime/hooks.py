@@ -8,9 +8,10 @@ its full device bucket, reduce-scattered across ranks once the unit has all its
 gradients) and, once the unit has all its gradients, releases the unit. A callback queued on the autograd engine
 releases whatever is left when backward ends (units whose parameters got no gradient).
 
-Activation checkpointing (``use_reentrant=False``) re-runs forward inside backward:
-pre-forward hooks run again (and fetch), post-forward hooks may not, so nothing is
-released by a forward hook while a backward is running.
+Activation checkpointing re-runs forward inside backward: pre-forward hooks run again
+(and fetch), post-forward hooks may not, so nothing is released by a forward hook while
+a backward is running. Reentrant checkpointing's inner backwards are the outer one's
+(``BackwardState.starts``).
 """
 
 from __future__ import annotations
@@ -245,6 +246,7 @@ class OffloadRuntime:
     def _model_pre_forward(self, module, args) -> None:
         _refuse_compiled_autograd()
         if not in_backward():
+            self.backward_state.forward_starts()
             if torch.is_grad_enabled():
                 for unit in self.units:  # the gradients this forward's backward will bring
                     unit.grads.track_requires_grad()

@@ -1,0 +1,96 @@
+"""Reentrant activation checkpointing (``use_reentrant=True``, transformers' default for
+``gradient_checkpointing_enable()``): each block's backward runs as a graph task of its
+own inside the outer backward. The runtime takes it as part of the outer backward: the
+steps taken in backward are the same as without checkpointing, and training is bitwise
+plain PyTorch's (fused AdamW, the flat step's kernel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils import checkpoint as torch_checkpoint
+
+import hetstore
+import hetstore.demo.gpt as demo_gpt
+from tests.models.gpt import GPT, batches
+from tests.parity import adamw, assert_same_weights, disk_config, pair, run
+
+STEPS = 3
+
+
+@pytest.fixture
+def reentrant(monkeypatch):
+    """The demo GPT's checkpointing, reentrant."""
+
+    def checkpoint(function, *args, use_reentrant):
+        return torch_checkpoint.checkpoint(function, *args, use_reentrant=True)
+
+    monkeypatch.setattr(demo_gpt, "checkpoint", checkpoint)
+
+
+def model():
+    return GPT(depth=3, checkpointing=True)
+
+
+def train(cfg, data):
+    ref, mine = pair(model)
+    ref_out = run(ref, adamw(ref.parameters()), data)
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
+    out = run(mine, opt, data)
+    assert out == ref_out  # losses, bitwise
+    assert_same_weights(ref, mine, rtol=0, atol=0)
+    return opt.speculation_stats
+
+
+@pytest.mark.parametrize("consume", [False, True], ids=["overlap_step", "step_in_backward"])
+def test_disk_units_are_stepped_in_backward_as_without_reentrancy(reentrant, tmp_path, consume):
+    """Every unit's step is taken in backward, as it is without checkpointing (before,
+    each block's inner backward was taken for a new one: step_in_backward refused it as
+    "a second backward before optimizer.step()", and overlap_step stepped 4 of 12)."""
+    cfg = disk_config(tmp_path, overlap_step=not consume, step_in_backward=consume)
+    stats = train(cfg, batches(STEPS))
+    units = 4  # three blocks and the root
+    assert stats["started"] == stats["committed"] == units * STEPS, stats
+
+
+def test_host_units_train_exactly(reentrant, tmp_path):
+    train(disk_config(tmp_path, param="cpu", optim="cpu"), batches(STEPS))
+
+
+def test_a_backward_that_raised_leaves_the_next_one_whole(reentrant, tmp_path):
+    """A backward that raises never reaches autograd's end-of-backward callback; the next
+    forward starts afresh, so the backward after it is a new one (not taken for one run
+    inside the failed one): training goes on as plain PyTorch's does after the same
+    failure and a ``zero_grad()``, and every unit is stepped in backward again (from
+    the third step: the step after the failure counts two backwards, so the step
+    policy expects two micro-batches in the next one and steps it after backward)."""
+    data = batches(5)
+    ref, mine = pair(model)
+    cfg = disk_config(tmp_path, overlap_step=True)
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
+
+    def fail(grad):
+        raise RuntimeError("a hook failed")
+
+    def fail_after_the_last_block(block, args):
+        # the gradient of the last block's input: after that block's backward, whose
+        # gradient hooks saw the backward start (the forward under checkpoint's no_grad,
+        # not its recompute)
+        if not torch.is_grad_enabled():
+            args[0].register_hook(fail)
+
+    for net, optimizer in ((ref, adamw(ref.parameters())), (mine, opt)):
+        run(net, optimizer, data[:1])
+        handle = net.blocks[-1].register_forward_pre_hook(fail_after_the_last_block)
+        x, y = data[1]
+        with pytest.raises(RuntimeError, match="a hook failed"):
+            net(x, y).backward()
+        handle.remove()
+        optimizer.zero_grad()
+        net.losses = run(net, optimizer, data[2:-1])
+        before = dict(opt.speculation_stats)
+        net.losses += run(net, optimizer, data[-1:])
+    assert mine.losses == ref.losses
+    assert_same_weights(ref, mine, rtol=0, atol=0)
+    last = {k: opt.speculation_stats[k] - before[k] for k in before}
+    assert last["started"] == last["committed"] == 4, last  # three blocks and the root
