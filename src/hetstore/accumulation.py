@@ -39,8 +39,6 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         )
     optimizer = state.runtime.optimizer() if state.runtime.optimizer is not None else None
     ahead = optimizer.step_ahead if optimizer is not None else None
-    if ahead is None:  # nothing is stepped ahead: nothing to hold back
-        yield
-        return
-    with ahead.no_sync():
+    # (nothing stepped ahead: nothing to hold back)
+    with contextlib.nullcontext() if ahead is None else ahead.no_sync():
         yield

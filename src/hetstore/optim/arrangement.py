@@ -53,14 +53,11 @@ class StepArrangement:
         # GPU); sharded too: a rank steps its own shard, with nothing collective in it
         sites = [(s, site_of(s)) for s in self._unit_steps]
         ahead = [s for s, site in sites if policy.streamed_ahead(site, modes)]
-        # (where the parameters are is asked as each starts, InMemoryUnitStep.
-        # can_step_on_worker: a later plan may bring a unit's home from the device into
-        # host memory, keeping these)
+        # (where the parameters are is asked as each starts: site_of)
         in_place = [
             s
             for s, site in sites
-            if policy.memory_in_forward(site._replace(params_in_memory=True), modes)
-            or policy.memory_in_backward(site._replace(params_in_memory=True), modes)
+            if policy.memory_in_forward(site, modes) or policy.memory_in_backward(site, modes)
         ]
         # whether overlap pays, measured ('auto'): on every rank when sharded, each
         # ending every step and voting, whether or not it holds a unit stepped ahead (a
@@ -85,6 +82,10 @@ class StepArrangement:
                 in_place=in_place,
             )
 
+    def unit_step_of(self, unit: Unit) -> InMemoryUnitStep | UnitStates | None:
+        """``unit``'s step; None where this optimizer steps none of it."""
+        return next((s for s in self._unit_steps if s.unit is unit), None)
+
     @property
     def can_move_states(self) -> bool:
         """Units' states in host memory can move to disk before training
@@ -101,7 +102,7 @@ class StepArrangement:
         failure changes nothing (the new arrays are given back). None: nothing trainable.
         :meth:`commit_states_move` makes it the unit's, then :meth:`arrange_steps`."""
         self._check_alive("move_states")
-        old = next((s for s in self._unit_steps if s.unit is unit), None)
+        old = self.unit_step_of(unit)
         if old is None:
             return None
         if not isinstance(old, InMemoryUnitStep) or not self.can_move_states:

@@ -1,21 +1,14 @@
-"""Host memory a step job borrows to save disk traffic: held only to save time, given back
-when the job is done or when a host allocation needs the room.
-
-Each saves a disk read the job would otherwise make, and none changes what the job
+"""Host memory a step job borrows to save a disk read: held only to save time, given back
+when the job is done or when a host allocation needs the room. None changes what the job
 computes (the values are the same bytes):
 
-- **read-ahead** (:class:`ReadAheads`): after a clip that bit (or with
-  ``step_in_forward`` and no stepping in backward) every disk unit's step runs after
-  backward, and the first units' reads of master and states are on the critical path
-  while backward leaves the disk mostly idle; so at the start of that backward the worker
-  reads the first ``READ_AHEAD_UNITS`` units' masters and states (in the order they will
-  be stepped) into host memory;
-- **lent parameter buffers** (:class:`ParamLending`): a step handed to the next forward
-  writes the unit's new parameters into a free parameter staging buffer, so that the
-  unit's fetch does not read back from disk what its step just wrote.
-
-Each is taken only where the host tier has room beside what backward will still
-allocate (:meth:`StepWorker.host_room`).
+- :class:`ReadAheads`: where every disk unit's step runs after backward (a clip that bit,
+  or ``step_in_forward`` with no step in backward), the first units' reads of master and
+  states would be on the critical path while backward leaves the disk mostly idle; so the
+  worker reads them into host memory at the start of that backward;
+- :class:`ParamLending`: free parameter staging buffers lent to steps in the next
+  forward, which leave the unit's new parameters there, so that its fetch does not read
+  back from disk what its step just wrote.
 """
 
 from __future__ import annotations
@@ -53,7 +46,6 @@ class ReadAhead:
     for its step to read instead of the disk; valid while the unit's ``state_version``
     (loads, edits) and ``param_version`` (every step) are the ones they were read at."""
 
-    unit_step: StreamedUnitStep
     arrays: dict[str, torch.Tensor]  # "master" and each state key: the unit's whole
     buffers: list  # the host buffers they are views of
     versions: tuple[int, int]  # the unit's (state_version, param_version) read at
@@ -106,7 +98,7 @@ class ReadAheads:
         # optimizer.step()'s own): a read ahead in use cannot give way to them
         if not self._worker.host_room(need + self._worker.slot_bytes()):
             return False
-        record = ReadAhead(unit_step, {}, [], versions(unit))
+        record = ReadAhead({}, [], versions(unit))
         try:
             for key, array in arrays.items():
                 buffer = self._host.allocate(

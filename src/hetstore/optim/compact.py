@@ -59,9 +59,8 @@ class CompactUnitStep(UnitStates):
         scaled in place before the step)."""
         unit = self.unit
         unit.grads.fill_missing()
-        longest = max((c.state_end - c.start for c in self._chunks), default=0)
-        if not longest:
-            return
+        # (unit steps are made only for units with something trainable: never empty)
+        longest = max(c.state_end - c.start for c in self._chunks)
         hyper = {s.group: self.hyper(s.group) for s in unit.segments}
         with self._scratch(longest) as scratch:
             for c in self._chunks:

@@ -15,7 +15,7 @@ import torch
 from hetstore.errors import ConfigError
 from hetstore.optim.grad_norms import ChunkNorms, scan_grads
 from hetstore.optim.streamed import StreamedUnitStep
-from hetstore.runtime.unit import ParamEntry, Unit
+from hetstore.runtime.unit import ParamEntry
 from hetstore.tiers.store import transfers_only
 
 __all__ = ["GradHandling"]
@@ -127,8 +127,11 @@ class GradHandling:
         """id(param) -> norm of its (factored) gradient, for gradients on disk. A
         parameter split across two chunks combines the chunks' norms."""
         norms: dict[int, torch.Tensor] = {}
+        # the norms recorded from the gradients in backward are what the clip would read
+        # while no factor is to be applied yet (an earlier clip scales them)
+        usable = self.grad_norms is not None and norm_type == 2.0 and not self._disk_grad_factors
         for unit_step in self._disk_units():
-            recorded = self._norms_from_backward(unit_step.unit, norm_type)
+            recorded = self.grad_norms.norms_of(unit_step.unit) if usable else None
             if recorded is not None:  # taken at the end of backward: no read from disk
                 norms.update(recorded)
                 continue
@@ -155,14 +158,6 @@ class GradHandling:
         them go (as optimizer.zero_grad() drops them)."""
         self._disk_grad_factors = []
         self.disk_grads.forget()
-
-    def _norms_from_backward(self, unit: Unit, norm_type: float) -> dict[int, torch.Tensor] | None:
-        """The per-parameter norms recorded from ``unit``'s gradients in backward, when
-        they are still what the clip would read (no factor to apply yet: an earlier clip
-        scales them); else None."""
-        if self.grad_norms is None or norm_type != 2.0 or self._disk_grad_factors:
-            return None
-        return self.grad_norms.norms_of(unit)
 
     @torch.no_grad()
     def clip_grad_norm_(

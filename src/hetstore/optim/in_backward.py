@@ -1,40 +1,17 @@
-"""Steps started during backward, as soon as a unit's gradients are final: how they start
-and how ``optimizer.step()`` (or, taking the gradients, the end of backward) lands them.
+"""Steps started during backward, as soon as a unit's gradients are final (``StepJob``s
+with ``When.IN_BACKWARD``), and how ``optimizer.step()`` (or, taking the gradients, the
+end of backward) lands them.
 
-A step in backward is a :class:`StepJob` with ``When.IN_BACKWARD`` and ``Target.SHADOWS``:
-the same arithmetic as the ordinary step (same chunks, same fused kernel) into shadow
-regions of the unit's master, moments and compute-dtype copy, so nothing the model reads
-changes until it is committed (a swap of disk regions: no IO). Two kinds:
-
-- **speculative** (``overlap_step``): the step is not known yet (a clip, a changed lr,
-  another micro-batch may come); at ``optimizer.step()`` it is committed where what it
-  assumed still holds, else discarded and the unit stepped the ordinary way. It assumes
-  that no gradient changed since it began (``Unit.grads.version``: another micro-batch's
-  backward; ``Tensor._version``: clipping through ``p.grad``, a user's hook), that the
-  same parameters have a gradient (``zero_grad()`` clears the flags), that every param
-  group's values are the ones it used, that the master and states were not rewritten (a
-  load), and that gradients on disk carry no factor (a clip that bit) but fp16's unscale,
-  which it applies itself into its own buffer (:meth:`BackwardSteps.unscaling`). Wrong, it
-  costs the disk traffic of one step, never correctness. Gradients on disk are read from
-  the gradient stager's host buffer while it can lend one, else read back once written.
-- **taking the gradients** (``step_in_backward``): the step itself, from the gradients the
-  stager gathered (never written to disk), committed as soon as it is done (a unit still
-  resident, once backward has released it); ``optimizer.step()`` only checks that the
-  param groups are the ones those steps used. What would need the gradients later is
-  refused instead of rolled back: clipping, ``p.grad`` of a consumed unit, a second
-  backward before ``optimizer.step()`` (micro-batches that are not the last go under
-  ``hetstore.no_sync(model)``). A step that could not start (no room for its shadows or
-  chunks) or failed leaves its gradients on disk for the ordinary step.
-
-Eligible units (:func:`eligible`): master and states on disk, parameters homed on disk or
-in the master itself (every copy shadowed), sharded too (a rank steps its own shard).
-
-A host-memory unit (master and states in host memory, parameters fetched from there) is
-stepped in backward only taking its gradients (``step_in_backward``), and then in place
-(``Target.IN_PLACE``, :meth:`BackwardSteps.start_in_place`): the ordinary step, on the
-worker, once its gradients' copies to the host have landed; the unit's next use lands it,
-and ``optimizer.step()`` waits for every one still running. Never speculatively
-(:mod:`hetstore.optim.in_memory` says why).
+A disk unit (:func:`eligible`) is stepped with the ordinary step's chunks and kernel into
+shadow regions of its master, moments and compute-dtype copy (``Target.SHADOWS``), so
+nothing the model reads changes until the commit, a swap of disk regions. Speculatively
+(``overlap_step``): committed where what it assumed still holds, else discarded and the
+unit stepped the ordinary way (a wrong guess costs one step's disk traffic, never
+correctness). Taking the gradients (``step_in_backward``): committed in backward; what
+would need the gradients later (a clip, ``p.grad`` of a consumed unit, a second backward)
+is refused instead. A host-memory unit is stepped in backward only taking its gradients,
+in place (``Target.IN_PLACE``), never speculatively (:mod:`hetstore.optim.in_memory`
+says why).
 """
 
 from __future__ import annotations
@@ -54,7 +31,6 @@ from hetstore.optim.step_worker import AT_STEP
 from hetstore.optim.streamed import StreamedUnitStep, UnitStates
 from hetstore.runtime.rewrite import ChunkedRewrite
 from hetstore.runtime.staging import GradStager
-from hetstore.tier import Tier
 
 if TYPE_CHECKING:
     from hetstore.optim.step_ahead import StepAhead
@@ -80,8 +56,6 @@ class BackwardSteps:
         for it (counted in ``not_started``)."""
         ahead = self._ahead
         unit_step = ahead.step_of(unit)
-        if unit_step is None:
-            return None
         # step_in_backward: the steps take the gradients, and are committed in backward
         consume = ahead.modes.in_backward
         if not ahead.disk_room(unit_step) and consume and ahead.pending():
@@ -101,7 +75,17 @@ class BackwardSteps:
             self._stats.not_started += 1  # the ordinary step will say so if it cannot run
             return None
         try:
-            job = self._job(unit_step, rewrite)
+            # what it assumes, taken now
+            job = StepJob(
+                unit_step,
+                When.IN_BACKWARD,
+                Target.SHADOWS,
+                ahead.hyper_now(unit),
+                rewrite,
+                grad_state=unit.grads.state(),
+                state_version=unit.state_version,
+                factor=1.0 / self._loss_scaler.scale if self._loss_scaler is not None else None,
+            )
             slots = self._worker.slots()
         except BaseException:
             rewrite.discard()
@@ -159,20 +143,6 @@ class BackwardSteps:
         self._stats.started += 1
         return True
 
-    def _job(self, unit_step, shadows) -> StepJob:
-        """What a step of ``unit_step`` into ``shadows`` assumes, taken now."""
-        unit = unit_step.unit
-        return StepJob(
-            unit_step,
-            When.IN_BACKWARD,
-            Target.SHADOWS,
-            self._ahead.hyper_now(unit),
-            shadows,
-            grad_state=unit.grads.state(),
-            state_version=unit.state_version,
-            factor=1.0 / self._loss_scaler.scale if self._loss_scaler is not None else None,
-        )
-
     # ------------------------------------------------------------------ landing
     def settle(self, disk_grad_factors: list, committed: set[int], outcomes: dict) -> None:
         """At ``optimizer.step()``: commit the speculations that still hold, discard the
@@ -195,8 +165,7 @@ class BackwardSteps:
                 committed.add(key)
                 self._stats.committed += 1
             else:
-                job.shadows.discard()
-                job.cancel()
+                self._drop(job)
                 self._stats.rolled_back += 1
             outcomes[key] = holds
 
@@ -211,8 +180,7 @@ class BackwardSteps:
             self.finished(job, keep_failed_grads=True)
             if not job.ok:
                 del self._ahead.jobs[key]
-                job.shadows.discard()
-                job.cancel()
+                self._drop(job)
                 self._stats.rolled_back += 1
                 continue
             try:
@@ -317,9 +285,14 @@ class BackwardSteps:
             return
         self.finished(job)  # (interrupted here, it stays pending: the worker may write)
         del self._ahead.jobs[key]
+        self._drop(job)
+        self._stats.cancelled += 1
+
+    @staticmethod
+    def _drop(job: StepJob) -> None:
+        """Throw ``job`` away, with its shadows."""
         job.shadows.discard()
         job.cancel()
-        self._stats.cancelled += 1
 
     def finished(self, job: StepJob, keep_failed_grads: bool = False) -> bool:
         """Wait for the worker (once: the outcome is kept in ``job.ok``) and give back
@@ -340,23 +313,28 @@ class BackwardSteps:
 
     # ------------------------------------------------------------------ what holds
     def _inputs_hold(self, job: StepJob) -> bool:
-        """The master and states it stepped from, and the group values, are current."""
+        """The master and states it stepped from (not rewritten since: a load), and the
+        group values, are current."""
         return job.unit.state_version == job.state_version and all(
             not changed_keys(self._ahead.hyper(group), hyper) for group, hyper in job.hyper.items()
         )
 
     @staticmethod
     def _grads_hold(job: StepJob, factors: list[float]) -> bool:
-        """No gradient changed since it began, by the counters; gradients on disk carry
-        no factor (a clip that bit) but the one it applied itself."""
+        """No gradient changed since it began, by the counters (``Unit.grads.version``:
+        another micro-batch's backward; ``Tensor._version``: a clip through ``p.grad``, a
+        user's hook), the same parameters have one (``zero_grad()`` clears the flags), and
+        gradients on disk carry no factor (a clip that bit) but fp16's unscale, which it
+        applied itself into its own buffer (:meth:`unscaling`)."""
         on_disk = not isinstance(job.unit.grad, torch.Tensor)
         took = [job.factor] if job.factor is not None else []
         return (factors == took or not on_disk) and job.unit.grads.state() == job.grad_state
 
 
 def eligible(unit_step, unit: Unit) -> bool:
-    """A disk unit the step ahead can step into shadows. Sharded too: a
-    rank steps its own shard, with nothing collective in the step; its fetch lands the
+    """A disk unit the step ahead can step into shadows: master and states on disk,
+    parameters homed on disk or in the master itself (every copy shadowed). Sharded too:
+    a rank steps its own shard, with nothing collective in the step; its fetch lands the
     step before the all-gather, on every rank in the same order."""
     return (
         isinstance(unit_step, StreamedUnitStep)
@@ -368,12 +346,15 @@ def eligible(unit_step, unit: Unit) -> bool:
 def site_of(unit_step) -> StepSite:
     """What the step policy (:mod:`hetstore.optim.policy`) asks of ``unit_step``'s unit,
     as the planner asks it of a traced unit: a disk unit is one :func:`eligible` says;
-    a host-memory one, :meth:`InMemoryUnitStep.steps_flat_in_memory`."""
+    a host-memory one, :meth:`InMemoryUnitStep.steps_flat_in_memory`. Its parameters
+    count as in host memory: where they are is asked as each step starts
+    (:meth:`InMemoryUnitStep.can_step_on_worker`), since a later plan may bring a unit's
+    home from the device into host memory."""
     unit = unit_step.unit
     return StepSite(
         streamed=eligible(unit_step, unit),
         in_memory=isinstance(unit_step, InMemoryUnitStep) and unit_step.steps_flat_in_memory(),
-        params_in_memory=unit.placement.param is Tier.HOST,
+        params_in_memory=True,
         exact=not isinstance(unit_step, UnitStates) or unit_step.format.exact,
         trainable=unit.trainable_numel > 0,
     )

@@ -8,7 +8,7 @@ unscaled, and if any is inf/NaN the step is skipped and the scale multiplied by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 __all__ = ["DynamicLossScaler"]
 
@@ -32,13 +32,7 @@ class DynamicLossScaler:
                 self._growth_tracker = 0
 
     def state_dict(self) -> dict[str, float | int]:
-        return {
-            "scale": self.scale,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "_growth_tracker": self._growth_tracker,
-        }
+        return asdict(self)
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         for key, value in state.items():

@@ -9,21 +9,14 @@ at the memory-bandwidth ceiling on CPU, at parity with DeepSpeed's CPUAdam). Any
 ``param_groups`` are the user's groups, live: an LR scheduler edits them, and every
 step copies their hyper-parameters into the per-unit inner optimizers.
 ``state_dict()`` / ``load_state_dict()`` speak torch's format over the original
-parameters, so states move to and from a plain torch optimizer.
+parameters, so states move to and from a plain torch optimizer. If a step fails
+part-way (disk full, IO error), the units before the failing one are stepped and the
+rest are untouched; calling ``step()`` again finishes the step.
 
-Units whose master and states are on disk are stepped by :class:`StreamedUnitStep`
-(chunks streamed through host buffers, all-or-nothing per unit). Gradients on disk are
-never rewritten for clipping or unscaling: the factors are remembered and applied to
-each chunk as it is read, in the order torch would have applied them in place. If a
-step fails part-way (disk full, IO error), the units before the failing one are
-stepped and the rest are untouched; calling ``step()`` again finishes the step.
-
-The class is the torch-facing optimizer (param groups, ``step``, ``zero_grad``) made of
-three concerns, each a class of its own module: :class:`~hetstore.optim.arrangement.
-StepArrangement` (which step each unit has, and the step machinery over them),
-:class:`~hetstore.optim.grad_handling.GradHandling` (loss scaling, unscaling, clipping,
-reads of gradients on disk) and :class:`~hetstore.optim.state_io.StateIO` (states in
-torch's format and per unit, for state dicts and checkpoints).
+The class is the torch-facing optimizer (param groups, ``step``, ``zero_grad``); the
+rest is in the classes it is made of, :class:`~hetstore.optim.arrangement.StepArrangement`,
+:class:`~hetstore.optim.grad_handling.GradHandling` and
+:class:`~hetstore.optim.state_io.StateIO` (each module says what it owns).
 """
 
 from __future__ import annotations
@@ -45,7 +38,6 @@ from hetstore.optim.loss_scaler import DynamicLossScaler
 from hetstore.optim.policy import OverlapTrial, StepModes
 from hetstore.optim.registry import flat_spec, flat_steppable
 from hetstore.optim.state_format import StateFormat
-from hetstore.optim.state_format import state_format as state_format_named
 from hetstore.optim.state_io import StateIO
 from hetstore.optim.step_ahead import StepAhead
 from hetstore.optim.streamed import UnitStates
@@ -73,7 +65,7 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         shards: ShardGroup | None = None,
         modes: StepModes,
         trial_overlap: bool = False,
-        state_format: StateFormat | None = None,
+        state_format: StateFormat,
     ):
         self._laid_out = False  # add_param_group: only Optimizer.__init__'s own calls
         super().__init__([dict(g) for g in original.param_groups], dict(original.defaults))
@@ -92,7 +84,7 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
         self._on_step_begin = on_step_begin
         self._flat = flat_steppable(original)
         self._spec = flat_spec(original)  # what states a flat step keeps
-        self.state_format = state_format or state_format_named("fp32")
+        self.state_format = state_format
         self._entry_of: dict[int, tuple[Unit, ParamEntry]] = {}
         for unit in units:
             for entry in unit.entries:
@@ -218,18 +210,17 @@ class OffloadedOptimizer(StepArrangement, GradHandling, StateIO, Optimizer):
                         self.step_ahead.policy.step_ended()
                     self._trial_step_ended()
                     return None
-        # the loss scaler has decided; an interrupted step resumes below, not above
-        if self.step_ahead is not None:
-            if self._resume_at == 0:
+            # the loss scaler has decided (once: a step resumed after a failure skips this)
+            if self.step_ahead is not None:
                 # recorded as each commits and kept until the step is done: a step resumed
                 # after a failure (even one in settle, or at the first unit) skips them
                 self.step_ahead.settle(
                     self._disk_grad_factors, self._stepped_ahead, clipped=self._clipped
                 )
-            else:  # resuming: speculations of a backward run since are not this step's
-                self.step_ahead.discard_all()
-        if self._resume_at == 0:
             self._refuse_consumed_again()
+        elif self.step_ahead is not None:
+            # resuming: speculations of a backward run since are not this step's
+            self.step_ahead.discard_all()
         if self.step_ahead is not None and self.step_ahead.modes.in_forward:
             # the rest of the disk units' steps, and on a GPU the host units', run on
             # during the next forward

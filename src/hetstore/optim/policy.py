@@ -1,47 +1,15 @@
-"""When each unit's step runs, decided in one place, and only ever between exact paths: the
-rules of where a unit's step may run (:class:`StepSite`, :class:`StepModes` and the
-functions below them, asked alike by the runtime's :mod:`hetstore.optim.arrangement` and
-the planner's :mod:`hetstore.planner.cost`), and at run time what the running steps
-measured (:class:`StepPolicy`, :class:`OverlapTrial`).
+"""When each unit's step runs, decided in one place, and only ever between exact paths.
 
-Where a step may run:
-
-- **a disk unit** (master and states on disk, every copy of its parameters written
-  through shadows): in backward into shadows with ``overlap_step`` (the root too, when
-  its gradients are final at backward's end), taking the gradients with
-  ``step_in_backward``; what backward left of it (a clip that bit) in the next forward
-  with ``step_in_forward``;
-- **a host-memory unit** (master and torch's fp32 states in host memory, stepped flat)
-  whose parameters are fetched from host memory: in place during backward, as soon as its
-  gradients are on the host, with ``step_in_backward`` (the step is known there: it refuses
-  what would change it); on a GPU, in place in the next forward with ``step_in_forward``.
-  Never into shadows (:mod:`hetstore.optim.in_memory` says why);
-- **read ahead** during backward when no step is taken in it: the first
-  ``READ_AHEAD_UNITS`` disk units with fp32 states, in the order their steps run.
-
-The runtime finds at run time whether a step does run there (room, a clip that bit, a
-rollback); the planner predicts it. At run time:
-
-- **the last backward before a step** is the one whose count since the last step
-  reaches the count the last step had (1 at first): a plain loop speculates on every
-  backward, one accumulating N micro-batches learns N at its first step
-  (``hetstore.no_sync`` says it at once);
-- **hold-back**: after a step whose clip scaled the gradients, the next step's
-  speculations would most likely roll back: none starts until a step whose clip did not
-  bite;
-- **back-off**: a unit rolled back for another reason (its ``p.grad`` handed out, torch's
-  own clip, a changed lr) is not stepped ahead for the next 1, 2, 4, ... 64 steps; a
-  commit resets it;
-- **whether to overlap at all** (``overlap_step='auto'``, :class:`OverlapTrial`): on a GPU
-  the worker shares the host's bandwidth, cores and interpreter with the thread that feeds
-  the device, and no model here predicts what that costs (docs/dev/BENCHMARKS.md), so it
-  is measured. After ``TRIAL_AFTER`` steps, and again every ``TRIAL_EVERY``, the other way
-  (no step in backward, no read-ahead, no step in the next forward) runs one step not
-  counted (it still carries the last way's work) and ``TRIAL_STEPS`` that are; it is kept
-  only if each of its steps (one ``optimizer.step()`` to the next) was faster than each
-  of the kept way's last ones. Sharded, every rank must find it faster (votes summed over
-  the ranks), so all take the same way. Not under ``step_in_forward=True`` or
-  ``step_in_backward`` (which a user sets for its memory, not its speed).
+It owns the rules of where a unit's step may run (:class:`StepSite`, :class:`StepModes`
+and the functions below them: a disk unit in backward, in the next forward, read ahead;
+a host-memory unit in place in backward or in the next forward), asked alike by the
+runtime's :mod:`hetstore.optim.arrangement` and the planner's :mod:`hetstore.planner.cost`;
+and, at run time, what the running steps measured: :class:`StepPolicy` (which backward
+is the last before a step, hold-back after a clip that bit, back-off after rollbacks)
+and :class:`OverlapTrial` (whether overlap pays at all, ``overlap_step='auto'``). The
+runtime finds at run time whether a step does run where the rules allow (room, a clip
+that bit, a rollback); the planner predicts it. docs/how-it-works.md tells the whole
+story ("Stepping ahead, during backward" and the sections after it).
 """
 
 from __future__ import annotations
@@ -153,19 +121,23 @@ def read_ahead(sites: list[StepSite]) -> list[int]:
 # ---------------------------------------------------------------------- at run time
 
 
-# the trial of overlap against none (OverlapTrial, module doc): steps before the first,
-# steps counted a way, steps between trials
+# the trial of overlap against none (OverlapTrial): steps before the first, steps counted
+# a way, steps between trials
 TRIAL_AFTER = 20
 TRIAL_STEPS = 3
 TRIAL_EVERY = 500
 
 
 class OverlapTrial:
-    """Whether the steps overlap backward and the next forward at all, measured: the
-    faster of the two ways by the time between steps (module doc)."""
+    """Whether the steps overlap backward and the next forward at all, measured (on a GPU
+    the worker shares the host with the thread that feeds the device, at a cost no model
+    here predicts: docs/dev/BENCHMARKS.md): the faster of the two ways by the time between
+    steps (docs/how-it-works.md, "Whether to overlap at all"). Not made under
+    ``step_in_forward=True`` or ``step_in_backward``, which a user sets for its memory,
+    not its speed."""
 
     def __init__(self, agree=None):
-        # the schedule (module doc), and the clock it reads at the end of each step
+        # the schedule (TRIAL_*), and the clock it reads at the end of each step
         self.after, self.steps, self.every = TRIAL_AFTER, TRIAL_STEPS, TRIAL_EVERY
         self.clock = time.perf_counter
         # sharded over ranks: values -> their sums over the ranks (a collective, at the

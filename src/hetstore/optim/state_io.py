@@ -4,7 +4,7 @@ accessors the checkpoints use (``segment_states``, ``export_param_state``,
 ``import_param_state``, ``reset_unit_state``).
 
 One of the classes :class:`~hetstore.optim.offloaded.OffloadedOptimizer` is made of. It
-reads the unit steps (``_unit_steps``, ``_entry_of``) and writes states only through
+reads the unit steps (``unit_step_of``, ``_entry_of``) and writes states only through
 them.
 """
 
@@ -26,18 +26,17 @@ class StateIO:
 
     def _locate(self, param) -> tuple[InMemoryUnitStep, int, torch.Tensor, ParamEntry]:
         unit, entry = self._entry_of[id(param)]
-        for unit_step in self._unit_steps:
-            if unit_step.unit is unit and isinstance(unit_step, UnitStates):
-                return unit_step, entry.offset, None, entry
-            if unit_step.unit is unit:
-                if self._flat:
-                    for seg, tensor in zip(unit.segments, unit_step.tensors, strict=True):
-                        if seg.start <= entry.offset < seg.end:
-                            return unit_step, entry.offset - seg.start, tensor, entry
-                else:
-                    # by identity: dataclass == would compare the parameters (storage-less)
-                    view_index = next(i for i, e in enumerate(unit.trainable_entries) if e is entry)
-                    return unit_step, 0, unit_step.tensors[view_index], entry
+        unit_step = self.unit_step_of(unit)
+        if isinstance(unit_step, UnitStates):
+            return unit_step, entry.offset, None, entry
+        if unit_step is not None and self._flat:
+            for seg, tensor in zip(unit.segments, unit_step.tensors, strict=True):
+                if seg.start <= entry.offset < seg.end:
+                    return unit_step, entry.offset - seg.start, tensor, entry
+        elif unit_step is not None:
+            # by identity: dataclass == would compare the parameters (storage-less)
+            view_index = next(i for i, e in enumerate(unit.trainable_entries) if e is entry)
+            return unit_step, 0, unit_step.tensors[view_index], entry
         raise KeyError(f"parameter {entry.name!r} is not stepped by this optimizer")
 
     def _refuse_sharded(self, what: str) -> None:
@@ -138,10 +137,8 @@ class StateIO:
         """The step that owns ``unit``'s states chunk by chunk (on disk, or in a compact
         format in memory), else None."""
         self.finish_steps_in_forward()
-        for unit_step in self._unit_steps:
-            if unit_step.unit is unit:
-                return unit_step if isinstance(unit_step, UnitStates) else None
-        return None
+        unit_step = self.unit_step_of(unit)
+        return unit_step if isinstance(unit_step, UnitStates) else None
 
     def export_param_state(self, param) -> dict:
         """``param``'s state without copies: per-element states as views of the flat
@@ -193,66 +190,63 @@ class StateIO:
         Flat optimizers in the fp32 format only (compact states are refused here: each
         element's value needs decoding)."""
         self.finish_steps_in_forward()
-        for unit_step in self._unit_steps:
-            if unit_step.unit is not unit:
-                continue
-            if isinstance(unit_step, UnitStates) and not unit_step.format.exact:
-                raise ConfigError(
-                    f"unit {unit.name!r} keeps its optimizer states as "
-                    f"{unit_step.format.name!r}: their per-segment views exist only in fp32 "
-                    "(optimizer_state_format='fp32')"
-                )
-            if isinstance(unit_step, StreamedUnitStep):
-                return [
-                    {
-                        "segment": segment,
-                        "base": 0,
-                        "step": unit_step.steps[i] if unit_step.has_step else None,
-                        "states": dict(unit_step.states),
-                        "stepped": unit_step.stepped,
-                    }
-                    for i, segment in enumerate(unit.segments)
-                ]
-            out = []
-            for segment, tensor in zip(unit.segments, unit_step.tensors, strict=True):
-                inner = unit_step.optimizer.state.setdefault(tensor, {})
-                for key in create:
-                    if key not in inner:
-                        inner[key] = torch.zeros_like(tensor)
-                states = {
-                    k: v for k, v in inner.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+        unit_step = self.unit_step_of(unit)
+        if unit_step is None:
+            return []
+        if isinstance(unit_step, UnitStates) and not unit_step.format.exact:
+            raise ConfigError(
+                f"unit {unit.name!r} keeps its optimizer states as "
+                f"{unit_step.format.name!r}: their per-segment views exist only in fp32 "
+                "(optimizer_state_format='fp32')"
+            )
+        if isinstance(unit_step, StreamedUnitStep):
+            return [
+                {
+                    "segment": segment,
+                    "base": 0,
+                    "step": unit_step.steps[i] if unit_step.has_step else None,
+                    "states": dict(unit_step.states),
+                    "stepped": unit_step.stepped,
                 }
-                out.append(
-                    {
-                        "segment": segment,
-                        "base": segment.start,
-                        "step": inner.get("step"),
-                        "states": states,
-                        "stepped": bool(inner) and self._has_started(inner),
-                    }
-                )
-            return out
-        return []
+                for i, segment in enumerate(unit.segments)
+            ]
+        out = []
+        for segment, tensor in zip(unit.segments, unit_step.tensors, strict=True):
+            inner = unit_step.optimizer.state.setdefault(tensor, {})
+            for key in create:
+                if key not in inner:
+                    inner[key] = torch.zeros_like(tensor)
+            states = {k: v for k, v in inner.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+            out.append(
+                {
+                    "segment": segment,
+                    "base": segment.start,
+                    "step": inner.get("step"),
+                    "states": states,
+                    "stepped": bool(inner) and self._has_started(inner),
+                }
+            )
+        return out
 
     @torch.no_grad()
     def reset_unit_state(self, unit: Unit) -> None:
         """Make the in-memory states of ``unit`` fresh (as before any step) before a
         checkpoint's are imported; states on disk are rewritten whole by the loader."""
-        for unit_step in self._unit_steps:
-            if unit_step.unit is not unit or isinstance(unit_step, UnitStates):
+        unit_step = self.unit_step_of(unit)
+        if unit_step is None or isinstance(unit_step, UnitStates):
+            return
+        unit.before_state_change()  # a step taken ahead from these states goes first
+        for tensor in unit_step.tensors:
+            state = unit_step.optimizer.state.get(tensor)
+            if not state:
                 continue
-            unit.before_state_change()  # a step taken ahead from these states goes first
-            for tensor in unit_step.tensors:
-                state = unit_step.optimizer.state.get(tensor)
-                if not state:
-                    continue
-                if self._flat and self._spec.preallocate_states:
-                    for value in state.values():  # preallocated: keep the buffers
-                        value.zero_()
-                else:
-                    for value in state.values():  # (a step taken ahead made it the unit's)
-                        unit.free_buffer(value)
-                    state.clear()
+            if self._flat and self._spec.preallocate_states:
+                for value in state.values():  # preallocated: keep the buffers
+                    value.zero_()
+            else:
+                for value in state.values():  # (a step taken ahead made it the unit's)
+                    unit.free_buffer(value)
+                state.clear()
 
     @torch.no_grad()
     def import_param_state(self, param, values: dict) -> None:

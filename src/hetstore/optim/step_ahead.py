@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetstore.optim.borrowed import ParamLending, ReadAheads
-from hetstore.optim.in_backward import BackwardSteps, eligible
+from hetstore.optim.in_backward import BackwardSteps
 from hetstore.optim.in_forward import ForwardSteps
 from hetstore.optim.in_memory import InMemoryUnitStep
 from hetstore.optim.policy import OverlapTrial, StepModes, StepPolicy
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from hetstore.runtime.unit import Unit
 
-__all__ = ["SpeculationStats", "StepAhead", "eligible"]
+__all__ = ["SpeculationStats", "StepAhead"]
 
 
 @dataclass
@@ -70,10 +70,7 @@ def _snapshot(hyper: dict) -> dict:
 
 class StepAhead:
     """The scheduler of one optimizer's unit steps outside ``optimizer.step()``'s own loop
-    (see the module doc): it owns every step job (one per unit at a time), the worker
-    that runs them, the buffers they borrow, and the runtime's events that start and land
-    them. How a step in backward starts and lands is :class:`BackwardSteps`; a step in
-    the next forward, :class:`ForwardSteps`; when each runs, :class:`StepPolicy`."""
+    (see the module doc)."""
 
     def __init__(
         self,
@@ -194,20 +191,14 @@ class StepAhead:
 
     def in_forward_jobs(self) -> list[StepJob]:
         """Disk units' steps handed to the next forward, into shadows."""
-        return [
-            j
-            for j in self.jobs.values()
-            if j.when is When.IN_FORWARD and j.target is Target.SHADOWS
-        ]
+        shadows = self._where(lambda j: j.when is When.IN_FORWARD and j.target is Target.SHADOWS)
+        return list(shadows.values())
 
     def in_place(self) -> list[StepJob]:
         """Host-memory units' ordinary steps running in place, not landed yet (handed to
         the next forward, or taken in backward)."""
-        return [
-            j
-            for j in self.jobs.values()
-            if j.target is Target.IN_PLACE and j.state is JobState.RUNNING
-        ]
+        running = self._where(lambda j: j.target is Target.IN_PLACE and j.state is JobState.RUNNING)
+        return list(running.values())
 
     def hyper_now(self, unit: Unit) -> dict[int, dict]:
         """A snapshot of the values of every param group ``unit`` has a segment in."""
@@ -324,21 +315,18 @@ class StepAhead:
         each commits. ``disk_grad_factors``: what the ordinary step would multiply
         gradients on disk by (clipping); a speculation took none. ``clipped``: a clip
         scaled the gradients this step (the policy's hold-back)."""
-        if self.modes.in_backward:
-            try:
-                self.backward.settle_consumed(committed)
-            finally:
-                self.discard_all()
-                self.policy.step_ended()
-            return
         outcomes: dict[int, bool] = {}
         try:
-            with self.own_allocations():
-                self.backward.settle(disk_grad_factors, committed, outcomes)
+            if self.modes.in_backward:
+                self.backward.settle_consumed(committed)
+            else:
+                with self.own_allocations():
+                    self.backward.settle(disk_grad_factors, committed, outcomes)
         finally:
             self.discard_all()  # after an error: nothing may stay pending
             self.policy.step_ended()
-            self.policy.step_settled(outcomes, clipped)
+            if not self.modes.in_backward:
+                self.policy.step_settled(outcomes, clipped)
 
     # ------------------------------------------------------------------ ending
     def discard_all(self) -> None:

@@ -1,20 +1,13 @@
-"""``StepJob``: one unit's optimizer step, run away from ``optimizer.step()``'s own loop.
-
-A step that runs on the worker thread (during backward, or during the next forward) is
-one job: what it steps with (the param-group values, the gradients' state, the loss
-scale's factor, the clip's factors for gradients on disk), where its result goes
-(``Target.SHADOWS``: new regions or buffers made current by a commit;
-``Target.IN_PLACE``: the live master and states, once the step is known), when it runs
-(``When``), and one ``JobState`` for its life, which moves only along the arrows drawn in
+"""``StepJob``: one unit's optimizer step, run on the worker thread away from
+``optimizer.step()``'s own loop (during backward, or during the next forward): what it
+steps with, where its result goes (``Target``), when it runs (``When``), and one
+``JobState`` for its life, which moves only along the arrows drawn in
 docs/how-it-works.md ("One unit's step away from optimizer.step()"; a test holds the
 drawing to ``MOVES``).
 
-``COMMITTED`` and ``LANDED`` are the two ways a step becomes the unit's: a shadowed
-step is committed (its inputs still held), an in-place step has landed once a reader
-waited for it (``Unit.barrier``). Only the caller's thread moves a job between states
-(``move``, ``submitted``, ``finished``, ``cancel``); the worker runs the step and,
-for a step in the next forward, marks the staging buffer it took (``claimed``,
-``filled``), under the step ahead's lock.
+Only the caller's thread moves a job between states (``move``, ``submitted``,
+``finished``, ``cancel``); the worker runs the step and, for a step in the next forward,
+marks the staging buffer it took (``claimed``, ``filled``), under the step ahead's lock.
 """
 
 from __future__ import annotations
@@ -37,8 +30,8 @@ class JobState(Enum):
     PENDING = "pending"  # made, its inputs recorded, not yet on the worker
     RUNNING = "running"  # on the worker
     DONE_AHEAD = "done ahead"  # finished into shadows; its inputs are checked at the commit
-    COMMITTED = "committed"  # its shadows are the unit's state
-    LANDED = "landed"  # an in-place step a reader waited for: it is the unit's state
+    COMMITTED = "committed"  # its shadows are the unit's state (its inputs still held)
+    LANDED = "landed"  # an in-place step a reader waited for (Unit.barrier): the unit's state
     FAILED = "failed"  # the worker raised; what it wrote is thrown away or raised
     CANCELLED = "cancelled"  # dropped: inputs changed, superseded, zero_grad, a load
 

@@ -158,11 +158,7 @@ class StepWorker:
     def host_room(self, nbytes: int) -> bool:
         """Whether the host tier has room for ``nbytes`` beside the staging buffers the
         rest of backward will still make (its stagers make theirs on first use)."""
-        return self._host.account.would_fit(nbytes + self.unmade_bytes())
-
-    def unmade_bytes(self) -> int:
-        """Host bytes the parameter and gradient stagers have not made yet."""
-        return sum(s.unmade_bytes for s in self._stagers)
+        return self._host.account.would_fit(nbytes + sum(s.unmade_bytes for s in self._stagers))
 
     # ------------------------------------------------------------------ chunk buffers
     def new_backward(self) -> None:
@@ -174,7 +170,7 @@ class StepWorker:
         when the host has no room for them beside what backward still needs."""
         if self._slots is not None:
             return self._slots
-        if self._slots_reclaimed or not self._streamed or not self.host_room(self.slot_bytes()):
+        if self._slots_reclaimed or not self.host_room(self.slot_bytes()):
             return None
         sets, names, numel = self._slot_shape
         try:
@@ -192,7 +188,8 @@ class StepWorker:
     @functools.cached_property
     def _slot_shape(self) -> tuple[int, dict[str, torch.dtype], int]:
         """(sets, buffer names and dtypes, elements each); the unit steps are fixed for
-        the worker's life."""
+        the worker's life (asked only where it has some: for a streamed step's job or
+        read-ahead)."""
         names: dict[str, torch.dtype] = {}
         for unit_step in self._streamed:
             names.update(unit_step.slot_names())
@@ -204,8 +201,6 @@ class StepWorker:
 
     def slot_bytes(self) -> int:
         """Host bytes of the chunk buffers (as much as any streamed step's)."""
-        if not self._streamed:
-            return 0
         sets, names, numel = self._slot_shape
         return sets * sum(round_up(numel * d.itemsize, PAGE_SIZE) for d in names.values())
 

@@ -37,7 +37,6 @@ from hetstore.optim.state_format import (
     decode,
     encode,
     scales_of,
-    state_format,
     stored_arrays,
 )
 from hetstore.runtime.rewrite import ChunkedRewrite, WholeArray, chunk_buffers
@@ -234,9 +233,8 @@ class StreamedUnitStep(UnitStates):
         hyper: Callable[[int], dict],
         state_keys: tuple[str, ...],
         chunk_numel: int,
-        fmt: StateFormat | None = None,
+        fmt: StateFormat,
     ):
-        fmt = fmt or state_format("fp32")
         super().__init__(unit, optimizer_class, hyper, state_keys, chunk_numel, fmt, Tier.DISK)
         self._chunks = chunks_of(unit, self.chunk_numel)
 

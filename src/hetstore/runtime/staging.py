@@ -3,30 +3,19 @@
 Two pools, both of a fixed number of equal host buffers allocated lazily from the host
 tier, so the host memory a disk placement needs does not grow with the model:
 
-- :class:`ParamStager`: compute-dtype parameters on their way disk -> host -> device.
-  ``prefetch_depth + 1`` buffers of the largest unit's parameter bytes. A prefetch
-  starts the disk read into a free buffer and never waits; a fetch takes the unit's
-  staged buffer (or reads now), copies it to the device and gives the buffer back, so
-  the host copy is dropped right after upload. A step finished during the next forward
-  (``step_in_forward``) borrows free buffers (:meth:`ParamStager.lend`) and leaves the
-  unit's new parameters in one as its rewrite writes them to disk; its commit stages
-  the buffer as if prefetched (:meth:`ParamStager.stage`), so the unit's fetch does not
-  read back what the step just wrote.
+- :class:`ParamStager`: compute-dtype parameters on their way disk -> host -> device,
+  ``prefetch_depth + 1`` buffers of the largest unit's parameter bytes. A fetch gives
+  its buffer back after the upload, so the host copy is dropped right after it; a step
+  in the next forward borrows free ones (:meth:`ParamStager.lend`).
 - :class:`GradStager`: fp32 gradients of units whose gradients live on disk, gathered in
   a host buffer while the unit's backward runs and written out (asynchronously) when the
   unit has all its gradients. Three buffers of the largest unit's trainable bytes: one
   being filled, one being written, one for the root unit, whose gradients (embeddings)
-  complete only at the end of backward. A unit needing a buffer when all are busy
-  waits for the oldest write, or writes out the oldest partial unit and re-reads it
-  later (accumulation makes that exact), so any model order works. With
-  ``step_in_backward`` a unit's full buffer is handed to the optimizer's step in
-  backward instead of being written (:meth:`GradStager.hand_over`); a unit needing a
-  buffer then may wait for such a step to finish (``Event.GRAD_BUFFERS_LENT``). After
-  backward the buffers still hold the last units' gradients as written (the root's,
-  which gathers through the whole backward, and the blocks whose backward ended last:
-  the first the next forward uses); a step after backward, in the next forward or in
-  ``optimizer.step()``, borrows them once (:meth:`GradStager.lend_written`) instead of
-  reading those gradients back (a step run again after a failure reads the disk).
+  complete only at the end of backward. When all are busy, a unit waits for the oldest
+  write or writes out the oldest partial unit and re-reads it later (accumulation makes
+  that exact), so any model order works. A step in or after backward reads a unit's
+  gradients from its buffer, not from disk (:meth:`GradStager.hand_over`, ``lend``,
+  ``lend_written``).
 
 Neither knows who borrows its buffers: it publishes on the model's event bus
 (:mod:`hetstore.runtime.events`) when a buffer comes free and when it finds every one
