@@ -32,12 +32,14 @@ def data(steps=3):
     return out
 
 
-def train(model, optimizer, batches):
+def train(model, optimizer, batches, clip=True):
     losses = []
     for ids, mask in batches:
         loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
         loss.backward()
-        if hasattr(optimizer, "clip_grad_norm_"):
+        if not clip:
+            pass
+        elif hasattr(optimizer, "clip_grad_norm_"):
             optimizer.clip_grad_norm_(1.0)
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -107,6 +109,30 @@ def test_hf_gradient_checkpointing_with_activation_offload(tmp_path):
         train(reference, adamw(reference.parameters()), batches),
         **LOSS_TOL,
     )
+
+
+def test_hf_reentrant_checkpointing_with_the_step_inside_backward(tmp_path):
+    """transformers' checkpointing with ``use_reentrant=True`` (transformers 4's default):
+    each layer's backward runs inside the outer one, which the runtime takes as one
+    backward, so ``step_in_backward`` steps every unit there (no clip: it refuses one),
+    and training is plain PyTorch's."""
+    model = build(llama())
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+            m.activation_checkpointing_enable({"use_reentrant": True})
+        else:
+            m.gradient_checkpointing_enable({"use_reentrant": True})
+    cfg = config_for(tmp_path, **PLACEMENTS["disk"], step_in_backward=True)
+    model, optimizer = hetstore.offload(model, adamw(model.parameters()), cfg)
+    batches = data()
+    torch.testing.assert_close(
+        train(model, optimizer, batches, clip=False),
+        train(reference, adamw(reference.parameters()), batches, clip=False),
+        **LOSS_TOL,
+    )
+    stats = optimizer.speculation_stats
+    assert stats["started"] == stats["committed"] == 3 * len(batches), stats  # 2 layers, root
 
 
 def test_meta_built_model_loads_save_pretrained_weights(tmp_path):

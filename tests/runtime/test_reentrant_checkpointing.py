@@ -1,6 +1,6 @@
-"""Reentrant activation checkpointing (``use_reentrant=True``, transformers' default for
-``gradient_checkpointing_enable()``): each block's backward runs as a graph task of its
-own inside the outer backward. The runtime takes it as part of the outer backward: the
+"""Reentrant activation checkpointing (``use_reentrant=True``: torch's checkpoint when it
+is not passed, and transformers 4's ``gradient_checkpointing_enable()``): each block's
+backward runs as a graph task of its own inside the outer backward. The runtime takes it as part of the outer backward: the
 steps taken in backward are the same as without checkpointing, and training is bitwise
 plain PyTorch's (fused AdamW, the flat step's kernel)."""
 

@@ -58,11 +58,12 @@ class BackwardState:
         """Whether a backward is running that was not seen before (it is recorded now):
         its first gradient hook calls this. A backward that starts while the recorded one
         has not ended is run inside it: reentrant activation checkpointing
-        (``use_reentrant=True``, transformers' default) re-runs each block's forward and
-        backward as a graph task of its own within the outer backward's. Its gradients
-        are the outer backward's, which ends once for all of them (before, each inner
-        task was taken for a new backward: every unit's pending gradients counted again,
-        and everything released and committed at each block's end)."""
+        (``use_reentrant=True``: torch's when not passed, transformers 4's) re-runs each
+        block's forward and backward as a graph task of its own within the outer
+        backward's. Its gradients are the outer backward's, which ends once for all of
+        them (before, each inner task was taken for a new backward: every unit's pending
+        gradients counted again, and everything released and committed at each block's
+        end)."""
         task = torch._C._current_graph_task_id()
         if task == -1 or task == self._task or self._task is not None:
             return False
