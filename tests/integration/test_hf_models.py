@@ -92,14 +92,19 @@ def test_trains_like_plain_pytorch(tmp_path, make, placement):
         torch.testing.assert_close(mine[key], theirs[key], **WEIGHT_TOL, msg=key)
 
 
+def checkpoint_layers(model, reentrant: bool) -> None:
+    """transformers' activation checkpointing of every layer."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+
+
 def test_hf_gradient_checkpointing_with_activation_offload(tmp_path):
     model = build(llama())
     reference = copy.deepcopy(model)
     for m in (model, reference):
-        if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-            m.activation_checkpointing_enable({"use_reentrant": False})
-        else:
-            m.gradient_checkpointing_enable({"use_reentrant": False})
+        checkpoint_layers(m, reentrant=False)
     model, optimizer = hetstore.offload(
         model, adamw(model.parameters()), config_for(tmp_path, **PLACEMENTS["cpu+activations"])
     )
@@ -119,10 +124,7 @@ def test_hf_reentrant_checkpointing_with_the_step_inside_backward(tmp_path):
     model = build(llama())
     reference = copy.deepcopy(model)
     for m in (model, reference):
-        if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-            m.activation_checkpointing_enable({"use_reentrant": True})
-        else:
-            m.gradient_checkpointing_enable({"use_reentrant": True})
+        checkpoint_layers(m, reentrant=True)
     cfg = config_for(tmp_path, **PLACEMENTS["disk"], step_in_backward=True)
     model, optimizer = hetstore.offload(model, adamw(model.parameters()), cfg)
     batches = data()
