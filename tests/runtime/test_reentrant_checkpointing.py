@@ -94,3 +94,113 @@ def test_a_backward_that_raised_leaves_the_next_one_whole(reentrant, tmp_path):
     assert_same_weights(ref, mine, rtol=0, atol=0)
     last = {k: opt.speculation_stats[k] - before[k] for k in before}
     assert last["started"] == last["committed"] == 4, last  # three blocks and the root
+
+
+def test_a_backward_retried_after_it_raised_without_a_forward_is_a_new_one(tmp_path):
+    """The same graph's backward again (``retain_graph``), no forward between, after one
+    that raised past the final norm's gradients: the first attempt's task dropped its
+    end-of-backward callback, so the retry starts a backward of its own (counted afresh,
+    ended once). Before, it was taken for one run inside the failed one: the root was
+    stepped without its embeddings' gradients."""
+
+    def train_retrying(net, optimizer, data):
+        losses = []
+        for i, (x, y) in enumerate(data):
+            armed = [i == 1]
+
+            def fail(grad, armed=armed):
+                if armed[0]:
+                    armed[0] = False
+                    raise RuntimeError("a hook failed")
+
+            def fail_there(block, args, out, fail=fail):
+                out.register_hook(fail)  # the last block's output: after the final norm's
+
+            handle = net.blocks[-1].register_forward_hook(fail_there)
+            loss = net(x, y)
+            handle.remove()
+            try:
+                loss.backward(retain_graph=True)
+            except RuntimeError:
+                optimizer.zero_grad()
+                loss.backward()
+            losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
+        return losses
+
+    data = batches(STEPS)
+    ref, mine = pair(lambda: GPT(depth=3))
+    ref_losses = train_retrying(ref, adamw(ref.parameters()), data)
+    cfg = disk_config(tmp_path, step_in_backward=True)
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg)
+    assert train_retrying(mine, opt, data) == ref_losses
+    assert_same_weights(ref, mine, rtol=0, atol=0)
+
+
+class LossFromTheBlocks(torch.nn.Module):
+    """Nothing trainable after the last checkpointed block: the model's first gradient
+    hook comes inside a checkpoint's own graph task (its output is made under no_grad,
+    so it has no hook of its own either)."""
+
+    def __init__(self, checkpointing: bool = True):
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+            for _ in range(3)
+        )
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for block in self.blocks:
+            if self.checkpointing:
+                h = torch_checkpoint.checkpoint(block, h, use_reentrant=True)
+            else:
+                h = block(h)
+        return ((h[..., :4] - y) ** 2).mean()
+
+
+def test_a_backward_whose_first_gradient_comes_inside_a_checkpoint_is_one(tmp_path):
+    """The end of backward is queued from the model output's gradient hook, in the
+    outermost graph task: every unit is stepped in backward (before, the callback went on
+    the first block's task and ended the backward there: step_in_backward refused "a
+    second backward")."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(3)]
+    ref, mine = pair(LossFromTheBlocks)
+    ref_losses = run(ref, adamw(ref.parameters()), data)
+    cfg = disk_config(tmp_path, step_in_backward=True)
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg, units=list(mine.blocks))
+    assert run(mine, opt, data) == ref_losses
+    assert_same_weights(ref, mine, rtol=0, atol=0)
+    stats = opt.speculation_stats
+    assert stats["started"] == stats["committed"] == 4 * len(data), stats  # blocks and root
+
+
+def test_a_gradient_of_the_inputs_alone_is_not_a_training_backward(tmp_path):
+    """``torch.autograd.grad`` of the inputs (a saliency map between steps) goes through
+    the model output's hook and no parameter's: it queues the end of a backward that never
+    starts, which then does nothing (no step counted, no unit released or committed).
+    (Without checkpointing: reentrant checkpointing refuses ``torch.autograd.grad``.)"""
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(3)]
+
+    def train_with_saliency(net, optimizer):
+        losses = []
+        for x, y in data:
+            probe = x.clone().requires_grad_(True)
+            (saliency,) = torch.autograd.grad(net(probe, y), probe)
+            assert saliency.abs().sum() > 0
+            losses += run(net, optimizer, [(x, y)])[0]
+        return losses
+
+    ref, mine = pair(lambda: LossFromTheBlocks(checkpointing=False))
+    ref_losses = train_with_saliency(ref, adamw(ref.parameters()))
+    cfg = disk_config(tmp_path, overlap_step=True)
+    mine, opt = hetstore.offload(mine, adamw(mine.parameters()), cfg, units=list(mine.blocks))
+    assert train_with_saliency(mine, opt) == ref_losses
+    assert_same_weights(ref, mine, rtol=0, atol=0)
+    stats = opt.speculation_stats
+    assert stats["started"] == stats["committed"] == 4 * len(data), stats

@@ -3,9 +3,11 @@
 The hooks (:mod:`hetstore.runtime.hooks`) decide what moves when; this object keeps the
 state those decisions read across hook calls:
 
-- the backward now running (autograd's graph task), so that its first gradient hook is
-  seen once as its start (the runtime then queues its end-of-backward callback), and a
-  backward run inside it (reentrant activation checkpointing) is part of it;
+- the backward now running, seen once as its start at its first gradient hook, and its
+  end-of-backward callback, queued on the outermost graph task (the model output's
+  gradient hook queues it there first): a backward run inside it (reentrant activation
+  checkpointing) is part of it, and one that raised is over (its task dropped the
+  callback);
 - the graphs of forwards whose backward has not run: ``graph_alive`` while one is (its
   parameters and saved tensors may still be read, so ``hetstore.evict`` refuses);
 - the units whose trainable gradients are in but whose frozen weights may still be
@@ -41,11 +43,29 @@ class GraphMarker:
         return None
 
 
-class BackwardState:
-    """The backward passes of one model as its runtime's hooks see them (module doc)."""
+class _EndOfBackward:
+    """The end-of-backward callback as queued on autograd's graph task: the task holds it
+    until it has run, and drops it when the backward raises, so it is alive exactly while
+    its backward runs."""
 
-    def __init__(self) -> None:
-        self._task: int | None = None  # the graph task of the backward running
+    __slots__ = ("state", "__weakref__")
+
+    def __init__(self, state: BackwardState):
+        self.state = state
+
+    def __call__(self) -> None:
+        self.state._callback_ran()
+
+
+class BackwardState:
+    """The backward passes of one model as its runtime's hooks see them (module doc).
+    ``on_end``: a weak reference to what the end of a backward that started runs (the
+    runtime's: weak, so that this state does not keep its runtime alive)."""
+
+    def __init__(self, on_end) -> None:
+        self._on_end = on_end
+        self._end: weakref.ref | None = None  # the queued _EndOfBackward
+        self._started = False  # a gradient hook of the backward running has come
         # units whose trainable gradients are in but whose frozen weights may still be
         # needed later in this backward (see release_finished_before)
         self._awaiting_release: list[Unit] = []
@@ -54,27 +74,44 @@ class BackwardState:
         self._awaiting_backward: weakref.WeakSet = weakref.WeakSet()
         self.any_frozen = False  # (set as each backward starts: see has_untracked_params)
 
+    @property
+    def _running(self) -> bool:
+        """A queued end-of-backward callback is alive: its backward has not ended."""
+        return self._end is not None and self._end() is not None
+
+    def queue_end(self) -> None:
+        """Queue the end-of-backward callback on the graph task running on this thread,
+        unless one is alive. The model output's gradient hook calls this first, in the
+        outermost task: reentrant activation checkpointing (``use_reentrant=True``:
+        torch's when not passed, transformers 4's) runs each block's backward as a graph
+        task of its own inside it, and a callback queued there would end the backward at
+        each block's end (measured: the root released while backward still read it, and
+        ``step_in_backward`` refusing "a second backward")."""
+        if self._running:
+            return
+        if self._started:  # the last one raised: its task dropped the callback
+            self.ended()
+        callback = _EndOfBackward(self)
+        self._end = weakref.ref(callback)
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+
     def starts(self) -> bool:
-        """Whether a backward is running that was not seen before (it is recorded now):
-        its first gradient hook calls this. A backward that starts while the recorded one
-        has not ended is run inside it: reentrant activation checkpointing
-        (``use_reentrant=True``: torch's when not passed, transformers 4's) re-runs each
-        block's forward and backward as a graph task of its own within the outer
-        backward's. Its gradients are the outer backward's, which ends once for all of
-        them (before, each inner task was taken for a new backward: every unit's pending
-        gradients counted again, and everything released and committed at each block's
-        end)."""
-        task = torch._C._current_graph_task_id()
-        if task == -1 or task == self._task or self._task is not None:
+        """Whether a backward starts now: its first gradient hook calls this (and queues
+        the end-of-backward callback where the output's hook did not). A gradient hook of
+        a backward already started, or of one run inside it (reentrant checkpointing),
+        does not start one; after one that raised, the next does."""
+        if not in_backward() or (self._started and self._running):
             return False
-        self._task = task
+        self.queue_end()
+        self._started = True
         return True
 
-    def forward_starts(self) -> None:
-        """A forward outside any backward: a backward recorded as running did not end
-        (it raised before autograd's end-of-backward callback); the next one starts anew."""
-        if self._task is not None:
-            self.ended()
+    def _callback_ran(self) -> None:
+        on_end = self._on_end()
+        if self._started and on_end is not None:
+            on_end()  # (which ends this state: ended())
+        else:  # through the output alone (torch.autograd.grad of the inputs): no start
+            self._end = None
 
     def await_backward(self, tensor: torch.Tensor, hook) -> None:
         """Hang ``hook`` (a tensor gradient hook holding nothing strongly but itself) on
@@ -110,6 +147,6 @@ class BackwardState:
     def ended(self) -> None:
         """The backward is over (autograd's end-of-backward callback): no graph of an
         earlier forward is alive, nothing waits for release."""
-        self._task = None
+        self._end, self._started = None, False
         self._awaiting_release = []
         self._awaiting_backward = weakref.WeakSet()

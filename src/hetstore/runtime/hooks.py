@@ -127,7 +127,7 @@ class OffloadRuntime:
         self._handles: list = []
         # what the hooks remember between calls: the backward running, the graphs that
         # await theirs, the units whose release waits for backward to move past them
-        self.backward_state = BackwardState()
+        self.backward_state = BackwardState(weakref.WeakMethod(self._end_of_backward))
 
         # Every module hook runs eagerly, outside any torch.compile graph: it moves bytes
         # and resizes storages, which a graph must never capture (Inductor cannot lower
@@ -246,7 +246,6 @@ class OffloadRuntime:
     def _model_pre_forward(self, module, args) -> None:
         _refuse_compiled_autograd()
         if not in_backward():
-            self.backward_state.forward_starts()
             if torch.is_grad_enabled():
                 for unit in self.units:  # the gradients this forward's backward will bring
                     unit.grads.track_requires_grad()
@@ -271,7 +270,7 @@ class OffloadRuntime:
         if needs_grad and not in_backward():
             for tensor in tree_flatten(output)[0]:  # (a model of no blocks has a graph too)
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    self.backward_state.await_backward(tensor, GraphMarker())
+                    self.backward_state.await_backward(tensor, _OutputHook(self._weak))
             self.prefetcher.edge(first=False)  # backward starts with the last blocks
             # the loss and the head's backward (the root's) come next
             self._mark((self._root_name, "backward"))
@@ -372,7 +371,6 @@ class OffloadRuntime:
             unit.grads.pending = unit.expected_grads
         self.backward_state.any_frozen = any(u.has_untracked_params for u in self.block_units)
         self.events.publish(Event.BACKWARD_STARTED)
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     @property
     def _reads_grads_when_final(self) -> bool:
@@ -449,6 +447,21 @@ class _GradReadyHook:
         if runtime is not None:
             unit = runtime.units[self.unit]
             runtime._grad_ready(unit, unit.trainable_entries[self.entry])
+
+
+class _OutputHook(GraphMarker):
+    """The model output's gradient hook: the end of the model's backward is queued here,
+    on its outermost graph task (``BackwardState.queue_end``); runtime held weakly."""
+
+    __slots__ = ("runtime",)
+
+    def __init__(self, runtime: weakref.ref):
+        self.runtime = runtime
+
+    def __call__(self, grad) -> None:
+        runtime = self.runtime()
+        if runtime is not None and not runtime.released:
+            runtime.backward_state.queue_end()
 
 
 class _PreBackwardHook:
