@@ -200,8 +200,9 @@ def test_a_failure_raised_where_a_reader_landed_it_is_not_raised_again(tmp_path,
 @pytest.mark.parametrize("consume_disk", [False, True], ids=["host", "disk"])
 def test_what_would_drop_the_steps_taken_is_refused_before_any_change(tmp_path, consume_disk):
     """Between a backward that stepped units and optimizer.step(), plain PyTorch would
-    drop (zero_grad) or replace (a load) what those steps already used: refused, naming
-    the way out, before anything is written; the step then trains as without them."""
+    drop (zero_grad) or replace (a load) what those steps already used, and a checkpoint
+    would hold a step half taken (a save): refused, naming the way out, before anything
+    is written; the step then trains as without them."""
     if consume_disk:
         from tests.optim.helpers import config as disk_config
 
@@ -225,6 +226,7 @@ def test_what_would_drop_the_steps_taken_is_refused_before_any_change(tmp_path, 
         "optimizer.zero_grad": opt.zero_grad,
         "optimizer.load_state_dict": lambda: opt.load_state_dict(saved_opt),
         "a load or edit": lambda: model.load_state_dict(saved_model),
+        "hetstore.save": lambda: hetstore.save(tmp_path / "ckpt", model, opt),
     }
     for what, attempt in attempts.items():
         with pytest.raises(RuntimeError, match=f"{what}.*optimizer.step\\(\\) first"):

@@ -125,8 +125,12 @@ class StateIO:
             unit_step.write_states(slices, max(steps) if steps else None)
 
     def check_between_steps(self) -> None:
-        """Refuse to checkpoint in the middle of a step that failed part-way."""
+        """Refuse to checkpoint in the middle of a step: one that failed part-way, or one
+        that a backward took in part (``step_in_backward``) and ``optimizer.step()`` has
+        not finished (the root's, and each unit's step count, would be a step behind)."""
         self.finish_steps_in_forward()
+        if self.step_ahead is not None:
+            self.step_ahead.refuse_dropping("hetstore.save")
         if self._resume_at:
             raise RuntimeError(
                 "a step() failed part-way (some units are stepped, others not): call step() "

@@ -178,7 +178,8 @@ class StepAhead:
     def refuse_dropping(self, what: str) -> None:
         """Taking the gradients, between a backward that stepped units and
         ``optimizer.step()``: ``what`` (a zero_grad, a load) would drop or replace what
-        plain PyTorch steps next, but those steps are taken already. Refused."""
+        plain PyTorch steps next, or (a save) keep a step half taken, but those steps are
+        taken already. Refused."""
         consumed = self.consumed()
         if consumed:
             names = [job.unit.name for job in consumed.values()][:3]
