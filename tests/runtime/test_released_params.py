@@ -396,3 +396,62 @@ def test_reads_between_backward_and_step_are_the_weights_before_the_step(tmp_pat
     assert any(not torch.equal(after[n], before[n]) for n in after)
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), after[name]), name
+
+
+class StopGradientFirst(nn.Module):
+    """A block that uses its weight through ``.detach()`` before its gradient-carrying
+    use: that use's backward runs after the weight's gradient is in (or, with
+    ``clone``, reads a copy of its own)."""
+
+    def __init__(self, clone: bool):
+        super().__init__()
+        self.clone = clone
+        self.weight = nn.Parameter(torch.randn(16, 16) * 0.1)
+
+    def forward(self, x):
+        stopped = self.weight.detach()
+        b = nn.functional.linear(x, stopped.clone() if self.clone else stopped)
+        return torch.tanh(x @ self.weight.t()) + torch.sin(b)
+
+
+class StopGradientModel(nn.Module):
+    def __init__(self, clone: bool):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(StopGradientFirst(clone) for _ in range(2))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return h.pow(2).mean()
+
+
+@pytest.mark.parametrize("clone", [False, True], ids=["detach", "detach-clone"])
+def test_a_weight_used_detached_after_its_gradient_stops_backward_or_trains_with_a_copy(
+    monkeypatch, clone
+):
+    """As on a GPU (fetches copy): a weight's stop-gradient use whose backward comes after
+    the weight's gradient reads a device copy already freed, and backward stops with
+    torch's storage error (never a wrong value); with ``.detach().clone()``, the way out
+    docs/guide/troubleshooting.md names, training is plain PyTorch's."""
+    monkeypatch.setattr(Unit, "fetches_in_place", property(lambda self: False))
+    torch.manual_seed(0)
+    ref = StopGradientModel(clone)
+    mine = copy.deepcopy(ref)
+    mine, opt = hetstore.offload(
+        mine, adamw(mine.parameters()), config("cpu", "cpu"), units=list(mine.blocks)
+    )
+    x = torch.randn(4, 8)
+    if not clone:
+        with pytest.raises(RuntimeError, match="storage of size 0"):
+            mine(x).backward()
+        return
+    ref_opt = adamw(ref.parameters())
+    for net, optimizer in ((ref, ref_opt), (mine, opt)):
+        for _ in range(2):
+            net(x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for key, value in ref.state_dict().items():
+        assert torch.equal(mine.state_dict()[key], value), key
