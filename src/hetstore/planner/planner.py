@@ -100,13 +100,12 @@ def _time(trace, choices, depth) -> float:
 
 
 def _memory(trace, choices, depth, chunk) -> dict[Tier, int]:
-    """:func:`memory`'s peaks (a copy the caller may change)."""
-    peaks = _recall(
+    """:func:`memory`'s peaks, as remembered: not to be changed by the caller."""
+    return _recall(
         trace,
         ("memory", tuple(choices), depth, chunk),
         lambda: memory(trace, choices, depth, chunk),
     )
-    return dict(peaks)
 
 
 def _order(trace: Trace, base: list[UnitChoice], moves, depth, chunk, tier: Tier, sign=1):
@@ -677,7 +676,7 @@ def _fit_moving(
     )
     for s in range(len(spills) + 1):
         candidate = _spill(grown, spills, s)
-        used = _memory(trace, candidate, depth, chunk)
+        used = dict(_memory(trace, candidate, depth, chunk))
         used[_NEAR] += _holes_slack(trace, choices, candidate)
         short = [t for t in Tier if t is not Tier.DEVICE and not _fits(used[t], capacities.of(t))]
         if not short:
